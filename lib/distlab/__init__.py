@@ -1,0 +1,13 @@
+"""distlab: the library behind the distributed-training workbook.
+
+    from distlab import RunConfig, launch
+    run = launch(RunConfig(strategy="allreduce", world_size=2, steps=50))
+    run.wait().losses()
+"""
+
+from .config import RunConfig
+from .launch import launch, run_ranks
+from .run import Run, RunError
+
+__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError"]
+__version__ = "0.1.0"

@@ -1,0 +1,280 @@
+"""Every collective the library uses goes through here, and here it is counted.
+
+`Comm` wraps torch.distributed for one rank and keeps, per collective kind, the number of
+calls, the bytes this rank sent and received, and the seconds spent waiting.
+
+Two kinds of byte counts, and the convention for each:
+
+* **Counted** (`all_reduce.ring`, `all_reduce.naive`, `send`, `recv`): algorithms written here
+  from point-to-point messages. Every byte handed to `isend`/`irecv` is added up; these are the
+  bytes this rank really put on (or took off) the wire.
+* **Modeled** (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`): the backend's own
+  collectives, whose wire traffic we cannot see. We record what the bandwidth-optimal ring
+  algorithm moves per rank (the "bus bytes" convention of nccl-tests), e.g. 2(N-1)/N·S for an
+  all-reduce of S bytes. `Comm.MODELED` lists these kinds.
+
+The module also holds the α-β cost model (time = latency + bytes / bandwidth) that predicts how
+long each algorithm takes on a given link.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self):
+        return {"calls": self.calls, "bytes_sent": self.bytes_sent,
+                "bytes_recv": self.bytes_recv, "seconds": self.seconds}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; older releases have only
+# the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Comm:
+    """Instrumented collectives for one rank of a process group."""
+
+    MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.stats: dict[str, KindStats] = {}
+        self.buffer_bytes_peak = 0  # largest scratch buffer an algorithm here allocated
+
+    # -- accounting ------------------------------------------------------------------------
+    def _add(self, kind, sent, recv, seconds, calls=1):
+        s = self.stats.setdefault(kind, KindStats())
+        s.calls += calls
+        s.bytes_sent += int(sent)
+        s.bytes_recv += int(recv)
+        s.seconds += seconds
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        self.buffer_bytes_peak = max(self.buffer_bytes_peak, _nbytes(like))
+        return torch.empty_like(like)
+
+    def snapshot(self) -> dict:
+        return {k: v.as_dict() for k, v in self.stats.items()}
+
+    def take_step_stats(self) -> tuple[dict, int]:
+        """Stats since the last call (a step's worth), and the step's peak buffer bytes."""
+        out, peak = self.snapshot(), self.buffer_bytes_peak
+        self.stats, self.buffer_bytes_peak = {}, 0
+        return out, peak
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    # -- backend collectives (modeled bytes) ----------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str = "torch"):
+        """Reduce `t` in place across ranks. op: "sum" or "avg". algorithm: torch|ring|naive."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op={op!r} is not one of 'sum', 'avg'")
+        if algorithm == "ring":
+            self.ring_all_reduce(t)
+        elif algorithm == "naive":
+            self.naive_all_reduce(t)
+        elif algorithm == "torch":
+            n, S = self.world, _nbytes(t)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            self._add("all_reduce", 2 * (n - 1) * S / n, 2 * (n - 1) * S / n,
+                      time.perf_counter() - t0)
+        else:
+            raise ValueError(f"algorithm={algorithm!r} is not one of 'torch', 'ring', 'naive'")
+        if op == "avg":
+            t.div_(self.world)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0):
+        """Copy `t` from group rank `src` to every rank (modeled as a pipelined chain)."""
+        n, S = self.world, _nbytes(t)
+        pos = (self.rank - src) % n  # place in the chain src -> src+1 -> ...
+        t0 = time.perf_counter()
+        dist.broadcast(t, src=self._global(src), group=self.group)
+        self._add("broadcast", S if pos < n - 1 else 0, S if pos > 0 else 0,
+                  time.perf_counter() - t0)
+        return t
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor):
+        """out (world × t.numel(), flat) gets every rank's `t`, in rank order."""
+        n, S = self.world, _nbytes(out)
+        t0 = time.perf_counter()
+        _all_gather_tensor(out, t, group=self.group)
+        self._add("all_gather", (n - 1) * S / n, (n - 1) * S / n, time.perf_counter() - t0)
+        return out
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum"):
+        """out gets this rank's 1/world block of the sum (or mean) of every rank's `t`."""
+        n, S = self.world, _nbytes(t)
+        t0 = time.perf_counter()
+        _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group)
+        self._add("reduce_scatter", (n - 1) * S / n, (n - 1) * S / n, time.perf_counter() - t0)
+        if op == "avg":
+            out.div_(n)
+        return out
+
+    def barrier(self):
+        t0 = time.perf_counter()
+        dist.barrier(group=self.group)
+        self._add("barrier", 0, 0, time.perf_counter() - t0)
+
+    # -- point to point (counted bytes) -----------------------------------------------------
+    def send(self, t: torch.Tensor, dst: int, kind: str = "send"):
+        t0 = time.perf_counter()
+        dist.send(t.contiguous(), dst=self._global(dst), group=self.group)
+        self._add(kind, _nbytes(t), 0, time.perf_counter() - t0)
+
+    def recv(self, t: torch.Tensor, src: int, kind: str = "recv"):
+        t0 = time.perf_counter()
+        dist.recv(t, src=self._global(src), group=self.group)
+        self._add(kind, 0, _nbytes(t), time.perf_counter() - t0)
+        return t
+
+    def _exchange(self, send_t, dst, recv_t, src):
+        """Send one tensor and receive another at once (no deadlock in a ring)."""
+        reqs = [dist.isend(send_t, dst=self._global(dst), group=self.group),
+                dist.irecv(recv_t, src=self._global(src), group=self.group)]
+        for r in reqs:
+            r.wait()
+        return _nbytes(send_t), _nbytes(recv_t)
+
+    # -- all-reduce algorithms built from send/recv ----------------------------------------
+    def ring_all_reduce(self, t: torch.Tensor):
+        """Ring all-reduce (sum): reduce-scatter then all-gather around the ring.
+
+        The tensor is cut into N chunks. In N-1 reduce-scatter steps each rank passes one chunk
+        to its right neighbour and adds the chunk arriving from its left; afterwards rank r holds
+        the full sum of chunk r+1. In N-1 all-gather steps the finished chunks travel round the
+        ring. Each rank sends and receives 2(N-1) chunks: 2(N-1)/N·S bytes, whatever N is, which
+        is why the ring is bandwidth-optimal (Patarasuk & Yuan 2009; Baidu's ring all-reduce).
+        """
+        n, r = self.world, self.rank
+        if n == 1:
+            return t
+        flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        chunks = list(flat.tensor_split(n))
+        right, left = (r + 1) % n, (r - 1) % n
+        sent = recv = 0
+        t0 = time.perf_counter()
+        incoming = self._buffer(chunks[0])  # chunk 0 is the largest of tensor_split's chunks
+        for k in range(n - 1):  # reduce-scatter
+            si, ri = (r - k) % n, (r - k - 1) % n
+            buf = incoming[: chunks[ri].numel()]
+            s, v = self._exchange(chunks[si], right, buf, left)
+            chunks[ri].add_(buf)
+            sent, recv = sent + s, recv + v
+        for k in range(n - 1):  # all-gather
+            si, ri = (r + 1 - k) % n, (r - k) % n
+            s, v = self._exchange(chunks[si], right, chunks[ri], left)
+            sent, recv = sent + s, recv + v
+        self._add("all_reduce.ring", sent, recv, time.perf_counter() - t0)
+        if not t.is_contiguous():
+            t.copy_(flat.view_as(t))
+        return t
+
+    def naive_all_reduce(self, t: torch.Tensor):
+        """Gather every tensor to rank 0, sum there, send the sum back: the parameter-server
+        pattern. Rank 0 receives (N-1)·S and sends (N-1)·S; its link is the bottleneck."""
+        n = self.world
+        if n == 1:
+            return t
+        sent = recv = 0
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            incoming = self._buffer(t)
+            for src in range(1, n):  # sum in rank order
+                dist.recv(incoming, src=self._global(src), group=self.group)
+                t.add_(incoming)
+                recv += _nbytes(incoming)
+            for dst in range(1, n):
+                dist.send(t, dst=self._global(dst), group=self.group)
+                sent += _nbytes(t)
+        else:
+            dist.send(t, dst=self._global(0), group=self.group)
+            dist.recv(t, src=self._global(0), group=self.group)
+            sent, recv = _nbytes(t), _nbytes(t)
+        self._add("all_reduce.naive", sent, recv, time.perf_counter() - t0)
+        return t
+
+
+# -- theory: bytes per rank --------------------------------------------------------------------
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of `nbytes`: 2(N-1)/N·S."""
+    return 2 * (n - 1) * nbytes / n
+
+
+def naive_allreduce_bytes(nbytes: float, n: int) -> dict:
+    """Gather-to-root then broadcast: the root moves (N-1)·S each way, the others S each way."""
+    return {"root_sent": (n - 1) * nbytes, "root_recv": (n - 1) * nbytes,
+            "other_sent": nbytes, "other_recv": nbytes}
+
+
+# -- the α-β cost model ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: α seconds per message, β bytes per second in one direction."""
+    name: str
+    alpha_s: float
+    bandwidth_Bps: float
+    source: str
+
+
+# Bandwidths are per direction, from the named specifications. The α values are not vendor
+# figures: they are order-of-magnitude assumptions for the per-message latency of a collective
+# library over that link (kernel launch, protocol and software overhead dominate the wire's own
+# latency). 01_collectives fits α and β for this machine's loopback from measurements instead.
+LINKS = {
+    "NVLink 4 (H100)": Link("NVLink 4 (H100)", 3e-6, 450e9,
+                            "NVIDIA H100 datasheet: 900 GB/s NVLink per GPU, both directions"),
+    "NVLink 3 (A100)": Link("NVLink 3 (A100)", 3e-6, 300e9,
+                            "NVIDIA A100 datasheet: 600 GB/s NVLink per GPU, both directions"),
+    "PCIe 4.0 x16": Link("PCIe 4.0 x16", 5e-6, 31.5e9,
+                         "PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b encoding"),
+    "InfiniBand NDR": Link("InfiniBand NDR", 5e-6, 50e9,
+                           "InfiniBand NDR: 400 Gb/s per port (NVIDIA ConnectX-7)"),
+    "Ethernet 10G": Link("Ethernet 10G", 30e-6, 1.25e9, "IEEE 802.3 10GBASE: 10 Gb/s line rate"),
+}
+
+
+def ring_allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """2(N-1) steps, each one message of S/N bytes: 2(N-1)·(α + S/(N·β))."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (link.alpha_s + nbytes / (n * link.bandwidth_Bps))
+
+
+def naive_allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """The root takes N-1 whole messages in, then sends N-1 out, one after another on its one
+    link: 2(N-1)·(α + S/β). Grows linearly in N, where the ring's bandwidth term does not."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (link.alpha_s + nbytes / link.bandwidth_Bps)
+
+
+def fit_alpha_beta(nbytes, seconds, n_messages) -> tuple[float, float]:
+    """Least-squares fit of t = m·α + B/β to measurements, where m messages carried B bytes on
+    the busiest link. Returns (α seconds, β bytes/s)."""
+    import numpy as np
+    A = np.stack([np.asarray(n_messages, float), np.asarray(nbytes, float)], axis=1)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.asarray(seconds, float), rcond=None)
+    return float(alpha), float(1.0 / inv_beta) if inv_beta > 0 else float("inf")

@@ -1,0 +1,136 @@
+"""RunConfig: every knob of a run, checked before any process starts.
+
+A config is plain data (it is pickled into spawned ranks and written to `config.json` in the
+run's folder), so it holds only strings, numbers and booleans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+
+# Each strategy names how the one training loop is parallelised (see distlab.parallel).
+STRATEGIES = ("single", "allreduce")
+ALLREDUCE_ALGORITHMS = ("torch", "ring", "naive")
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "bf16", "fp16")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+# Injected faults, for the drills that prove the launcher's process safety.
+FAULTS = ("none", "raise", "stall", "kill")
+
+
+@dataclass
+class RunConfig:
+    """One run: what to train, how to parallelise it, and how to launch it.
+
+    `global_batch` is the batch of one optimizer step across all ranks; data-parallel strategies
+    give each rank `global_batch // world_size` rows of it, so runs at any world size see the
+    same data and can be compared with `single` step by step.
+    """
+
+    strategy: str = "single"
+    world_size: int = 1
+    steps: int = 100
+    lr: float = 3e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    global_batch: int = 16
+    seq_len: int = 64
+    precision: str = "fp32"
+    allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
+    # model: the tiny GPT (distlab.models.gpt)
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    mlp_ratio: int = 4
+    vocab_size: int = 64
+    # data: a Markov chain made on the machine (distlab.data)
+    successors: int = 3  # next-token choices per token; sets how low the loss can go
+    seed: int = 0
+    # launch
+    backend: str = "auto"
+    device: str = "auto"
+    timeout_s: float = 60.0  # every collective wait gives up after this long
+    threads_per_rank: int = 0  # 0: cores // world_size, at least 1
+    step_delay_s: float = 0.0  # sleep per step, to slow a demo down enough to watch
+    runs_root: str = ""  # "" means $DISTLAB_RUNS or ./runs
+    name: str = ""
+    debug: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: catches mismatched collectives
+    # fault injection: one rank misbehaves at one step
+    fault: str = "none"
+    fault_rank: int = 0
+    fault_step: int = 0
+    extra: dict = field(default_factory=dict)  # room for knobs of later notebooks
+
+    def __post_init__(self):
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("allreduce", self.allreduce, ALLREDUCE_ALGORITHMS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("backend", self.backend, BACKENDS)
+        _choice("device", self.device, DEVICES)
+        _choice("fault", self.fault, FAULTS)
+        for name in ("world_size", "steps", "global_batch", "seq_len", "n_layer", "n_embd",
+                     "n_head", "mlp_ratio", "successors"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("vocab_size", self.vocab_size, minimum=2)
+        if self.strategy == "single" and self.world_size != 1:
+            raise ValueError(f"world_size={self.world_size}: strategy 'single' runs one process; "
+                             "set world_size=1 or pick a parallel strategy "
+                             f"({', '.join(s for s in STRATEGIES if s != 'single')})")
+        if self.global_batch % self.world_size:
+            raise ValueError(f"global_batch={self.global_batch} does not divide among "
+                             f"world_size={self.world_size} ranks; choose a multiple of "
+                             f"{self.world_size}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
+        if self.successors > self.vocab_size:
+            raise ValueError(f"successors={self.successors} exceeds vocab_size={self.vocab_size}")
+        for name in ("lr", "timeout_s"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number > 0")
+        if self.weight_decay < 0 or self.step_delay_s < 0:
+            raise ValueError("weight_decay and step_delay_s must be >= 0")
+        if self.threads_per_rank < 0:
+            raise ValueError(f"threads_per_rank={self.threads_per_rank} must be >= 0 (0 = auto)")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("backend='nccl' needs device='cuda' (or 'auto' on a GPU machine)")
+        if self.fault != "none":
+            if not 0 <= self.fault_rank < self.world_size:
+                raise ValueError(f"fault_rank={self.fault_rank} must be in [0, {self.world_size})")
+            if not 0 <= self.fault_step < self.steps:
+                raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.world_size
+
+    def replace(self, **changes) -> "RunConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown RunConfig field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of: {', '.join(map(repr, choices))}")
+
+
+def _positive_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")

@@ -1,0 +1,56 @@
+"""The run's event log: one JSON object per line, one file per rank.
+
+A rank appends and flushes each event as it happens, so the events it wrote survive if it dies
+a moment later (a flushed write is in the kernel's page cache even if the process is killed).
+The caller reads the files while they grow, taking only complete lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class EventLog:
+    """Writer side, in a rank: `log.write("step", step=3, loss=1.2)`."""
+
+    def __init__(self, path: str, rank: int):
+        self.path, self.rank = path, rank
+        self._f = open(path, "a", buffering=1, encoding="utf-8")
+        self.last_step = -1
+
+    def write(self, kind: str, **fields) -> dict:
+        event = {"kind": kind, "rank": self.rank, "time": time.time(), **fields}
+        if kind == "step":
+            self.last_step = fields.get("step", self.last_step)
+        self._f.write(json.dumps(event) + "\n")
+        self._f.flush()
+        return event
+
+    def close(self):
+        self._f.close()
+
+
+class LogTail:
+    """Reader side: returns the complete lines appended to one file since the last call."""
+
+    def __init__(self, path: str):
+        self.path, self._offset, self._partial = path, 0, b""
+
+    def read_new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an incomplete last line waits for the next read
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def rank_log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}.jsonl")

@@ -1,0 +1,184 @@
+"""launch(cfg) -> Run: start N rank processes that each run the library's `train`.
+
+How a launch keeps processes safe from a notebook:
+
+* Ranks are spawned (not forked) from torch.multiprocessing, so a notebook's threads and
+  OpenMP pool are never copied into them; the function they run is the library's, because a
+  spawned process cannot import a notebook's `__main__`.
+* Rendezvous is a TCPStore that the caller itself opens on 127.0.0.1 with port 0: the OS picks a
+  free port and the caller holds it for the whole run, so two runs launched at once can never
+  pick the same one (a "find a free port, close it, hope" scheme can race).
+* Every collective has a timeout (RunConfig.timeout_s), so a rank waiting on a peer that never
+  comes raises instead of hanging for torch's default 30 minutes.
+* Each rank watches its parent and exits when the parent is gone, so killing the kernel leaves
+  no rank behind, even one blocked inside a collective.
+* Each rank ignores SIGINT: a kernel interrupt stops the run only through `Run.wait()` (which
+  then ends the ranks), so interrupting some other cell never kills a run started from a button.
+* Each rank writes its traceback to its own event log before exiting; the caller picks the root
+  cause from those, not from whichever rank happened to fail last.
+
+The same rank body runs under `torchrun -m distlab ...` (env:// rendezvous); see __main__.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .config import RunConfig
+from .events import EventLog, rank_log_path
+
+RUNS_ENV = "DISTLAB_RUNS"
+
+
+def runs_root(cfg_root: str = "") -> str:
+    return os.path.abspath(cfg_root or os.environ.get(RUNS_ENV) or "runs")
+
+
+def new_run_dir(root: str, label: str) -> str:
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    return path
+
+
+def choose_device(device: str, local_rank: int, local_world: int) -> torch.device:
+    """CUDA only when every rank on this machine can have a GPU of its own."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()
+                            and torch.cuda.device_count() >= local_world):
+        if torch.cuda.device_count() < local_world:
+            raise RuntimeError(f"device='cuda' needs one GPU per rank: {local_world} ranks, "
+                               f"{torch.cuda.device_count()} GPUs")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _watch_parent(parent_pid: int):
+    """Exit when the launching process is gone. os._exit works even while the main thread is
+    blocked inside a gloo collective, because gloo releases the GIL while it waits."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
+    """What every rank does: set up, run `spec['fn']`, log the outcome. Never returns on error.
+
+    init: {"port": p} to join the launcher's TCPStore, or {"env": True} under torchrun.
+    """
+    log = EventLog(rank_log_path(spec["run_dir"], rank), rank)
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        threads = spec["threads"] or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(threads)  # before any op: oversubscribed cores slow steps 3-20x
+        if spec["debug"]:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        device = choose_device(spec["device"], local_rank, local_world)
+        backend = spec["backend"] if spec["backend"] != "auto" else (
+            "nccl" if device.type == "cuda" else "gloo")
+        timeout = timedelta(seconds=spec["timeout_s"])
+        if "port" in init:
+            store = dist.TCPStore("127.0.0.1", init["port"], world, False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+        result = spec["fn"](rank, world, device, log, *spec["args"])
+        if spec.get("save_result"):
+            torch.save(result, os.path.join(spec["run_dir"], f"result{rank}.pt"))
+        log.write("done", last_step=log.last_step)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+        log.write("error", step=log.last_step, error=f"{type(e).__name__}: {e}",
+                  traceback=traceback.format_exc())
+        log.close()
+        os._exit(1)  # skip interpreter teardown: peers may be wedged in a collective with us
+    try:
+        dist.destroy_process_group()
+    finally:
+        log.close()
+
+
+def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    rank_body(rank, world, spec, {"port": port})
+
+
+def _check_importable(fn):
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
+        raise ValueError(f"{fn.__qualname__} must be a module-level function of an importable "
+                         "module: spawned ranks cannot import a notebook's or script's __main__")
+
+
+def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", device="auto",
+                timeout_s=60.0, threads=0, debug=False, save_result=False):
+    """Spawn `world` processes running fn(rank, world, device, log, *args). Returns
+    (processes, store); the store must stay alive as long as the ranks run."""
+    _check_importable(fn)
+    # The caller owns the rendezvous store: port 0 lets the OS pick a free port, and holding
+    # it open means no other run can take it.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    spec = {"fn": fn, "args": args, "run_dir": run_dir, "backend": backend, "device": device,
+            "timeout_s": timeout_s, "threads": threads, "debug": debug,
+            "save_result": save_result}
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        for rank in range(world):
+            p = ctx.Process(target=_spawned_rank, args=(rank, world, spec, store.port, os.getpid()),
+                            name=f"distlab-rank{rank}", daemon=False)
+            p.start()
+            procs.append(p)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs, store
+
+
+def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None):
+    """Start a training run of `cfg` and return its `Run` handle at once (or, with block=True,
+    after it finished; failures then raise RunError)."""
+    from .run import Run
+    from .train import train_rank
+
+    run_dir = run_dir or new_run_dir(runs_root(cfg.runs_root),
+                                     cfg.name or f"{cfg.strategy}-w{cfg.world_size}")
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        f.write(cfg.to_json())
+    procs, store = start_ranks(train_rank, cfg.world_size, (cfg.to_dict(),), run_dir,
+                               backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout_s,
+                               threads=cfg.threads_per_rank, debug=cfg.debug)
+    run = Run(run_dir, cfg=cfg, processes=procs, store=store)
+    return run.wait() if block else run
+
+
+def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, backend="auto", device="auto",
+              threads=0, debug=False, run_dir: str | None = None, wall_timeout_s=None):
+    """Run fn(rank, world, device, log, *args) on `world` ranks and return the list of their
+    return values (rank order). For demos and tests of collectives; fn must be importable and
+    return tensors, numbers, strings, lists or dicts (loaded back with weights_only=True)."""
+    from .run import Run
+
+    run_dir = run_dir or new_run_dir(runs_root(), f"{fn.__name__}-w{world}")
+    procs, store = start_ranks(fn, world, args, run_dir, backend=backend, device=device,
+                               timeout_s=timeout_s, threads=threads, debug=debug,
+                               save_result=True)
+    Run(run_dir, processes=procs, store=store, world_size=world).wait(timeout=wall_timeout_s)
+    return [torch.load(os.path.join(run_dir, f"result{r}.pt"), weights_only=True)
+            for r in range(world)]

@@ -1,0 +1,109 @@
+"""The one training loop. Every strategy plugs into it; none copies it.
+
+    for step in range(steps):
+        x, y  = this rank's part of the step's global batch
+        loss  = model(x, y)                  (under autocast for bf16/fp16)
+        loss.backward()
+        strategy.reduce_gradients(model)     (DP: average gradients across ranks)
+        strategy.optimizer_step(optimizer)
+        log one "step" event: loss, tokens, time, memory by category, bytes per collective
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+from .config import RunConfig
+from .data import make_data
+from .memory import ActivationMeter, model_state_bytes
+from .models import GPT, GPTConfig
+from .parallel import make_strategy
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_optimizer(cfg: RunConfig, params):
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def autocast(cfg: RunConfig, device: torch.device):
+    if cfg.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[cfg.precision])
+
+
+def inject_fault(cfg: RunConfig, rank: int, step: int, log):
+    """The fault drills: one rank misbehaves at one step, as real ranks do."""
+    if cfg.fault == "none" or rank != cfg.fault_rank or step != cfg.fault_step:
+        return
+    log.write("fault", fault=cfg.fault, step=step)
+    if cfg.fault == "raise":
+        raise RuntimeError(f"injected fault: rank {rank} raised at step {step}")
+    if cfg.fault == "stall":  # alive but never joins another collective, like a hung rank
+        while True:
+            time.sleep(1.0)
+    if cfg.fault == "kill":  # dies without a word, like an OOM-killed or preempted process
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log) -> dict:
+    """Train `cfg` on this rank. Needs an initialised process group (launch() makes one)."""
+    torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
+    comm = Comm()
+    model = GPT(GPTConfig.from_run(cfg)).to(device)
+    strategy = make_strategy(cfg, comm)
+    model = strategy.wrap(model)
+    optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
+    data = make_data(cfg)
+    meter = ActivationMeter(model)
+    comm.take_step_stats()  # setup traffic (the initial broadcast) is not a step's
+    on_cuda = device.type == "cuda"
+    log.write("start", n_params=sum(p.numel() for p in model.parameters()),
+              loss_floor=data.loss_floor, loss_at_start=data.loss_at_start,
+              device=str(device), backend=dist.get_backend(), world_size=world,
+              threads=torch.get_num_threads(), pid=os.getpid())
+
+    loss = None
+    for step in range(cfg.steps):
+        inject_fault(cfg, rank, step, log)
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        if strategy.shards_batch:
+            x, y = data.rank_batch(step, cfg.global_batch, rank, world)
+        else:
+            x, y = data.global_batch(step, cfg.global_batch)
+        x, y = x.to(device), y.to(device)
+        with meter.measure(), autocast(cfg, device):
+            loss = model(x, y)
+        loss.backward()
+        strategy.reduce_gradients(model)
+        strategy.optimizer_step(optimizer)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        step_s = time.perf_counter() - t0
+        comm_stats, comm_buffer = comm.take_step_stats()
+        memory = {**model_state_bytes(model, optimizer), "activations": meter.bytes,
+                  "comm_buffers": comm_buffer}
+        if on_cuda:
+            memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
+        optimizer.zero_grad(set_to_none=True)
+        log.write("step", step=step, loss=loss.item(), tokens=x.numel(), step_s=step_s,
+                  memory=memory, comm=comm_stats)
+        if cfg.step_delay_s:
+            time.sleep(cfg.step_delay_s)
+    return {"final_loss": None if loss is None else loss.item()}
+
+
+def train_rank(rank: int, world: int, device: torch.device, log, cfg_dict: dict) -> dict:
+    """Entry point the launcher calls in each rank (configs travel as plain dicts)."""
+    return train(RunConfig.from_dict(cfg_dict), rank, world, device, log)

@@ -56,7 +56,8 @@ def main(argv=None) -> int:
                 "backend": cfg.backend, "device": cfg.device, "timeout_s": cfg.timeout_s,
                 "threads": cfg.threads_per_rank, "debug": cfg.debug}
         rank_body(rank, world, spec, {"env": True})  # exits non-zero on failure
-        return 0
+        sys.stdout.flush()
+        os._exit(0)  # logged and flushed: skip teardown (see launch._spawned_rank)
     cfg = RunConfig(**fields)
     try:
         run = launch(cfg, block=True,

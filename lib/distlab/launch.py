@@ -99,22 +99,26 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         result = spec["fn"](rank, world, device, log, *spec["args"])
         if spec.get("save_result"):
             torch.save(result, os.path.join(spec["run_dir"], f"result{rank}.pt"))
+        # Leave together: a rank tearing down its connections while a peer still uses them
+        # can abort the peer.
+        dist.barrier()
+        dist.destroy_process_group()
         log.write("done", last_step=log.last_step)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
         log.write("error", step=log.last_step, error=f"{type(e).__name__}: {e}",
                   traceback=traceback.format_exc())
         log.close()
         os._exit(1)  # skip interpreter teardown: peers may be wedged in a collective with us
-    try:
-        dist.destroy_process_group()
-    finally:
-        log.close()
+    log.close()
 
 
 def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     rank_body(rank, world, spec, {"port": port})
+    # Everything is logged and flushed; skip interpreter teardown, where C++ threads of the
+    # store client have aborted ranks ("terminate called without an active exception").
+    os._exit(0)
 
 
 def _check_importable(fn):

@@ -156,7 +156,9 @@ class Run:
         primary = [e for e in errors if not _SECONDARY.search(e["error"])] or errors
         if not primary:
             r, c = next((r, c) for r, c in codes.items() if c not in (None, 0))
-            return RunError(r, f"exited with code {c} without reporting an error", "", last.get(r))
+            return RunError(r, f"exited with code {c} before it could report an error: it failed "
+                               "while starting (its stderr says why; a script that launches runs "
+                               "needs `if __name__ == '__main__':`)", "", last.get(r))
         e = min(primary, key=lambda e: e["time"])
         msg = e["error"]
         if _TIMEOUT.search(msg + e["traceback"][-2000:]) and self.cfg is not None:

@@ -55,8 +55,10 @@ def inject_fault(cfg: RunConfig, rank: int, step: int, log):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log) -> dict:
-    """Train `cfg` on this rank. Needs an initialised process group (launch() makes one)."""
+def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
+          keep: dict | None = None) -> dict:
+    """Train `cfg` on this rank. Needs an initialised process group (launch() makes one).
+    If `keep` is a dict, the trained model is left in keep["model"]."""
     torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
     comm = Comm()
     model = GPT(GPTConfig.from_run(cfg)).to(device)
@@ -72,7 +74,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log) -> d
               device=str(device), backend=dist.get_backend(), world_size=world,
               threads=torch.get_num_threads(), pid=os.getpid())
 
-    loss = None
+    loss, losses, comm_per_step = None, [], []
     for step in range(cfg.steps):
         inject_fault(cfg, rank, step, log)
         if on_cuda:
@@ -97,13 +99,31 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log) -> d
         if on_cuda:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        comm_per_step.append(comm_stats)
         log.write("step", step=step, loss=loss.item(), tokens=x.numel(), step_s=step_s,
                   memory=memory, comm=comm_stats)
         if cfg.step_delay_s:
             time.sleep(cfg.step_delay_s)
+    if keep is not None:
+        keep.update(model=model, losses=losses, comm=comm_per_step)
     return {"final_loss": None if loss is None else loss.item()}
 
 
 def train_rank(rank: int, world: int, device: torch.device, log, cfg_dict: dict) -> dict:
     """Entry point the launcher calls in each rank (configs travel as plain dicts)."""
     return train(RunConfig.from_dict(cfg_dict), rank, world, device, log)
+
+
+def train_with_state(rank: int, world: int, device: torch.device, log, cfg_dicts: list):
+    """Train each config in turn in one launch (launches cost seconds; tests and notebooks
+    compare several at once) and return, per config, this rank's per-step losses, per-step
+    collective stats and final parameters: what the equivalence checks compare against
+    `single`, parameter by parameter."""
+    out = []
+    for d in cfg_dicts:
+        keep = {}
+        train(RunConfig.from_dict(d), rank, world, device, log, keep=keep)
+        state = {k: v.detach().cpu().clone() for k, v in keep["model"].state_dict().items()}
+        out.append({"losses": keep["losses"], "comm": keep["comm"], "state": state})
+    return out

@@ -1,0 +1,160 @@
+"""Rank-side demo programs for the collectives notebook (01_collectives), and the few caller-side
+helpers that turn their per-rank results into tables and fits.
+
+Each rank program has the signature `fn(rank, world, device, log, ...)` and returns plain data
+(lists, dicts, numbers, strings), so `distlab.run_ranks(fn, world, ...)` can bring it back:
+
+    before_after = distlab.run_ranks(show_collectives, 4)
+    rows = distlab.run_ranks(compare_allreduce, 4, [1024, 2**20], 5)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+
+ALGORITHMS = ("torch", "ring", "naive")
+KIND = {"torch": "all_reduce", "ring": "all_reduce.ring", "naive": "all_reduce.naive"}
+
+
+def _ints(t: torch.Tensor) -> list[int]:
+    return [int(v) for v in t.tolist()]
+
+
+def show_collectives(rank, world, device, log):
+    """What each rank holds before and after the four collectives.
+
+    Rank r starts with x_r = (r+1)·[1, 10, 100, ...] (world entries, integer-valued float64,
+    so every sum is exact and readable):
+
+    * all-reduce (sum): every rank ends with Σ_r x_r.
+    * broadcast from rank 0: every rank ends with x_0.
+    * all-gather: every rank ends with x_0 ‖ x_1 ‖ ... (rank order).
+    * reduce-scatter (sum): rank r ends with entry r of Σ_r x_r, its 1/world block of the
+      all-reduce. Reduce-scatter followed by all-gather is an all-reduce; the ring does exactly that.
+
+    Also returns who the rank is (rank, world, backend, device, pid, environment) and the bytes
+    Comm booked per collective.
+    """
+    comm = Comm()
+    x = (rank + 1) * 10.0 ** torch.arange(world, dtype=torch.float64, device=device)
+    out = {}
+    t = x.clone()
+    out["all_reduce"] = {"before": _ints(x), "after": _ints(comm.all_reduce(t))}
+    t = x.clone()
+    out["broadcast"] = {"before": _ints(x), "after": _ints(comm.broadcast(t, src=0))}
+    g = torch.empty(world * world, dtype=x.dtype, device=device)
+    out["all_gather"] = {"before": _ints(x), "after": _ints(comm.all_gather(g, x))}
+    rs = torch.empty(1, dtype=x.dtype, device=device)
+    out["reduce_scatter"] = {"before": _ints(x), "after": _ints(comm.reduce_scatter(rs, x))}
+    whoami = {"rank": dist.get_rank(), "world": dist.get_world_size(),
+              "backend": dist.get_backend(), "device": str(device), "pid": os.getpid(),
+              "threads": torch.get_num_threads(),
+              "env": {k: os.environ.get(k, "") for k in
+                      ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}}
+    return {"collectives": out, "whoami": whoami, "comm": comm.snapshot()}
+
+
+def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
+    """Our ring and naive all-reduce against torch's own dist.all_reduce, size by size.
+
+    For every size S (bytes of float32) and algorithm (torch | ring | naive, all through Comm):
+
+    * correctness: max |result - dist.all_reduce(same input)| on random normal data (seeded per
+      rank; sums in a different order differ by rounding only), and an exact equality check on
+      integer-valued floats (small integers sum exactly in any order);
+    * bytes this rank sent and received in one call, from Comm's stats (counted for ring and
+      naive, modeled for torch: see distlab.comm);
+    * the median seconds of `repeats` calls, each after a barrier so all ranks start together.
+
+    Returns one dict per (size, algorithm) for this rank.
+    """
+    rows = []
+    for S in sizes_bytes:
+        n = S // 4
+        gen = torch.Generator().manual_seed(1000 * (rank + 1) + n)
+        x = torch.randn(n, generator=gen).to(device)
+        xi = torch.randint(-1000, 1000, (n,), generator=gen, dtype=torch.float32).to(device)
+        ref, refi = x.clone(), xi.clone()
+        dist.all_reduce(ref)  # the reference: torch's own collective, not through Comm
+        dist.all_reduce(refi)
+        for algo in ALGORITHMS:
+            comm = Comm()
+            diff = float((comm.all_reduce(x.clone(), algorithm=algo) - ref).abs().max())
+            one_call = comm.snapshot()[KIND[algo]]  # the bytes of exactly one call
+            exact = torch.equal(comm.all_reduce(xi.clone(), algorithm=algo), refi)
+            y, times = torch.empty_like(x), []
+            for _ in range(repeats):
+                y.copy_(x)
+                dist.barrier()
+                t0 = time.perf_counter()
+                comm.all_reduce(y, algorithm=algo)
+                times.append(time.perf_counter() - t0)
+            rows.append({"rank": rank, "world": world, "size_bytes": S, "algorithm": algo,
+                         "max_abs_diff": diff, "exact_int": bool(exact),
+                         "bytes_sent": one_call["bytes_sent"], "bytes_recv": one_call["bytes_recv"],
+                         "median_s": statistics.median(times), "times_s": times})
+    return rows
+
+
+# -- caller side: from per-rank rows to tables and fits -------------------------------------------
+def summarize(results) -> list[dict]:
+    """Merge compare_allreduce's per-rank rows (run_ranks' list) into one row per (size,
+    algorithm): the worst diff over ranks, exactness on every rank, the bytes per rank (rank
+    order), and the time of the collective = the slowest rank's median."""
+    by = {}
+    for rows in results:
+        for r in rows:
+            by.setdefault((r["size_bytes"], ALGORITHMS.index(r["algorithm"])), []).append(r)
+    out = []
+    for (S, _), rs in sorted(by.items()):
+        rs.sort(key=lambda r: r["rank"])
+        out.append({"size_bytes": S, "algorithm": rs[0]["algorithm"], "world": rs[0]["world"],
+                    "max_abs_diff": max(r["max_abs_diff"] for r in rs),
+                    "exact_int": all(r["exact_int"] for r in rs),
+                    "bytes_sent": [r["bytes_sent"] for r in rs],
+                    "bytes_recv": [r["bytes_recv"] for r in rs],
+                    "seconds": max(r["median_s"] for r in rs)})
+    return out
+
+
+def alpha_beta_points(summary) -> list[dict]:
+    """For ring and naive rows: the messages m and bytes B in series on the busiest link, as
+    distlab.comm's time models count them, so that t ≈ m·α + B/β.
+
+    ring: 2(N-1) steps; in each a rank sends one chunk while it receives another (a full-duplex
+    link), so B = the bytes one rank sent = 2(N-1)/N·S. naive: the root first receives N-1
+    messages, then sends N-1, one after another, so B = root's sent + received = 2(N-1)·S.
+    Both B are taken from the counted bytes, not the formula."""
+    pts = []
+    for r in summary:
+        if r["algorithm"] == "torch":
+            continue  # gloo's own algorithm: its message count is not ours to know
+        n = r["world"]
+        B = max(r["bytes_sent"]) if r["algorithm"] == "ring" else (
+            r["bytes_sent"][0] + r["bytes_recv"][0])
+        pts.append({"algorithm": r["algorithm"], "size_bytes": r["size_bytes"],
+                    "messages": 2 * (n - 1), "bytes": B, "seconds": r["seconds"]})
+    return pts
+
+
+def fit_loopback(summary) -> tuple[float, float]:
+    """α (s per message) and β (bytes/s) of this machine's loopback: distlab.comm.fit_alpha_beta
+    (least squares on seconds) over the ring and naive points of `summary`."""
+    from .comm import fit_alpha_beta
+    pts = alpha_beta_points(summary)
+    return fit_alpha_beta([p["bytes"] for p in pts], [p["seconds"] for p in pts],
+                          [p["messages"] for p in pts])
+
+
+def markdown_table(header, rows) -> str:
+    """A Markdown table (display it with IPython.display.Markdown)."""
+    def row(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    return "\n".join([row(header), "|" + "---|" * len(header)] + [row(r) for r in rows])

@@ -1,0 +1,90 @@
+"""distlab.comm: ring and naive all-reduce equal dist.all_reduce, the counted bytes equal the
+theory, and the α-β model behaves as its formulas say."""
+
+import math
+
+import pytest
+
+from distlab import run_ranks
+from distlab.collectives import compare_allreduce, show_collectives, summarize
+from distlab.comm import (LINKS, Link, fit_alpha_beta, naive_allreduce_bytes,
+                          naive_allreduce_time, ring_allreduce_bytes, ring_allreduce_time)
+
+# 4 KiB divides into equal chunks at N = 2 and 4; 4 KiB + 12 B (1027 floats) does not, so the
+# ring's last chunks are shorter and the bytes are counted chunk by chunk.
+SIZES = [4096, 4108, 1 << 16]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def measured(request):
+    world = request.param
+    rows = run_ranks(compare_allreduce, world, SIZES, 1, timeout_s=60)
+    shown = run_ranks(show_collectives, world, timeout_s=60)
+    return world, summarize(rows), shown
+
+
+def test_ring_and_naive_equal_torch_all_reduce(measured):
+    world, summary, _ = measured
+    for row in summary:
+        assert row["exact_int"], row  # integer-valued floats: exactly equal
+        # random normal data: only the summation order differs. Sums of N values of magnitude
+        # ~1-4 round at ~2^-23 relative each: 1e-5 is ~40x the worst case at N=4.
+        assert row["max_abs_diff"] < 1e-5, row
+
+
+def test_counted_bytes_equal_the_theory(measured):
+    world, summary, _ = measured
+    for row in summary:
+        S = row["size_bytes"]
+        if row["algorithm"] == "ring":
+            if (S // 4) % world == 0:
+                expect = [ring_allreduce_bytes(S, world)] * world
+            else:  # uneven chunks: rank r sends 2(N-1) chunks, skipping chunk r+2 and r+1's
+                n = S // 4
+                sizes = [n // world + (1 if i < n % world else 0) for i in range(world)]
+                expect = [4 * (sum(sizes) - sizes[(r + 1) % world] + sum(sizes)
+                               - sizes[(r + 2) % world]) for r in range(world)]
+            assert row["bytes_sent"] == pytest.approx(expect, abs=0)
+            assert sum(row["bytes_recv"]) == sum(row["bytes_sent"])
+        if row["algorithm"] == "naive":
+            t = naive_allreduce_bytes(S, world)
+            assert row["bytes_recv"][0] == t["root_recv"] and row["bytes_sent"][0] == t["root_sent"]
+            assert row["bytes_sent"][1:] == [t["other_sent"]] * (world - 1)
+            assert row["bytes_recv"][1:] == [t["other_recv"]] * (world - 1)
+
+
+def test_the_four_collectives_give_the_textbook_results(measured):
+    world, _, shown = measured
+    x = [[(r + 1) * 10 ** i for i in range(world)] for r in range(world)]
+    total = [sum(col) for col in zip(*x)]
+    for r, res in enumerate(shown):
+        c = res["collectives"]
+        assert c["all_reduce"]["after"] == total
+        assert c["broadcast"]["after"] == x[0]
+        assert c["all_gather"]["after"] == [v for row in x for v in row]
+        assert c["reduce_scatter"]["after"] == [total[r]]
+        assert res["whoami"]["rank"] == r and res["whoami"]["backend"] == "gloo"
+
+
+def test_alpha_beta_model():
+    link = Link("test", alpha_s=1e-5, bandwidth_Bps=1e9, source="made up for the test")
+    S = 1e8
+    # ring: 2(N-1) messages of S/N bytes
+    assert ring_allreduce_time(S, 4, link) == pytest.approx(6 * (1e-5 + S / 4 / 1e9))
+    # naive: the root's link carries 2(N-1) whole messages
+    assert naive_allreduce_time(S, 4, link) == pytest.approx(6 * (1e-5 + S / 1e9))
+    # the ring's time approaches 2S/β as N grows; the naive one grows linearly in N
+    assert ring_allreduce_time(S, 1024, link) < 2 * S / 1e9 + 2 * 1023 * 1e-5 + 1e-9
+    assert naive_allreduce_time(S, 64, link) / naive_allreduce_time(S, 8, link) == pytest.approx(9)
+    assert ring_allreduce_time(S, 1, link) == 0.0
+    for lk in LINKS.values():
+        assert lk.bandwidth_Bps > 0 and lk.source
+
+
+def test_fit_alpha_beta_recovers_known_parameters():
+    alpha, beta = 2e-5, 3e9
+    msgs = [2, 2, 6, 6, 14, 14]
+    nbytes = [1e3, 1e7, 1e3, 3e7, 5e4, 8e7]
+    secs = [m * alpha + b / beta for m, b in zip(msgs, nbytes)]
+    a, b = fit_alpha_beta(nbytes, secs, msgs)
+    assert math.isclose(a, alpha, rel_tol=1e-6) and math.isclose(b, beta, rel_tol=1e-6)

@@ -1,0 +1,53 @@
+"""A kernel interrupt (Kernel > Interrupt in JupyterLab) during `run.wait()` stops the run and
+leaves no rank behind, in a real Jupyter kernel driven by jupyter_client."""
+
+import ast
+import time
+
+from jupyter_client.manager import start_new_kernel
+
+from test_process_safety import TINY, assert_all_gone
+
+LAUNCH = f"""
+import time
+from distlab import RunConfig, launch
+run = launch(RunConfig.from_dict({TINY.replace(steps=100_000, step_delay_s=0.01).to_dict()!r}))
+while run.steps_done() < 1 and not run.done:
+    time.sleep(0.05)
+print(run.pids)
+"""
+
+
+def _execute(kc, code, timeout=120):
+    """Run code in the kernel; return (reply content, stdout text)."""
+    msg_id = kc.execute(code)
+    out = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    return kc.get_shell_msg(timeout=timeout)["content"], "".join(out)
+
+
+def test_kernel_interrupt_during_wait_stops_the_run():
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        reply, out = _execute(kc, LAUNCH)
+        assert reply["status"] == "ok", reply
+        pids = ast.literal_eval(out.strip())
+        assert len(pids) == 2
+        kc.execute("run.wait()")
+        time.sleep(1.0)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)["content"]
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+        assert_all_gone(pids)
+        reply, out = _execute(kc, "print(run.status)")
+        assert out.strip() == "stopped"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -55,7 +55,7 @@ def test_an_exception_in_one_rank_reaches_the_caller_with_its_traceback():
     with pytest.raises(RunError) as e:
         run.wait(timeout=120)
     err = e.value
-    assert err.rank == 1 and err.step == 2  # last completed step before the fault
+    assert err.rank == 1 and err.step == 3  # the step it failed in
     assert "injected fault: rank 1 raised at step 3" in err.traceback
     assert "inject_fault" in err.traceback  # rank 1's own frames, not a peer's
     fault_time = run.history("fault")[0]["time"]
@@ -85,7 +85,7 @@ def test_a_killed_rank_is_named_with_its_signal():
     run = launch(cfg)
     with pytest.raises(RunError) as e:
         run.wait(timeout=120)
-    assert e.value.rank == 1 and "SIGKILL" in e.value.message
+    assert e.value.rank == 1 and e.value.step == 2 and "SIGKILL" in e.value.message
     assert run.ended - run.history("fault")[0]["time"] < 10.0
     assert_all_gone(run.pids)
 

@@ -102,15 +102,15 @@ def describe(run: Run, label: str) -> str:
 
 
 def _failed_where(error, run: Run) -> str:
-    """Where a rank failed. RunError.step is the last step the rank *finished* (logged), so the
-    step it failed in is the next one; with no start event it never got to training."""
+    """Where a rank failed: RunError.step is the step it was in; with no start event it never
+    got to training."""
     if error.step is None:
         return ""
     if not run.history("start", rank=error.rank):
         return " during setup"
-    if run.cfg is not None and error.step + 1 >= run.cfg.steps:
+    if run.cfg is not None and error.step >= run.cfg.steps:
         return " after its last step"
-    return f" at step {error.step + 1}"
+    return f" at step {error.step}"
 
 
 # -- the dashboard -----------------------------------------------------------------------------

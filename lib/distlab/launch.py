@@ -105,7 +105,8 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         dist.destroy_process_group()
         log.write("done", last_step=log.last_step)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
-        log.write("error", step=log.last_step, error=f"{type(e).__name__}: {e}",
+        # the step in progress when it failed (the last one logged was finished)
+        log.write("error", step=log.last_step + 1, error=f"{type(e).__name__}: {e}",
                   traceback=traceback.format_exc())
         log.close()
         os._exit(1)  # skip interpreter teardown: peers may be wedged in a collective with us

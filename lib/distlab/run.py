@@ -35,7 +35,8 @@ _live_runs: "weakref.WeakSet[Run]" = weakref.WeakSet()
 
 
 class RunError(RuntimeError):
-    """A run failed. `rank` is the rank whose failure came first; `traceback` is its own."""
+    """A run failed. `rank` is the rank whose failure came first; `traceback` is its own;
+    `step` is the step it was in (the steps before it finished and are in the log)."""
 
     def __init__(self, rank: int, message: str, traceback: str = "", step: int | None = None):
         self.rank, self.message, self.traceback, self.step = rank, message, traceback, step
@@ -151,14 +152,15 @@ class Run:
             if c is not None and c < 0:
                 name = _signal.Signals(-c).name
                 return RunError(r, f"rank {r} was killed by {name} (exit code {c}); "
-                                   f"last step it logged: {last.get(r, -1)}", "", last.get(r))
+                                   f"last step it logged: {last.get(r, -1)}", "",
+                                last.get(r, -1) + 1)
         errors = self.history("error")
         primary = [e for e in errors if not _SECONDARY.search(e["error"])] or errors
         if not primary:
             r, c = next((r, c) for r, c in codes.items() if c not in (None, 0))
             return RunError(r, f"exited with code {c} before it could report an error: it failed "
                                "while starting (its stderr says why; a script that launches runs "
-                               "needs `if __name__ == '__main__':`)", "", last.get(r))
+                               "needs `if __name__ == '__main__':`)", "", last.get(r, -1) + 1)
         e = min(primary, key=lambda e: e["time"])
         msg = e["error"]
         if _TIMEOUT.search(msg + e["traceback"][-2000:]) and self.cfg is not None:

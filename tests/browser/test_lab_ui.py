@@ -1,0 +1,166 @@
+"""00_start_here in a real browser: Run All, then the control panel's Run button.
+
+What only a browser shows: that the widgets render (no "Loading widget" / "Error displaying
+widget"), that plotly really drew the points the kernel sent from its thread, and that a click
+reaches the kernel and starts a run. Screenshots go to $DISTLAB_SHOTS (default: a temp folder);
+the test prints their paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+# Headless, and nothing that reaches the network: this machine has none.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+NOTEBOOK = "workbook/00_start_here.ipynb"
+QUICK_STEPS = 30  # STEPS in the notebook's parameters cell when WORKBOOK_QUICK=1
+RUN_ALL_TIMEOUT_S = 120
+PANEL_RUN_TIMEOUT_S = 60
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason=f"{CHROMIUM} is missing: apt-get install chromium"),
+]
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing")
+
+# State of every code cell: its prompt ("[3]:", "[*]:", "[ ]:") and whether an output holds a
+# traceback (an error renders as stderr text starting with the exception's traceback).
+CELLS_JS = """() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')].map(c => ({
+    prompt: (c.querySelector('.jp-InputArea-prompt') || {}).textContent || '',
+    error: [...c.querySelectorAll('.jp-OutputArea-output')].some(
+        o => /Traceback|Error:/.test(o.textContent) &&
+             (o.dataset.mimeType || '').includes('stderr'))}))"""
+# Points in each loss trace (the ones named after a run, "... #1") of a dashboard's plotly div.
+TRACES_JS = """(gd) => gd.data.filter(t => / #\\d+$/.test(t.name || ''))
+                                  .map(t => ({name: t.name, n: (t.x || []).length}))"""
+
+
+# Bytes each rank sent in the latest step, from the bar trace of the bytes subplot.
+SENT_JS = """(gd) => gd.data.find(t => t.name === 'bytes sent').customdata"""
+
+
+def choose(scope, description: str, label: str):
+    scope.locator(".widget-dropdown", has_text=description).locator("select").select_option(
+        label=label)
+
+
+def selected(scope, description: str) -> str:
+    select = scope.locator(".widget-dropdown", has_text=description).locator("select")
+    return select.evaluate("s => s.options[s.selectedIndex].text")
+
+
+def wait_until(predicate, timeout_s: float, message: str):
+    deadline = time.time() + timeout_s
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError(message)
+        time.sleep(0.2)
+
+
+def code_cell_count(path: Path) -> int:
+    return sum(c["cell_type"] == "code" for c in json.loads(path.read_text())["cells"])
+
+
+def run_all_cells(page):
+    page.locator(".jp-Notebook .jp-Cell").first.click()  # focus the notebook
+    page.click('.lm-MenuBar-itemLabel:text-is("Run")')
+    page.click('.lm-Menu-itemLabel:text-is("Run All Cells")')
+
+
+def wait_cells_finished(page, n_code: int, timeout_s: float):
+    """Until every code cell shows an execution count, failing at once on an error output."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        cells = page.evaluate(CELLS_JS)
+        errors = [i for i, c in enumerate(cells) if c["error"]]
+        assert not errors, f"code cells {errors} show a traceback"
+        if len(cells) == n_code and all(re.match(r"\[\d+\]", c["prompt"]) for c in cells):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"cells not finished after {timeout_s} s: "
+                         f"{[c['prompt'] for c in page.evaluate(CELLS_JS)]}")
+
+
+def loss_traces(page, scope: str) -> list[dict]:
+    return page.locator(f"{scope} .js-plotly-plot").first.evaluate(TRACES_JS)
+
+
+def shot(locator_or_page, path: Path, shots: list):
+    locator_or_page.screenshot(path=str(path))
+    shots.append(path)
+
+
+def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
+    n_code = code_cell_count(lab_server.root / NOTEBOOK)
+    shots: list[Path] = []
+    t0 = time.time()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(lab_server.notebook_url(NOTEBOOK))
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=60_000)
+
+            run_all_cells(page)
+            wait_cells_finished(page, n_code, RUN_ALL_TIMEOUT_S)
+            t_run_all = time.time() - t0
+
+            # The first dashboard (the `single` run, drawn live while its cell blocked).
+            first = page.locator(".distlab-dashboard").first
+            first.scroll_into_view_if_needed()
+            assert [t["n"] for t in loss_traces(page, ".distlab-dashboard")] == [QUICK_STEPS]
+            shot(first, shots_dir / "00_first_run_dashboard.png", shots)
+
+            # The control panel: a click must reach the kernel and start a run.
+            panel = page.locator(".distlab-panel")
+            panel.scroll_into_view_if_needed()
+            panel.locator("button.jupyter-button", has_text="Run").click()
+            status = panel.locator(".widget-html-content").first
+            status.filter(has_text=re.compile("running|done in")).wait_for(timeout=30_000)
+            status.filter(has_text="done in").wait_for(timeout=PANEL_RUN_TIMEOUT_S * 1000)
+            panel_traces = loss_traces(page, ".distlab-panel")
+            assert panel_traces and all(t["n"] > 0 for t in panel_traces), panel_traces
+            assert [t["n"] for t in panel_traces] == [QUICK_STEPS]
+
+            # World size 2: the panel switches 'single' (one process) to 'allreduce', and the
+            # second run overlays the first and draws bytes on the wire.
+            choose(panel, "world size", "2")
+            wait_until(lambda: selected(panel, "strategy") == "allreduce", 10,
+                       "the strategy did not switch to allreduce")  # a round trip to the kernel
+            panel.locator("button.jupyter-button", has_text="Run").click()
+            runs_status = panel.locator(".distlab-dashboard .widget-html-content")
+            runs_status.filter(has_text=re.compile(r"#2: done in")).wait_for(
+                timeout=PANEL_RUN_TIMEOUT_S * 1000)
+            assert [t["n"] for t in loss_traces(page, ".distlab-panel")] == [QUICK_STEPS] * 2
+            sent = panel.locator(".js-plotly-plot").first.evaluate(SENT_JS)
+            assert len(sent) == 2 and all(b > 0 for b in sent), sent
+            time.sleep(0.5)  # let plotly finish painting before the screenshot
+            shot(panel, shots_dir / "01_control_panel_done.png", shots)
+            shot(page, shots_dir / "02_page.png", shots)
+
+            text = page.evaluate("() => document.body.textContent")
+            assert "Loading widget" not in text
+            assert "Error displaying widget" not in text
+        finally:
+            browser.close()
+
+    # The click started exactly the run the panel's knobs describe, and it finished.
+    runs = sorted(lab_server.runs.iterdir())
+    assert len(runs) == 4, runs  # single and allreduce×2 from the cells, two from the panel
+    panel_run = sorted(runs, key=lambda d: (d / "config.json").stat().st_mtime)[-2]
+    cfg = json.loads((panel_run / "config.json").read_text())
+    assert (cfg["strategy"], cfg["world_size"], cfg["steps"]) == ("single", 1, QUICK_STEPS)
+    assert cfg["lr"] == 3e-3  # RunConfig's default, unchanged by the slider's snapping
+    assert json.loads((panel_run / "status.json").read_text())["status"] == "done"
+    print(f"\nrun all: {t_run_all:.1f} s, whole browser session: {time.time() - t0:.1f} s")
+    print("screenshots:\n" + "\n".join(f"  {s}" for s in shots))

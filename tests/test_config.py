@@ -41,3 +41,15 @@ def test_round_trip_through_dict_and_unknown_fields():
         RunConfig.from_dict({**cfg.to_dict(), "zero_stage": 3})
     assert cfg.replace(world_size=4).local_batch == 4
     assert set(STRATEGIES) >= {"single", "allreduce"}
+
+
+def test_learning_rate_warmup_is_linear_then_flat():
+    cfg = RunConfig(lr=0.1, warmup_steps=4)
+    assert [cfg.lr_at(s) for s in range(6)] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
+    assert RunConfig(lr=0.1).lr_at(0) == 0.1
+
+
+def test_micro_batches_must_divide_evenly():
+    assert RunConfig(strategy="allreduce", world_size=2, global_batch=16, grad_accum=4).micro_batch == 2
+    with pytest.raises(ValueError, match="grad_accum=3"):
+        RunConfig(strategy="allreduce", world_size=2, global_batch=16, grad_accum=3)

@@ -33,8 +33,28 @@ def _train(cfgs):
 
 
 @pytest.fixture(scope="module")
-def single():
-    return _train([BASE])[0][0]
+def single_runs():
+    # the baseline, and the same global batch in 4 accumulated micro-batches of 2 rows
+    return _train([BASE, BASE.replace(grad_accum=4)])[0]
+
+
+@pytest.fixture(scope="module")
+def single(single_runs):
+    return single_runs[0]
+
+
+def _worst_param_diff(a, b):
+    return max((a["state"][k] - b["state"][k]).abs().max().item() for k in a["state"])
+
+
+def test_gradient_accumulation_equals_the_large_batch(single_runs, parallel):
+    # loss divided by the number of micro-batches: the summed gradient is the large batch's
+    baseline, accumulated = single_runs
+    assert _worst_param_diff(accumulated, baseline) <= ATOL
+    world, cfgs, results = parallel
+    i = next(i for i, c in enumerate(cfgs) if c.grad_accum > 1)
+    for r in range(world):
+        assert _worst_param_diff(results[r][i], baseline) <= ATOL
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -42,6 +62,7 @@ def parallel(request):
     world = request.param
     cfgs = [BASE.replace(strategy="allreduce", world_size=world, allreduce=a)
             for a in ALGORITHMS[world]]
+    cfgs.append(BASE.replace(strategy="allreduce", world_size=world, grad_accum=2))
     return world, cfgs, _train(cfgs)  # results[rank][config index]
 
 
@@ -69,6 +90,8 @@ def test_bytes_per_rank_per_step_equal_the_theory(parallel):
     grad_bytes = gpt_param_count(GPTConfig.from_run(BASE)) * 4  # fp32 gradients
     n_tensors = len(results[0][0]["state"])  # every parameter is one all-reduce
     for i, cfg in enumerate(cfgs):
+        if cfg.grad_accum > 1:
+            continue  # the allreduce strategy has no no_sync: DDP's tests cover accumulation
         kind = "all_reduce" if cfg.allreduce == "torch" else f"all_reduce.{cfg.allreduce}"
         for r in range(world):
             for step_stats in results[r][i]["comm"]:

@@ -37,6 +37,8 @@ class RunConfig:
     optimizer: str = "adamw"
     weight_decay: float = 0.0
     global_batch: int = 16
+    grad_accum: int = 1  # micro-batches per optimizer step on each rank
+    warmup_steps: int = 0  # learning rate rises linearly from lr/warmup_steps to lr
     seq_len: int = 64
     precision: str = "fp32"
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
@@ -55,6 +57,8 @@ class RunConfig:
     timeout_s: float = 60.0  # every collective wait gives up after this long
     threads_per_rank: int = 0  # 0: cores // world_size, at least 1
     step_delay_s: float = 0.0  # sleep per step, to slow a demo down enough to watch
+    straggler_rank: int = -1  # this rank sleeps straggler_delay_s each step (-1: none)
+    straggler_delay_s: float = 0.0
     runs_root: str = ""  # "" means $DISTLAB_RUNS or ./runs
     name: str = ""
     debug: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: catches mismatched collectives
@@ -72,8 +76,8 @@ class RunConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("fault", self.fault, FAULTS)
-        for name in ("world_size", "steps", "global_batch", "seq_len", "n_layer", "n_embd",
-                     "n_head", "mlp_ratio", "successors"):
+        for name in ("world_size", "steps", "global_batch", "grad_accum", "seq_len", "n_layer",
+                     "n_embd", "n_head", "mlp_ratio", "successors"):
             _positive_int(name, getattr(self, name))
         _positive_int("vocab_size", self.vocab_size, minimum=2)
         if self.strategy == "single" and self.world_size != 1:
@@ -84,6 +88,16 @@ class RunConfig:
             raise ValueError(f"global_batch={self.global_batch} does not divide among "
                              f"world_size={self.world_size} ranks; choose a multiple of "
                              f"{self.world_size}")
+        if self.global_batch % (self.world_size * self.grad_accum):
+            raise ValueError(f"global_batch={self.global_batch} does not split into "
+                             f"world_size={self.world_size} x grad_accum={self.grad_accum} "
+                             f"equal micro-batches; choose a multiple of "
+                             f"{self.world_size * self.grad_accum}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:
+            raise ValueError(f"straggler_rank={self.straggler_rank} must be -1 (none) or a rank "
+                             f"in [0, {self.world_size}), and straggler_delay_s >= 0")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
         if self.successors > self.vocab_size:
@@ -106,6 +120,16 @@ class RunConfig:
     @property
     def local_batch(self) -> int:
         return self.global_batch // self.world_size
+
+    @property
+    def micro_batch(self) -> int:
+        return self.global_batch // (self.world_size * self.grad_accum)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over warmup_steps (Goyal et al. 2017, "gradual warmup"), then lr."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr
 
     def replace(self, **changes) -> "RunConfig":
         """A copy with some fields changed (validated again)."""

@@ -3,7 +3,6 @@
     for step in range(steps):
         x, y  = this rank's part of the step's global batch
         loss  = model(x, y)                  (under autocast for bf16/fp16)
-        loss.backward()
         strategy.reduce_gradients(model)     (DP: average gradients across ranks)
         strategy.optimizer_step(optimizer)
         log one "step" event: loss, tokens, time, memory by category, bytes per collective
@@ -55,6 +54,13 @@ def inject_fault(cfg: RunConfig, rank: int, step: int, log):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def batch_for(cfg: RunConfig, data, strategy, step: int, rank: int, world: int):
+    """This rank's rows of the step's global batch (all of it for model-parallel strategies)."""
+    if strategy.shards_batch:
+        return data.rank_batch(step, cfg.global_batch, rank, world)
+    return data.global_batch(step, cfg.global_batch)
+
+
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
           keep: dict | None = None) -> dict:
     """Train `cfg` on this rank. Needs an initialised process group (launch() makes one).
@@ -74,20 +80,29 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
               device=str(device), backend=dist.get_backend(), world_size=world,
               threads=torch.get_num_threads(), pid=os.getpid())
 
-    loss, losses, comm_per_step = None, [], []
+    losses, comm_per_step = [], []
     for step in range(cfg.steps):
         inject_fault(cfg, rank, step, log)
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        if strategy.shards_batch:
-            x, y = data.rank_batch(step, cfg.global_batch, rank, world)
-        else:
-            x, y = data.global_batch(step, cfg.global_batch)
-        x, y = x.to(device), y.to(device)
-        with meter.measure(), autocast(cfg, device):
-            loss = model(x, y)
-        loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        x_all, y_all = batch_for(cfg, data, strategy, step, rank, world)
+        loss_sum = 0.0
+        for micro, (x, y) in enumerate(zip(x_all.chunk(cfg.grad_accum),
+                                           y_all.chunk(cfg.grad_accum))):
+            last = micro == cfg.grad_accum - 1
+            x, y = x.to(device), y.to(device)
+            with (contextlib.nullcontext() if last else strategy.no_sync(model)):
+                with meter.measure(), autocast(cfg, device):
+                    # each micro-batch's mean loss, scaled so the accumulated gradient is the
+                    # gradient of the mean over all of this rank's rows
+                    loss = model(x, y) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.item()
+        if rank == cfg.straggler_rank:
+            time.sleep(cfg.straggler_delay_s)  # a slow rank: everyone else waits at the sync
         strategy.reduce_gradients(model)
         strategy.optimizer_step(optimizer)
         if on_cuda:
@@ -99,15 +114,16 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         if on_cuda:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss_sum)
         comm_per_step.append(comm_stats)
-        log.write("step", step=step, loss=loss.item(), tokens=x.numel(), step_s=step_s,
+        log.write("step", step=step, loss=loss_sum, tokens=x_all.numel(), step_s=step_s,
+                  lr=cfg.lr_at(step),
                   memory=memory, comm=comm_stats)
         if cfg.step_delay_s:
             time.sleep(cfg.step_delay_s)
     if keep is not None:
         keep.update(model=model, losses=losses, comm=comm_per_step)
-    return {"final_loss": None if loss is None else loss.item()}
+    return {"final_loss": losses[-1] if losses else None}
 
 
 def train_rank(rank: int, world: int, device: torch.device, log, cfg_dict: dict) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class Strategy:
     # Data-parallel strategies give each rank global_batch / world rows; model-parallel ones
@@ -14,6 +16,11 @@ class Strategy:
     def wrap(self, model):
         """Prepare the model (for example, make every rank start from rank 0's weights)."""
         return model
+
+    def no_sync(self, model):
+        """Context for the micro-batches before the last one of an optimizer step: gradients
+        only accumulate locally; communication waits for the last micro-batch."""
+        return contextlib.nullcontext()
 
     def reduce_gradients(self, model):
         """After backward: make the gradients the ones of the global batch."""

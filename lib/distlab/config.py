@@ -11,7 +11,11 @@ import json
 from dataclasses import dataclass, field, fields
 
 # Each strategy names how the one training loop is parallelised (see distlab.parallel).
-STRATEGIES = ("single", "allreduce")
+STRATEGIES = ("single", "allreduce", "dp", "ps-sync", "ps-async", "ddp", "ddp-torch")
+# Parameter-server strategies spend rank 0 on the server; the other ranks are workers.
+PS_STRATEGIES = ("ps-sync", "ps-async")
+MODELS = ("gpt", "bnnet")
+COMPRESSIONS = ("none", "topk")
 ALLREDUCE_ALGORITHMS = ("torch", "ring", "naive")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -42,7 +46,13 @@ class RunConfig:
     seq_len: int = 64
     precision: str = "fp32"
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
-    # model: the tiny GPT (distlab.models.gpt)
+    bucket_mb: float = 0.25  # ddp: gradient bucket size cap, MiB (torch's default is 25)
+    compress: str = "none"  # ddp: gradient compression ("topk": top-k with error feedback)
+    topk_ratio: float = 0.01  # fraction of each bucket's entries that topk sends
+    backup_workers: int = 0  # ps-sync: extra workers; each step uses the first gradients to arrive
+    # model: the tiny GPT (distlab.models.gpt) or a small BatchNorm net (distlab.models.bnnet)
+    model: str = "gpt"
+    sync_bn: bool = False  # bnnet: BatchNorm statistics over the global batch (SyncBatchNorm)
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -50,6 +60,9 @@ class RunConfig:
     vocab_size: int = 64
     # data: a Markov chain made on the machine (distlab.data)
     successors: int = 3  # next-token choices per token; sets how low the loss can go
+    dataset_size: int = 0  # 0: fresh rows every step; >0: a finite set read by a distributed sampler
+    drop_last: bool = True  # sampler: drop the tail that does not divide among ranks
+    join: bool = False  # uneven inputs: ranks out of data shadow the others' collectives
     seed: int = 0
     # launch
     backend: str = "auto"
@@ -76,6 +89,8 @@ class RunConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("fault", self.fault, FAULTS)
+        _choice("model", self.model, MODELS)
+        _choice("compress", self.compress, COMPRESSIONS)
         for name in ("world_size", "steps", "global_batch", "grad_accum", "seq_len", "n_layer",
                      "n_embd", "n_head", "mlp_ratio", "successors"):
             _positive_int(name, getattr(self, name))
@@ -84,15 +99,27 @@ class RunConfig:
             raise ValueError(f"world_size={self.world_size}: strategy 'single' runs one process; "
                              "set world_size=1 or pick a parallel strategy "
                              f"({', '.join(s for s in STRATEGIES if s != 'single')})")
-        if self.global_batch % self.world_size:
+        if self.strategy in PS_STRATEGIES:
+            if self.world_size < 2 + self.backup_workers:
+                raise ValueError(f"world_size={self.world_size}: {self.strategy} needs rank 0 "
+                                 f"as the server plus at least {1 + self.backup_workers} "
+                                 "worker(s) (backup_workers included)")
+        elif self.backup_workers:
+            raise ValueError(f"backup_workers={self.backup_workers} needs strategy 'ps-sync'")
+        dp = self.dp_degree
+        if self.global_batch % dp:
             raise ValueError(f"global_batch={self.global_batch} does not divide among "
-                             f"world_size={self.world_size} ranks; choose a multiple of "
-                             f"{self.world_size}")
-        if self.global_batch % (self.world_size * self.grad_accum):
+                             f"{dp} data-parallel ranks (world_size={self.world_size}); choose "
+                             f"a multiple of {dp}")
+        if self.global_batch % (dp * self.grad_accum):
             raise ValueError(f"global_batch={self.global_batch} does not split into "
-                             f"world_size={self.world_size} x grad_accum={self.grad_accum} "
-                             f"equal micro-batches; choose a multiple of "
-                             f"{self.world_size * self.grad_accum}")
+                             f"{dp} ranks x grad_accum={self.grad_accum} equal micro-batches; "
+                             f"choose a multiple of {dp * self.grad_accum}")
+        if not 0 < self.topk_ratio <= 1 or self.bucket_mb <= 0:
+            raise ValueError(f"topk_ratio={self.topk_ratio} must be in (0, 1] and "
+                             f"bucket_mb={self.bucket_mb} > 0")
+        if self.dataset_size < 0:
+            raise ValueError(f"dataset_size={self.dataset_size} must be >= 0 (0 = endless)")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:
@@ -118,12 +145,25 @@ class RunConfig:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
 
     @property
+    def dp_degree(self) -> int:
+        """How many ranks split one global batch: the workers (not the parameter server, not
+        the backup workers, whose gradients are extra)."""
+        if self.strategy in PS_STRATEGIES:
+            return self.world_size - 1 - self.backup_workers
+        return self.world_size
+
+    @property
+    def processes(self) -> int:
+        """Processes to launch: `dp` runs its replicas as threads of one process."""
+        return 1 if self.strategy == "dp" else self.world_size
+
+    @property
     def local_batch(self) -> int:
-        return self.global_batch // self.world_size
+        return self.global_batch // self.dp_degree
 
     @property
     def micro_batch(self) -> int:
-        return self.global_batch // (self.world_size * self.grad_accum)
+        return self.global_batch // (self.dp_degree * self.grad_accum)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over warmup_steps (Goyal et al. 2017, "gradual warmup"), then lr."""

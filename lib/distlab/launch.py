@@ -166,7 +166,7 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None):
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write(cfg.to_json())
-    procs, store = start_ranks(train_rank, cfg.world_size, (cfg.to_dict(),), run_dir,
+    procs, store = start_ranks(train_rank, cfg.processes, (cfg.to_dict(),), run_dir,
                                backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout_s,
                                threads=cfg.threads_per_rank, debug=cfg.debug)
     run = Run(run_dir, cfg=cfg, processes=procs, store=store)

@@ -54,7 +54,7 @@ class Run:
                  world_size: int | None = None):
         self.dir = run_dir
         self.cfg = cfg
-        self.world_size = world_size or (cfg.world_size if cfg else 1)
+        self.world_size = world_size or (cfg.processes if cfg else 1)  # rank processes
         self.processes = list(processes or [])
         self.pids = [p.pid for p in self.processes]
         self.events: list[dict] = []
@@ -93,7 +93,8 @@ class Run:
         is the loss of the whole global batch."""
         by_step: dict[int, list[float]] = {}
         for e in self.history("step"):
-            by_step.setdefault(e["step"], []).append(e["loss"])
+            if e.get("loss") is not None:  # a parameter server logs steps without a loss
+                by_step.setdefault(e["step"], []).append(e["loss"])
         return [sum(v) / len(v) for _, v in sorted(by_step.items())]
 
     def steps_done(self) -> int:
@@ -238,7 +239,7 @@ class Run:
         if os.path.exists(os.path.join(path, "config.json")):
             with open(os.path.join(path, "config.json")) as f:
                 cfg = RunConfig.from_dict(json.load(f))
-        world = cfg.world_size if cfg else len(glob.glob(os.path.join(path, "rank*.jsonl")))
+        world = cfg.processes if cfg else len(glob.glob(os.path.join(path, "rank*.jsonl")))
         run = cls(path, cfg=cfg, world_size=world)
         run._read()
         status_path = os.path.join(path, "status.json")

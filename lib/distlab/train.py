@@ -54,11 +54,11 @@ def inject_fault(cfg: RunConfig, rank: int, step: int, log):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def batch_for(cfg: RunConfig, data, strategy, step: int, rank: int, world: int):
-    """This rank's rows of the step's global batch (all of it for model-parallel strategies)."""
-    if strategy.shards_batch:
-        return data.rank_batch(step, cfg.global_batch, rank, world)
-    return data.global_batch(step, cfg.global_batch)
+def build_model(cfg: RunConfig) -> torch.nn.Module:
+    if cfg.model == "bnnet":
+        from .models.bnnet import build_bnnet
+        return build_bnnet(cfg)
+    return GPT(GPTConfig.from_run(cfg))
 
 
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
@@ -67,8 +67,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     If `keep` is a dict, the trained model is left in keep["model"]."""
     torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
     comm = Comm()
-    model = GPT(GPTConfig.from_run(cfg)).to(device)
+    model = build_model(cfg).to(device)
     strategy = make_strategy(cfg, comm)
+    strategy.log = log
     model = strategy.wrap(model)
     optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
     data = make_data(cfg)
@@ -78,7 +79,13 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     log.write("start", n_params=sum(p.numel() for p in model.parameters()),
               loss_floor=data.loss_floor, loss_at_start=data.loss_at_start,
               device=str(device), backend=dist.get_backend(), world_size=world,
-              threads=torch.get_num_threads(), pid=os.getpid())
+              threads=torch.get_num_threads(), pid=os.getpid(),
+              role="server" if strategy.is_server() else "worker")
+    if strategy.is_server():  # a parameter server: it applies updates, it does not train
+        strategy.serve(model, optimizer)
+        if keep is not None:
+            keep.update(model=model, losses=[], comm=[])
+        return {"final_loss": None}
 
     losses, comm_per_step = [], []
     for step in range(cfg.steps):
@@ -88,7 +95,12 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
-        x_all, y_all = batch_for(cfg, data, strategy, step, rank, world)
+        batch = strategy.batch(data, step)
+        if batch is None:  # this rank has no rows left (a finite dataset)
+            if strategy.out_of_data(model, step):
+                continue
+            break
+        x_all, y_all = batch
         loss_sum = 0.0
         for micro, (x, y) in enumerate(zip(x_all.chunk(cfg.grad_accum),
                                            y_all.chunk(cfg.grad_accum))):
@@ -117,8 +129,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         losses.append(loss_sum)
         comm_per_step.append(comm_stats)
         log.write("step", step=step, loss=loss_sum, tokens=x_all.numel(), step_s=step_s,
-                  lr=cfg.lr_at(step),
-                  memory=memory, comm=comm_stats)
+                  lr=cfg.lr_at(step), memory=memory, comm=comm_stats, **strategy.step_info())
         if cfg.step_delay_s:
             time.sleep(cfg.step_delay_s)
     if keep is not None:

@@ -1,14 +1,27 @@
 """Strategies: each changes how the one training loop's model is wrapped, how gradients are
-reduced and how the optimizer steps. None owns a copy of the loop (see distlab.train)."""
+reduced and how the optimizer steps. None owns a copy of the loop (see distlab.train).
+
+Strategies are imported when first used, so a notebook that needs one does not import all.
+"""
+
+import importlib
 
 from .base import Strategy
-from .data import AllReduceDP, Single
 
-_REGISTRY = {"single": Single, "allreduce": AllReduceDP}
+_REGISTRY = {
+    "single": "distlab.parallel.data:Single",
+    "allreduce": "distlab.parallel.data:AllReduceDP",
+    "dp": "distlab.parallel.dp:DataParallel",
+    "ps-sync": "distlab.parallel.ps:SyncParameterServer",
+    "ps-async": "distlab.parallel.ps:AsyncParameterServer",
+    "ddp": "distlab.parallel.ddp:DDP",
+    "ddp-torch": "distlab.parallel.ddp_torch:TorchDDP",
+}
 
 
 def make_strategy(cfg, comm) -> Strategy:
-    return _REGISTRY[cfg.strategy](cfg, comm)
+    module, name = _REGISTRY[cfg.strategy].split(":")
+    return getattr(importlib.import_module(module), name)(cfg, comm)
 
 
 __all__ = ["Strategy", "make_strategy"]

@@ -120,6 +120,10 @@ class RunConfig:
                              f"bucket_mb={self.bucket_mb} > 0")
         if self.dataset_size < 0:
             raise ValueError(f"dataset_size={self.dataset_size} must be >= 0 (0 = endless)")
+        if self.join and self.sync_bn:
+            raise ValueError("join=True with sync_bn=True: a rank out of data cannot shadow "
+                             "SyncBatchNorm's all-reduces in the forward (nor can torch's Join); "
+                             "use drop_last=True or equal batches instead")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:

@@ -8,6 +8,10 @@ so a reader can see how close training came to it.
 Every optimizer step has one global batch, drawn from a generator seeded by (seed, step). Each
 data-parallel rank takes its own disjoint block of rows, so the union over ranks is exactly the
 batch that `single` trains on at the same step, whatever the world size.
+
+ClusterData (Gaussian clusters, the BatchNorm net's classification data) follows the same
+conventions; FiniteDataset is a fixed set of rows that a distributed sampler reads
+(distlab.sampler), for the finite-dataset and uneven-inputs lessons.
 """
 
 from __future__ import annotations
@@ -72,5 +76,113 @@ class MarkovData:
         return float(np.log(self.vocab_size))
 
 
-def make_data(cfg) -> MarkovData:
+def make_data(cfg):
+    """The data a run trains on: MarkovData for the GPT, ClusterData (below) for the BatchNorm
+    net. A finite dataset (cfg.dataset_size > 0) is built from it by the strategy that reads it
+    (distlab.sampler)."""
+    if cfg.model == "bnnet":
+        return cluster_data(cfg)
     return MarkovData(cfg.vocab_size, cfg.seq_len, cfg.successors, cfg.seed)
+
+
+# -- a classification set for the BatchNorm model ---------------------------------------------
+
+class ClusterData:
+    """Labelled points from Gaussian clusters, one cluster per class: the BatchNorm net's data.
+
+    Class c has a centre mu_c in `features` dimensions (drawn once from the seed); a point of
+    class c is mu_c + std * noise. Inputs are then given a fixed per-feature offset and scale
+    (x -> a * x + b), as raw features are in practice, so BatchNorm has something to normalise.
+    Like MarkovData, each optimizer step's global batch comes from a generator seeded by
+    (seed, step), and rank r of N takes the r-th of N equal blocks of it.
+    """
+
+    def __init__(self, classes: int = 4, features: int = 16, std: float = 1.0,
+                 separation: float = 0.7, seed: int = 0):
+        self.classes, self.features, self.std, self.seed = classes, features, std, seed
+        rng = np.random.default_rng([seed, 10])
+        self.centres = rng.normal(0.0, separation, size=(classes, features))
+        self.offset = rng.normal(0.0, 3.0, size=features)          # features far from mean 0 ...
+        self.scale = np.exp(rng.uniform(-1.0, 1.5, size=features))  # ... and from variance 1
+        self._floor = None
+
+    def _draw(self, rng, batch: int):
+        y = rng.integers(0, self.classes, size=batch)
+        z = self.centres[y] + self.std * rng.standard_normal((batch, self.features))
+        return z, y
+
+    def _to_tensors(self, z, y):
+        x = torch.from_numpy((z * self.scale + self.offset).astype(np.float32))
+        return x, torch.from_numpy(y.astype(np.int64))
+
+    def global_batch(self, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs (batch, features) float32, class labels (batch,) int64) for one step."""
+        return self._to_tensors(*self._draw(np.random.default_rng([self.seed, 11, step]), batch))
+
+    rank_batch = MarkovData.rank_batch  # the same disjoint blocks of the global batch
+
+    @property
+    def loss_floor(self) -> float:
+        """The Bayes cross-entropy E[-ln p(y | x)] of the true model, the best any classifier
+        can do. The offset and scale are invertible and the same for every class, so they do
+        not change it. With equal priors and a shared isotropic std, p(y | x) is a softmax of
+        -|z - mu_c|^2 / (2 std^2); its expectation is estimated on 40,000 fixed draws (a Monte
+        Carlo mean: `loss_floor_stderr` is its standard error, ~0.003 at the defaults, where
+        the floor is ~0.21 against ln 4 = 1.39 at the start)."""
+        if self._floor is None:
+            self._floor = self._bayes_loss()
+        return self._floor[0]
+
+    @property
+    def loss_floor_stderr(self) -> float:
+        self.loss_floor
+        return self._floor[1]
+
+    def _bayes_loss(self, n: int = 40_000):
+        z, y = self._draw(np.random.default_rng([self.seed, 12]), n)
+        logits = -((z[:, None, :] - self.centres[None]) ** 2).sum(-1) / (2 * self.std ** 2)
+        logits -= logits.max(1, keepdims=True)
+        nll = np.log(np.exp(logits).sum(1)) - logits[np.arange(n), y]
+        return float(nll.mean()), float(nll.std() / np.sqrt(n))
+
+    @property
+    def loss_at_start(self) -> float:
+        """Cross-entropy of a uniform guess over the classes, ln(classes)."""
+        return float(np.log(self.classes))
+
+
+# -- finite datasets ----------------------------------------------------------------------------
+
+# Row i of a finite dataset is the one-row batch of "step" DATASET_STREAM + i of its source: a
+# stream of its own (no run reaches 2**32 steps), deterministic by (seed, index), and a dataset
+# of n rows is the first n rows of a larger one.
+DATASET_STREAM = 2 ** 32
+
+
+class FiniteDataset:
+    """`size` rows of a source (MarkovData, ClusterData), drawn once and indexed by row number.
+    A distributed sampler (distlab.sampler) decides which rows each rank reads."""
+
+    def __init__(self, source, size: int):
+        if size < 1:
+            raise ValueError(f"size={size} must be >= 1")
+        rows = [source.global_batch(DATASET_STREAM + i, 1) for i in range(size)]
+        self.x = torch.cat([r[0] for r in rows])
+        self.y = torch.cat([r[1] for r in rows])
+        self.source = source
+        self.loss_floor, self.loss_at_start = source.loss_floor, source.loss_at_start
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index):
+        """Rows by index (an int, a list or a tensor of indices): (inputs, targets)."""
+        return self.x[index], self.y[index]
+
+
+def cluster_data(cfg) -> ClusterData:
+    """ClusterData for a RunConfig. Its knobs live in cfg.extra: "classes" (4), "features" (16),
+    "cluster_std" (1.0), "separation" (0.7, the std of the class centres)."""
+    e = cfg.extra
+    return ClusterData(e.get("classes", 4), e.get("features", 16), e.get("cluster_std", 1.0),
+                       e.get("separation", 0.7), cfg.seed)

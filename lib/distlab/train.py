@@ -102,9 +102,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
             break
         x_all, y_all = batch
         loss_sum = 0.0
-        for micro, (x, y) in enumerate(zip(x_all.chunk(cfg.grad_accum),
-                                           y_all.chunk(cfg.grad_accum))):
-            last = micro == cfg.grad_accum - 1
+        micro_batches = list(zip(x_all.chunk(cfg.grad_accum), y_all.chunk(cfg.grad_accum)))
+        for micro, (x, y) in enumerate(micro_batches):
+            # a short last batch of a finite dataset may split into fewer micro-batches
+            last = micro == len(micro_batches) - 1
             x, y = x.to(device), y.to(device)
             with (contextlib.nullcontext() if last else strategy.no_sync(model)):
                 with meter.measure(), autocast(cfg, device):
@@ -128,7 +129,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
         comm_per_step.append(comm_stats)
-        log.write("step", step=step, loss=loss_sum, tokens=x_all.numel(), step_s=step_s,
+        log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), step_s=step_s,
                   lr=cfg.lr_at(step), memory=memory, comm=comm_stats, **strategy.step_info())
         if cfg.step_delay_s:
             time.sleep(cfg.step_delay_s)

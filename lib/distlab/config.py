@@ -104,7 +104,10 @@ class RunConfig:
                 raise ValueError(f"world_size={self.world_size}: {self.strategy} needs rank 0 "
                                  f"as the server plus at least {1 + self.backup_workers} "
                                  "worker(s) (backup_workers included)")
-        elif self.backup_workers:
+            if self.straggler_rank == 0:
+                raise ValueError("straggler_rank=0 is the parameter server, which does not "
+                                 "train; pick a worker rank (1 or more)")
+        if self.backup_workers and self.strategy != "ps-sync":
             raise ValueError(f"backup_workers={self.backup_workers} needs strategy 'ps-sync'")
         dp = self.dp_degree
         if self.global_batch % dp:

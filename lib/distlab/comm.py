@@ -13,6 +13,11 @@ Two kinds of byte counts, and the convention for each:
   algorithm moves per rank (the "bus bytes" convention of nccl-tests), e.g. 2(N-1)/N·S for an
   all-reduce of S bytes. `Comm.MODELED` lists these kinds.
 
+**Asynchronous** collectives (`all_reduce_async`, `all_gather_async`) book their bytes when
+they are issued and return a `Pending` handle; `Pending.wait()` books the seconds the caller
+was blocked, so for them `seconds` is the *exposed* communication time, not the time on the wire
+(the part hidden behind computation costs nothing and is not booked).
+
 The module also holds the α-β cost model (time = latency + bytes / bandwidth) that predicts how
 long each algorithm takes on a given link.
 """
@@ -48,6 +53,52 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Pending:
+    """A collective in flight, from `Comm.all_reduce_async` or `Comm.all_gather_async`.
+
+    Its bytes were booked when it was issued. `wait()` blocks until it has finished, books the
+    seconds it blocked under the same kind, and returns the result tensor. Three moments, on
+    the time.perf_counter clock, draw its life:
+
+        issued   the call that started it returned
+        done     it finished: a callback on the backend's future notes the time. The callback
+                 needs the GIL, so it can lag by up to sys.getswitchinterval() (5 ms) while the
+                 main thread runs Python code. Checked on CPU/gloo only; on NCCL prefer
+                 `waited`
+        waited   wait() returned (None until then)
+    """
+
+    def __init__(self, comm: "Comm", kind: str, work, result: torch.Tensor):
+        self.comm, self.kind, self.work, self.result = comm, kind, work, result
+        self.issued = time.perf_counter()
+        self.done: float | None = None
+        self.waited: float | None = None
+        try:
+            work.get_future().then(self._mark_done)
+        except (RuntimeError, AttributeError):  # a backend without futures: done = waited
+            pass
+
+    def _mark_done(self, fut):
+        if self.done is None:  # wait() may have noted it first
+            self.done = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def future(self):
+        """The backend's future (what a torch DDP comm hook must return)."""
+        return self.work.get_future()
+
+    def wait(self) -> torch.Tensor:
+        if self.waited is None:
+            t0 = time.perf_counter()
+            self.work.wait()
+            self.waited = time.perf_counter()
+            self.done = self.done if self.done is not None else self.waited
+            self.comm._add(self.kind, 0, 0, self.waited - t0, calls=0)
+        return self.result
+
+
 class Comm:
     """Instrumented collectives for one rank of a process group."""
 
@@ -71,6 +122,10 @@ class Comm:
     def _buffer(self, like: torch.Tensor) -> torch.Tensor:
         self.buffer_bytes_peak = max(self.buffer_bytes_peak, _nbytes(like))
         return torch.empty_like(like)
+
+    def note_buffer(self, nbytes: int):
+        """A strategy holds a communication buffer of `nbytes` this step (DDP's buckets)."""
+        self.buffer_bytes_peak = max(self.buffer_bytes_peak, int(nbytes))
 
     def snapshot(self) -> dict:
         return {k: v.as_dict() for k, v in self.stats.items()}
@@ -104,6 +159,24 @@ class Comm:
         if op == "avg":
             t.div_(self.world)
         return t
+
+    def all_reduce_async(self, t: torch.Tensor, kind: str = "all_reduce") -> Pending:
+        """Start summing `t` in place across ranks and return at once. Books the ring's
+        2(N-1)/N·S bytes now, under `kind`; the handle's wait() books the seconds blocked.
+        Every rank must issue its async collectives in the same order."""
+        n, S = self.world, _nbytes(t)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._add(kind, 2 * (n - 1) * S / n, 2 * (n - 1) * S / n, 0.0)
+        return Pending(self, kind, work, t)
+
+    def all_gather_async(self, out: torch.Tensor, t: torch.Tensor,
+                         kind: str = "all_gather") -> Pending:
+        """Start gathering every rank's `t` into `out` (world × t.numel(), flat, rank order).
+        Books the ring's (N-1)/N·|out| bytes now; wait() returns `out`."""
+        n, S = self.world, _nbytes(out)
+        work = _all_gather_tensor(out, t, group=self.group, async_op=True)
+        self._add(kind, (n - 1) * S / n, (n - 1) * S / n, 0.0)
+        return Pending(self, kind, work, out)
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy `t` from group rank `src` to every rank (modeled as a pipelined chain)."""

@@ -293,6 +293,7 @@ def single():
 def _parallel_configs(world):
     par = dict(strategy="allreduce", world_size=world)
     cfgs = {"sync": BN.replace(sync_bn=True, **par), "plain": BN.replace(**par),
+            "ddp_sync": BN.replace(sync_bn=True, strategy="ddp", world_size=world),
             "join": GPT_UNEVEN.replace(world_size=world, join=True)}
     if world == 2:
         cfgs["finite"] = BN_FINITE.replace(**par)
@@ -425,3 +426,12 @@ def test_uneven_inputs_without_join_end_in_a_timeout_that_names_who_ran_out():
     assert "timed out after 3 s (RunConfig.timeout_s)" in msg
     assert "batches per rank [3, 2]" in msg and "rank(s) [1] ran out of data after 2 steps" in msg
     assert took < 30
+
+
+def test_syncbn_under_ddp_equals_single(single, parallel):
+    # the DDP written here broadcasts buffers at each step and shares SyncBN's statistics
+    world, ours = parallel["world"], parallel["ours"]
+    ref = single["sync"]["state"]
+    for r in range(world):
+        st = ours[r]["ddp_sync"]["state"]
+        assert _worst(st, ref, lambda k: "num_batches" not in k) < ATOL_BN

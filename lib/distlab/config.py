@@ -127,6 +127,12 @@ class RunConfig:
             raise ValueError("join=True with sync_bn=True: a rank out of data cannot shadow "
                              "SyncBatchNorm's all-reduces in the forward (nor can torch's Join); "
                              "use drop_last=True or equal batches instead")
+        if self.join and self.strategy != "allreduce":
+            raise ValueError(f"join=True is written for strategy 'allreduce' (got "
+                             f"{self.strategy!r})")
+        if self.dataset_size and self.strategy not in ("single", "allreduce", "ddp", "ddp-torch"):
+            raise ValueError(f"dataset_size={self.dataset_size}: a finite dataset is read by "
+                             "'single', 'allreduce', 'ddp' and 'ddp-torch' only")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:

@@ -133,6 +133,7 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
     """Spawn `world` processes running fn(rank, world, device, log, *args). Returns
     (processes, store); the store must stay alive as long as the ranks run."""
     _check_importable(fn)
+    os.makedirs(run_dir, exist_ok=True)
     # The caller owns the rendezvous store: port 0 lets the OS pick a free port, and holding
     # it open means no other run can take it.
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),

@@ -195,11 +195,13 @@ class Run:
         self.status = status
         self.ended = time.time()
         self._store = None  # closes the rendezvous port
-        with open(os.path.join(self.dir, "status.json"), "w") as f:
-            json.dump({"status": status, "started": self.started, "ended": self.ended,
-                       "pids": self.pids,
-                       "error": self.error.as_dict() if self.error else None}, f, indent=1)
-        self._finished.set()
+        try:
+            with open(os.path.join(self.dir, "status.json"), "w") as f:
+                json.dump({"status": status, "started": self.started, "ended": self.ended,
+                           "pids": self.pids,
+                           "error": self.error.as_dict() if self.error else None}, f, indent=1)
+        finally:  # a folder deleted under a live run must not leave wait() hanging
+            self._finished.set()
 
     # -- control ---------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> "Run":

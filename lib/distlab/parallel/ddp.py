@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Pending
+from .data import broadcast_buffers, read_batch
+from .syncbn import attach_comm
 from .base import Strategy
 from .compression import TopK
 
@@ -127,7 +129,16 @@ class DDP(Strategy):
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
         model.register_forward_hook(self._after_forward)
+        attach_comm(model, self.comm)  # SyncBatchNorm shares statistics over these ranks
+        self.model = model
         return model
+
+    def batch(self, data, step):
+        # like torch DDP's broadcast_buffers=True: rank 0's buffers (BatchNorm's running
+        # statistics) at each step's start, so every rank evaluates with the same ones
+        if any(True for _ in self.model.buffers()):
+            broadcast_buffers(self.comm, self.model, 0)
+        return read_batch(self, data, step)
 
     def _make_bucket(self, index, params) -> Bucket:
         p0 = params[0]

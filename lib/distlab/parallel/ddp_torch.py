@@ -22,6 +22,8 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from .base import Strategy
+from .data import read_batch
+from .syncbn import attach_comm
 
 
 def booked_allreduce_hook(strategy: "TorchDDP", bucket):
@@ -44,7 +46,11 @@ class TorchDDP(Strategy):
             model, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=self.cfg.bucket_mb, process_group=self.comm.group)
         ddp.register_comm_hook(self, booked_allreduce_hook)
+        attach_comm(model, self.comm)  # our SyncBatchNorm (torch's needs a GPU to train)
         return ddp
+
+    def batch(self, data, step):
+        return read_batch(self, data, step)  # a finite dataset goes through the sampler
 
     def no_sync(self, model):
         return model.no_sync()

@@ -11,11 +11,14 @@ import json
 from dataclasses import dataclass, field, fields
 
 # Each strategy names how the one training loop is parallelised (see distlab.parallel).
-STRATEGIES = ("single", "allreduce", "dp", "ps-sync", "ps-async", "ddp", "ddp-torch")
+STRATEGIES = ("single", "allreduce", "dp", "ps-sync", "ps-async", "ddp", "ddp-torch",
+              "zero1", "zero2", "zero3", "zero1-torch", "fsdp-torch")
 # Parameter-server strategies spend rank 0 on the server; the other ranks are workers.
 PS_STRATEGIES = ("ps-sync", "ps-async")
 MODELS = ("gpt", "bnnet")
 COMPRESSIONS = ("none", "topk")
+LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
+CHECKPOINTING = ("none", "full", "selective")
 ALLREDUCE_ALGORITHMS = ("torch", "ring", "naive")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -45,6 +48,11 @@ class RunConfig:
     warmup_steps: int = 0  # learning rate rises linearly from lr/warmup_steps to lr
     seq_len: int = 64
     precision: str = "fp32"
+    loss_scale: str = "auto"  # dynamic loss scaling (distlab.precision)
+    fp32_modules: str = ""  # comma-separated module names kept in fp32 under autocast
+    checkpointing: str = "none"  # activation checkpointing per block (distlab.checkpoint)
+    offload: bool = False  # zero*: optimizer state lives on the CPU
+    grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
     bucket_mb: float = 0.25  # ddp: gradient bucket size cap, MiB (torch's default is 25)
     compress: str = "none"  # ddp: gradient compression ("topk": top-k with error feedback)
@@ -91,6 +99,10 @@ class RunConfig:
         _choice("fault", self.fault, FAULTS)
         _choice("model", self.model, MODELS)
         _choice("compress", self.compress, COMPRESSIONS)
+        _choice("loss_scale", self.loss_scale, LOSS_SCALES)
+        _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0: off)")
         for name in ("world_size", "steps", "global_batch", "grad_accum", "seq_len", "n_layer",
                      "n_embd", "n_head", "mlp_ratio", "successors"):
             _positive_int(name, getattr(self, name))

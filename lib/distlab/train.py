@@ -71,7 +71,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     strategy = make_strategy(cfg, comm)
     strategy.log = log
     model = strategy.wrap(model)
-    optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
+    optimizer = strategy.build_optimizer(model, lambda params: build_optimizer(cfg, params))
     data = make_data(cfg)
     meter = ActivationMeter(model)
     comm.take_step_stats()  # setup traffic (the initial broadcast) is not a step's

@@ -16,6 +16,11 @@ _REGISTRY = {
     "ps-async": "distlab.parallel.ps:AsyncParameterServer",
     "ddp": "distlab.parallel.ddp:DDP",
     "ddp-torch": "distlab.parallel.ddp_torch:TorchDDP",
+    "zero1": "distlab.parallel.zero:ZeRO1",
+    "zero2": "distlab.parallel.zero:ZeRO2",
+    "zero3": "distlab.parallel.zero:ZeRO3",
+    "zero1-torch": "distlab.parallel.reference:TorchZeRO1",
+    "fsdp-torch": "distlab.parallel.reference:TorchFSDP",
 }
 
 

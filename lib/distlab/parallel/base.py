@@ -3,6 +3,7 @@
 The loop in distlab.train calls, in order:
 
     model = strategy.wrap(model)                       once
+    optimizer = strategy.build_optimizer(model, make)  once
     if strategy.is_server(): strategy.serve(...)        instead of training (parameter server)
     per step:  x, y = strategy.batch(data, step)        this rank's rows (None: out of data)
                with strategy.no_sync(model): backward   every micro-batch but the last
@@ -25,6 +26,11 @@ class Strategy:
     def wrap(self, model):
         """Prepare the model (for example, make every rank start from rank 0's weights)."""
         return model
+
+    def build_optimizer(self, model, make):
+        """The optimizer over what this rank updates; `make(params)` builds RunConfig's
+        optimizer. ZeRO overrides this to own only its shard of the optimizer state."""
+        return make([p for p in model.parameters() if p.requires_grad])
 
     def is_server(self) -> bool:
         """True on a rank that serves (a parameter server) instead of training."""

@@ -1,0 +1,202 @@
+"""Caller-side helpers of the data-parallelism notebook (workbook/02_data_parallel): run several
+configs in one launch, and the figures and tables that notebook draws from the runs' events.
+
+Nothing here runs inside a rank or changes how anything trains; it reads what the runs logged.
+
+    runs = launch_together({"single": cfg, "dp": cfg.replace(strategy="dp", world_size=4)})
+    runs["dp"].history("step")        # a Run per config, as if each had been launched alone
+    runs["dp"].states[0]              # and each rank's final parameters
+
+Why `launch_together`: bringing up ranks costs seconds (1.4 / 2.0 / 3.4 s for 1 / 2 / 4 ranks
+on a 2-core machine), far more than a short run of a small model, so configs with the same
+number of processes train one after another in one launch (distlab.train.train_with_state), and
+the launch's event log is cut back into one Run per config (distlab.stragglers.split_configs).
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from IPython.display import Markdown, display
+from plotly.subplots import make_subplots
+
+from .collectives import markdown_table
+from .config import RunConfig
+from .launch import new_run_dir, run_ranks, runs_root
+from .parallel.dp import KINDS as DP_KINDS
+from .run import Run
+from .stragglers import split_configs
+
+MiB = 2**20
+COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00",
+          "#868e96")
+
+
+# -- running ------------------------------------------------------------------------------------
+def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
+                    wall_timeout_s: float | None = None) -> dict[str, Run]:
+    """Train every config in turn in ONE launch and return {name: Run}, each Run holding only
+    its own config's events (finished, nothing left running) plus `states`: each rank's final
+    state_dict (torch DDP's "module." prefix removed). All configs must need the same number of
+    processes; the launch uses the largest timeout_s and the first config's threads_per_rank.
+    A failing config raises RunError, like Run.wait()."""
+    cfgs = dict(cfgs)
+    worlds = {c.processes for c in cfgs.values()}
+    if len(worlds) != 1:
+        raise ValueError(f"launch_together needs configs with the same number of processes; "
+                         f"got {sorted(worlds)} for {list(cfgs)}")
+    (world,) = worlds
+    from .train import train_with_state
+
+    first = next(iter(cfgs.values()))
+    run_dir = new_run_dir(runs_root(first.runs_root), f"{name}-w{world}")
+    results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
+                        timeout_s=max(c.timeout_s for c in cfgs.values()),
+                        threads=first.threads_per_rank, run_dir=run_dir,
+                        wall_timeout_s=wall_timeout_s)
+    events = split_configs(Run.load(run_dir).events, len(cfgs))
+    runs = {}
+    for i, (label, cfg) in enumerate(cfgs.items()):
+        run = Run(run_dir, cfg=cfg)
+        run.events = events[i]
+        run.status = "done"
+        run.states = [{k.removeprefix("module."): v for k, v in results[r][i]["state"].items()}
+                      for r in range(world)]
+        runs[label] = run
+    return runs
+
+
+def worst_param_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over every entry of two state_dicts with the same keys (buffers too)."""
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def bytes_per_step(run: Run, kind: str, field: str = "bytes_sent", rank: int = 0) -> list:
+    """One rank's bytes of one collective kind, step by step (0 where it did not use it)."""
+    return [e.get("comm", {}).get(kind, {}).get(field, 0)
+            for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
+
+
+def max_step_loss_diff(a: list[float], b: list[float]) -> float:
+    """Largest per-step difference of two loss curves of the same length."""
+    if len(a) != len(b):
+        raise ValueError(f"loss curves of different lengths: {len(a)} and {len(b)}")
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+# -- tables -------------------------------------------------------------------------------------
+def table(header, rows):
+    """Show a Markdown table under the cell."""
+    display(Markdown(markdown_table(header, rows)))
+
+
+def fmt_bytes(b: float) -> str:
+    return f"{b:,.0f} B" if b < 10 * 1024 else f"{b / 1024:,.1f} KiB" if b < MiB else \
+        f"{b / MiB:,.2f} MiB"
+
+
+# -- figures ------------------------------------------------------------------------------------
+def loss_figure(curves: dict, title: str, xaxis: str = "step", floor: float | None = None,
+                height: int = 380) -> go.Figure:
+    """Overlaid loss curves: {label: (x, y)} or {label: y} (x = 0, 1, ...). Later curves are
+    drawn thinner, so one that retraces an earlier one shows inside it."""
+    fig = go.Figure()
+    for i, (label, c) in enumerate(curves.items()):
+        x, y = c if isinstance(c, tuple) else (list(range(len(c))), c)
+        fig.add_scatter(x=x, y=y, mode="lines", name=label,
+                        line=dict(color=COLORS[i % len(COLORS)], width=max(1.5, 4.5 - 1.2 * i)))
+    if floor is not None:
+        fig.add_hline(y=floor, line_dash="dash", line_color="#555",
+                      annotation_text=f"loss floor {floor:.3f}", annotation_position="top right")
+    fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title="loss (nats)", height=height,
+                      template="plotly_white")
+    return fig
+
+
+def dp_bytes_by_kind(run: Run, step: int = -1) -> dict[str, list[int]]:
+    """Bytes each replica of a `dp` run moved (sent + received) in one step, by kind."""
+    e = sorted(run.history("step"), key=lambda e: e["step"])[step]["dp"]["bytes"]
+    return {k: [s + r for s, r in zip(e[k]["sent"], e[k]["recv"])] for k in DP_KINDS}
+
+
+def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
+    """Left: bytes each replica moved in one step, stacked by kind. Right: seconds of work per
+    replica: its own forward, plus (replica 0) what only replica 0 does."""
+    n = summary["replicas"]
+    names = [f"replica {i}" for i in range(n)]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=(
+        "bytes moved in one step (sent + received)", "seconds of work in one step (medians)"))
+    for i, (kind, b) in enumerate(dp_bytes_by_kind(run).items()):
+        fig.add_bar(x=names, y=[v / 1024 for v in b], name=kind, legendgroup="bytes",
+                    marker_color=COLORS[i], row=1, col=1, customdata=b,
+                    hovertemplate=f"{kind}: %{{customdata:,}} B<extra></extra>")
+    fig.add_bar(x=names, y=[s * 1e3 for s in summary["replica_forward_s"]],
+                name="its forward (thread)", marker_color=COLORS[5], row=1, col=2)
+    fig.add_bar(x=names, y=[summary["replica0_only_s"] * 1e3] + [0] * (n - 1),
+                name="replica 0 only: replicate, scatter, gather, loss, grad scatter, "
+                     "reduce-add, optimizer", marker_color=COLORS[6], row=1, col=2)
+    fig.update_layout(barmode="stack", height=420, template="plotly_white",
+                      legend=dict(font=dict(size=10)))
+    fig.update_yaxes(title_text="KiB", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=1, col=2)
+    return fig
+
+
+def bucket_timeline(event: dict, title: str = "") -> go.Figure:
+    """Gantt chart of one DDP step on one rank (a step event's `ddp` timeline): the backward
+    pass, and each bucket's all-reduce from issue to completion, with the moment its last
+    gradient arrived (ready) marked. Times in ms from the start of backward."""
+    t = event["ddp"]
+    rows = [("backward", t["backward"][0], t["backward"][1], None, None)]
+    for b in t["buckets"]:
+        rows.append((f"bucket {b['index']} ({b['params']} tensors, {fmt_bytes(b['bytes'])})",
+                     b["start"], b["done"], b["ready"], b["bytes"]))
+    labels = [r[0] for r in rows]
+    fig = go.Figure()
+    fig.add_bar(y=labels[:1], x=[(rows[0][2] - rows[0][1]) * 1e3], base=[rows[0][1] * 1e3],
+                orientation="h", name="backward (computing gradients)", marker_color="#adb5bd",
+                hovertemplate="backward: %{base:.2f} to %{x:.2f} ms long<extra></extra>")
+    fig.add_bar(y=labels[1:], x=[(r[2] - r[1]) * 1e3 for r in rows[1:]],
+                base=[r[1] * 1e3 for r in rows[1:]], orientation="h",
+                name="all-reduce in flight (issued → done)", marker_color=COLORS[0],
+                hovertemplate="issued at %{base:.2f} ms, took %{x:.2f} ms<extra></extra>")
+    fig.add_scatter(y=labels[1:], x=[r[3] * 1e3 for r in rows[1:]], mode="markers",
+                    marker=dict(symbol="line-ns-open", size=16, color=COLORS[1],
+                                line=dict(width=3)),
+                    name="bucket ready (its last gradient arrived)")
+    end = t["backward"][1] * 1e3
+    fig.add_vline(x=end, line_dash="dash", line_color="#555",
+                  annotation_text="backward ends", annotation_position="bottom right")
+    fig.update_layout(title=title or f"DDP step {event['step']}, rank {event['rank']}: "
+                      f"overlap {t['overlap']:.0%}", height=160 + 28 * len(rows),
+                      xaxis_title="ms from the start of backward", template="plotly_white",
+                      barmode="overlay", legend=dict(orientation="h", y=-0.25))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def staleness_figure(run: Run, title: str = "") -> go.Figure:
+    """Staleness of each update a ps-async server applied (updates made since the gradient's
+    worker last pulled weights), one colour per worker."""
+    server = sorted((e for e in run.history("step") if e.get("role") == "server"),
+                    key=lambda e: e["step"])
+    fig = go.Figure()
+    for i, w in enumerate(sorted({e["worker"] for e in server})):
+        mine = [e for e in server if e["worker"] == w]
+        fig.add_scatter(x=[e["step"] for e in mine], y=[e["staleness"] for e in mine],
+                        mode="markers", name=f"worker rank {w}", marker_color=COLORS[i])
+    fig.update_layout(title=title or "staleness of each applied gradient", height=340,
+                      xaxis_title="update (server version)", yaxis_title="staleness (updates)",
+                      template="plotly_white")
+    return fig
+
+
+def grouped_bars(groups: dict[str, dict[str, float]], title: str, yaxis: str,
+                 height: int = 380) -> go.Figure:
+    """{series: {category: value}} as grouped bars."""
+    fig = go.Figure()
+    for i, (series, values) in enumerate(groups.items()):
+        fig.add_bar(x=list(values), y=list(values.values()), name=series,
+                    marker_color=COLORS[i % len(COLORS)])
+    fig.update_layout(barmode="group", title=title, yaxis_title=yaxis, height=height,
+                      template="plotly_white")
+    return fig

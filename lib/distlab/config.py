@@ -25,7 +25,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 # Injected faults, for the drills that prove the launcher's process safety.
-FAULTS = ("none", "raise", "stall", "kill")
+FAULTS = ("none", "raise", "stall", "kill", "nan")  # nan: a NaN in one weight (distlab.nan)
 
 
 @dataclass
@@ -49,8 +49,11 @@ class RunConfig:
     seq_len: int = 64
     precision: str = "fp32"
     loss_scale: str = "auto"  # dynamic loss scaling (distlab.precision)
+    loss_scale_init: float = 65536.0  # dynamic: the first scale (torch GradScaler's: 2**16)
+    loss_scale_growth_interval: int = 2000  # dynamic: clean steps before the scale doubles
     fp32_modules: str = ""  # comma-separated module names kept in fp32 under autocast
     checkpointing: str = "none"  # activation checkpointing per block (distlab.checkpoint)
+    track_peak: bool = False  # memory["peak"] per step: aten-allocated bytes (~20% step time)
     offload: bool = False  # zero*: optimizer state lives on the CPU
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
@@ -83,6 +86,7 @@ class RunConfig:
     runs_root: str = ""  # "" means $DISTLAB_RUNS or ./runs
     name: str = ""
     debug: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: catches mismatched collectives
+    detect_nan: bool = False  # name the step and first module that made inf/NaN (distlab.nan)
     # fault injection: one rank misbehaves at one step
     fault: str = "none"
     fault_rank: int = 0
@@ -101,8 +105,21 @@ class RunConfig:
         _choice("compress", self.compress, COMPRESSIONS)
         _choice("loss_scale", self.loss_scale, LOSS_SCALES)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        if self.checkpointing != "none" and self.model != "gpt":
+            raise ValueError(f"checkpointing={self.checkpointing!r} wraps GPT blocks; "
+                             f"model={self.model!r} has none")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0: off)")
+        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
+        if not self.loss_scale_init > 0:
+            raise ValueError(f"loss_scale_init={self.loss_scale_init} must be > 0")
+        scaled = self.loss_scale == "dynamic" or (self.loss_scale == "auto"
+                                                  and self.precision == "fp16")
+        if self.strategy in PS_STRATEGIES and (scaled or self.grad_clip):
+            raise ValueError(f"{self.strategy}: the server applies each update as gradients "
+                             "arrive, so loss scaling and grad_clip (which act between the "
+                             "gradient reduction and the step) do not apply; set grad_clip=0 "
+                             "and loss_scale='none'")
         for name in ("world_size", "steps", "global_batch", "grad_accum", "seq_len", "n_layer",
                      "n_embd", "n_head", "mlp_ratio", "successors"):
             _positive_int(name, getattr(self, name))

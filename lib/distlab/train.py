@@ -3,9 +3,12 @@
     for step in range(steps):
         x, y  = this rank's part of the step's global batch
         loss  = model(x, y)                  (under autocast for bf16/fp16)
+        (loss * scale).backward()            (dynamic loss scaling: fp16)
         strategy.reduce_gradients(model)     (DP: average gradients across ranks)
-        strategy.optimizer_step(optimizer)
-        log one "step" event: loss, tokens, time, memory by category, bytes per collective
+        unscale, check inf/NaN, clip, then strategy.optimizer_step(optimizer) or skip it
+                                             (distlab.precision.finish_step)
+        log one "step" event: loss, tokens, time, memory by category, bytes per collective,
+                              loss scale and skipped
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch.distributed as dist
 from .comm import Comm
 from .config import RunConfig
 from .data import make_data
-from .memory import ActivationMeter, model_state_bytes
+from .memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
 from .models import GPT, GPTConfig
+from .nan import NanDetector, poison
 from .parallel import make_strategy
+from .precision import apply_fp32_modules, finish_step, make_loss_scaler, resolve_loss_scale
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,9 +45,13 @@ def autocast(cfg: RunConfig, device: torch.device):
     return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[cfg.precision])
 
 
-def inject_fault(cfg: RunConfig, rank: int, step: int, log):
+def inject_fault(cfg: RunConfig, rank: int, step: int, log, model=None):
     """The fault drills: one rank misbehaves at one step, as real ranks do."""
     if cfg.fault == "none" or rank != cfg.fault_rank or step != cfg.fault_step:
+        return
+    if cfg.fault == "nan":  # a NaN in one weight; detect_nan=True names where it surfaces
+        module = poison(model, cfg.extra.get("fault_module", ""))
+        log.write("fault", fault=cfg.fault, step=step, module=module)
         return
     log.write("fault", fault=cfg.fault, step=step)
     if cfg.fault == "raise":
@@ -58,7 +67,11 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
     if cfg.model == "bnnet":
         from .models.bnnet import build_bnnet
         return build_bnnet(cfg)
-    return GPT(GPTConfig.from_run(cfg))
+    model = GPT(GPTConfig.from_run(cfg))
+    if cfg.checkpointing != "none":  # per block, by name, from outside (distlab.checkpoint)
+        from .checkpoint import apply_checkpointing
+        apply_checkpointing(model, cfg.checkpointing)
+    return model
 
 
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
@@ -68,19 +81,30 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
     comm = Comm()
     model = build_model(cfg).to(device)
+    if cfg.fp32_modules:  # fp32 islands under autocast, by name (before wrapping adds prefixes)
+        apply_fp32_modules(model, cfg.fp32_modules)
+    # with loss scaling, an inf gradient is routine (the step is skipped): check forward only
+    detector = (NanDetector(model, log, check_backward=resolve_loss_scale(cfg) == "none")
+                if cfg.detect_nan else None)
     strategy = make_strategy(cfg, comm)
     strategy.log = log
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model, lambda params: build_optimizer(cfg, params))
+    scaler = make_loss_scaler(cfg, comm)
     data = make_data(cfg)
     meter = ActivationMeter(model)
+    # per-step peak of bytes aten allocated (opt-in: a Python call per op costs ~20% step time)
+    peak = PeakMemoryTracker() if cfg.track_peak else None
+    if peak is not None:
+        peak.adopt([*model.parameters(), *model.buffers()])
     comm.take_step_stats()  # setup traffic (the initial broadcast) is not a step's
     on_cuda = device.type == "cuda"
     log.write("start", n_params=sum(p.numel() for p in model.parameters()),
               loss_floor=data.loss_floor, loss_at_start=data.loss_at_start,
               device=str(device), backend=dist.get_backend(), world_size=world,
               threads=torch.get_num_threads(), pid=os.getpid(),
-              role="server" if strategy.is_server() else "worker")
+              role="server" if strategy.is_server() else "worker",
+              peak_memory=PEAK_LABEL if peak is not None else None)
     if strategy.is_server():  # a parameter server: it applies updates, it does not train
         strategy.serve(model, optimizer)
         if keep is not None:
@@ -89,7 +113,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
 
     losses, comm_per_step = [], []
     for step in range(cfg.steps):
-        inject_fault(cfg, rank, step, log)
+        inject_fault(cfg, rank, step, log, model)
+        if detector is not None:
+            detector.step = step
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
@@ -101,6 +127,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
                 continue
             break
         x_all, y_all = batch
+        if peak is not None:
+            peak.step_begin(x_all, y_all)
         loss_sum = 0.0
         micro_batches = list(zip(x_all.chunk(cfg.grad_accum), y_all.chunk(cfg.grad_accum)))
         for micro, (x, y) in enumerate(micro_batches):
@@ -112,25 +140,30 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
                     # each micro-batch's mean loss, scaled so the accumulated gradient is the
                     # gradient of the mean over all of this rank's rows
                     loss = model(x, y) / cfg.grad_accum
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if detector is not None:
+                    detector.check_gradients(model)
             loss_sum += loss.item()
         if rank == cfg.straggler_rank:
             time.sleep(cfg.straggler_delay_s)  # a slow rank: everyone else waits at the sync
         strategy.reduce_gradients(model)
-        strategy.optimizer_step(optimizer)
+        precision = finish_step(strategy, model, optimizer, scaler, cfg.grad_clip)
         if on_cuda:
             torch.cuda.synchronize(device)
         step_s = time.perf_counter() - t0
         comm_stats, comm_buffer = comm.take_step_stats()
-        memory = {**model_state_bytes(model, optimizer), "activations": meter.bytes,
+        memory = {**strategy.state_bytes(model, optimizer), "activations": meter.bytes,
                   "comm_buffers": comm_buffer}
+        if peak is not None:  # "peak": this step's; "allocated": live now (memory.PEAK_LABEL)
+            memory.update(peak=peak.step_end(), allocated=peak.current)
         if on_cuda:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
         comm_per_step.append(comm_stats)
         log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), step_s=step_s,
-                  lr=cfg.lr_at(step), memory=memory, comm=comm_stats, **strategy.step_info())
+                  lr=cfg.lr_at(step), memory=memory, comm=comm_stats, **precision,
+                  **strategy.step_info())
         if cfg.step_delay_s:
             time.sleep(cfg.step_delay_s)
     if keep is not None:

@@ -8,13 +8,17 @@ The loop in distlab.train calls, in order:
     per step:  x, y = strategy.batch(data, step)        this rank's rows (None: out of data)
                with strategy.no_sync(model): backward   every micro-batch but the last
                strategy.reduce_gradients(model)
-               strategy.optimizer_step(optimizer)
+               strategy.step_gradients(model)           what loss scaling unscales and checks
+               strategy.clip_gradients(model, max_norm) cfg.grad_clip > 0 (after unscaling)
+               strategy.optimizer_step(optimizer)       skipped when loss scaling overflowed
                strategy.step_info()                     extra fields for the step event
 """
 
 from __future__ import annotations
 
 import contextlib
+
+import torch
 
 
 class Strategy:
@@ -57,8 +61,26 @@ class Strategy:
     def reduce_gradients(self, model):
         """After backward: make the gradients the ones of the global batch."""
 
+    def step_gradients(self, model) -> list:
+        """After reduce_gradients: the gradient tensors this rank's optimizer step will read.
+        The loss scaler unscales these in place and checks them for inf/NaN (distlab.precision);
+        a strategy that holds gradients elsewhere (ZeRO's shards) returns those."""
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    def clip_gradients(self, model, max_norm: float) -> float:
+        """Scale the gradients so their global L2 norm is at most max_norm; return the norm
+        before clipping. A strategy with sharded gradients must sum the squares across ranks."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
     def optimizer_step(self, optimizer):
         optimizer.step()
+
+    def state_bytes(self, model, optimizer) -> dict:
+        """Bytes of parameters, gradients and optimizer state this rank holds, measured after
+        optimizer_step. Sharding strategies (ZeRO, FSDP) count their local shards instead."""
+        from ..memory import model_state_bytes
+        return model_state_bytes(model, optimizer)
 
     def step_info(self) -> dict:
         """Extra fields for this step's event (bucket timeline, staleness, ...)."""

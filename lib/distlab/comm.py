@@ -178,6 +178,16 @@ class Comm:
         self._add(kind, (n - 1) * S / n, (n - 1) * S / n, 0.0)
         return Pending(self, kind, work, out)
 
+    def reduce_scatter_async(self, out: torch.Tensor, t: torch.Tensor,
+                             kind: str = "reduce_scatter") -> Pending:
+        """Start summing every rank's `t` (flat, world × out.numel()) and return at once; `out`
+        gets this rank's block of the sum. Books the ring's (N-1)/N·|t| bytes now."""
+        n, S = self.world, _nbytes(t)
+        work = _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group,
+                                      async_op=True)
+        self._add(kind, (n - 1) * S / n, (n - 1) * S / n, 0.0)
+        return Pending(self, kind, work, out)
+
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy `t` from group rank `src` to every rank (modeled as a pipelined chain)."""
         n, S = self.world, _nbytes(t)

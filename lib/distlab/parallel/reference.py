@@ -1,0 +1,159 @@
+"""torch's own ZeRO-1 and FSDP2: the references `zero1` and `zero3` (distlab.parallel.zero) are
+checked against.
+
+`zero1-torch`: torch.distributed.optim.ZeroRedundancyOptimizer over torch's DDP model. DDP
+all-reduces the full gradients during backward (through the same counting comm hook as
+`ddp-torch`, so Comm books 2(N-1)/N·4Ψ per step); ZeroRedundancyOptimizer gives each rank whole
+parameter tensors, assigned greedily by size (so the partition is only about 1/N), steps only
+those, then every rank broadcasts its updated partition to the others:
+
+    DDP all-reduce (Ψ, every rank gets the full mean gradient) ──► step own partition
+        ──► N broadcasts (one per owner)
+
+Those broadcasts are issued inside torch and bypass Comm; step_info()["zero1_torch"] gives the
+partition sizes and the bytes a pipelined chain broadcast of each partition moves per rank (the
+convention Comm.broadcast books). So torch's ZeRO-1 moves about 3(N-1)/N·4Ψ per rank per step,
+where distlab's `zero1` (reduce-scatter + all-gather) moves 2(N-1)/N·4Ψ, DDP's volume: the
+all-reduce already delivers every rank the full gradient, of which it then uses 1/N.
+
+`fsdp-torch`: FSDP2, `fully_shard` on each block (each ModuleList item, as distlab's units) and
+then on the root (which takes the embeddings, final norm and head) over a 1-D device mesh of all
+ranks. Parameters become DTensors sharded on dim 0; each group's parameters are all-gathered
+before its forward and again before its backward (the root's stay gathered between forward and
+backward: FSDP2 does not reshard the root after forward), and gradients are reduce-scattered
+per group. RunConfig.precision bf16/fp16 sets MixedPrecisionPolicy(param_dtype=that,
+reduce_dtype=float32); cfg.offload sets CPUOffloadPolicy(pin_memory=False) (pinned memory needs
+an accelerator). Its collectives are torch's own, not counted by Comm.
+
+Memory for both comes from local tensors: a DTensor counts its local shard (`to_local()`).
+With FSDP2's CPU offload, sharded parameters, gradients and optimizer state all live on the CPU:
+they are reported as params_offloaded / grads_offloaded / optim_offloaded.
+
+Model state dicts: FSDP2's are DTensors; a state-dict hook replaces each by its full tensor (an
+all-gather on every rank), so `train_with_state` compares plain tensors with `single`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from .base import Strategy
+from .ddp_torch import TorchDDP
+from .zero import find_units
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+
+
+def local_state_bytes(model, optim_state: dict) -> dict:
+    """Bytes of this rank's parameters, gradients and optimizer state, DTensors by local shard."""
+    params = list(model.parameters())
+    state = [v for s in optim_state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"params": _bytes(params), "grads": _bytes(p.grad for p in params),
+            "optim": _bytes(state)}
+
+
+def chain_broadcast_bytes(sizes: list[int], rank: int) -> tuple[int, int]:
+    """(sent, received) by `rank` when every rank src broadcasts sizes[src] bytes along the
+    chain src -> src+1 -> ...: everyone but the chain's last sends, everyone but src receives."""
+    n = len(sizes)
+    sent = sum(s for src, s in enumerate(sizes) if (rank - src) % n < n - 1)
+    recv = sum(s for src, s in enumerate(sizes) if (rank - src) % n > 0)
+    return sent, recv
+
+
+class TorchZeRO1(TorchDDP):
+    """torch DDP + ZeroRedundancyOptimizer (wrap, no_sync, the counting hook: TorchDDP's)."""
+
+    def build_optimizer(self, model, make):
+        probe = make([torch.nn.Parameter(torch.zeros(1))])  # RunConfig's class and settings
+        optimizer = ZeroRedundancyOptimizer(
+            [p for p in model.parameters() if p.requires_grad], optimizer_class=type(probe),
+            process_group=self.comm.group, lr=probe.defaults["lr"],
+            weight_decay=probe.defaults["weight_decay"])
+        local = sum(p.numel() * p.element_size()
+                    for g in optimizer.optim.param_groups for p in g["params"])
+        device = next(model.parameters()).device
+        sizes = torch.zeros(self.world, dtype=torch.int64, device=device)
+        self.comm.all_gather(sizes, torch.tensor([local], device=device))  # setup traffic
+        self.partition_bytes = sizes.tolist()
+        return optimizer
+
+    def state_bytes(self, model, optimizer) -> dict:
+        return local_state_bytes(model, optimizer.optim.state)  # the local optimizer's state
+
+    def step_info(self) -> dict:
+        info = super().step_info()
+        sent, recv = chain_broadcast_bytes(self.partition_bytes, self.rank)
+        info["zero1_torch"] = {"partition_bytes": self.partition_bytes,
+                               "broadcast_modeled": {"bytes_sent": sent, "bytes_recv": recv}}
+        return info
+
+
+class TorchFSDP(Strategy):
+    """FSDP2: fully_shard per block, then the root."""
+
+    def wrap(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
+                                            OffloadPolicy, fully_shard)
+
+        device = next(model.parameters()).device
+        with torch.no_grad():  # every rank starts from rank 0's weights
+            for t in list(model.parameters()) + list(model.buffers()):
+                self.comm.broadcast(t.data, src=0)
+        mesh = init_device_mesh(device.type, (self.world,))
+        dtype = _DTYPES.get(self.cfg.precision)
+        kwargs = {"mesh": mesh,
+                  "mp_policy": (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+                                if dtype else MixedPrecisionPolicy()),
+                  "offload_policy": (CPUOffloadPolicy(pin_memory=False) if self.cfg.offload
+                                     else OffloadPolicy())}
+        for name, modules in find_units(model):
+            if len(modules) == 1 and name.rsplit(".", 1)[-1].isdigit():  # a ModuleList item
+                fully_shard(modules[0], **kwargs)
+        fully_shard(model, **kwargs)
+        hook = lambda module, sd, prefix, meta: _full_tensors(sd)  # noqa: E731
+        model.register_state_dict_post_hook(hook)
+        return model
+
+    def no_sync(self, model):
+        @contextlib.contextmanager
+        def local_accumulation():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return local_accumulation()
+
+    def reduce_gradients(self, model):
+        """Nothing: FSDP reduce-scattered every group's gradients during backward."""
+
+    def clip_gradients(self, model, max_norm: float) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # a DTensor: the global norm
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def state_bytes(self, model, optimizer) -> dict:
+        b = local_state_bytes(model, optimizer.state)
+        if self.cfg.offload:  # CPUOffloadPolicy: shards, gradients and the step on the CPU
+            return {**{k: 0 for k in b}, **{f"{k}_offloaded": v for k, v in b.items()}}
+        return b
+
+
+def _full_tensors(sd: dict):
+    for k, v in sd.items():
+        if hasattr(v, "full_tensor"):
+            sd[k] = v.full_tensor()

@@ -112,6 +112,22 @@ def loss_figure(curves: dict, title: str, xaxis: str = "step", floor: float | No
     return fig
 
 
+def diff_figure(gaps: dict[str, list[float]], tol: float, title: str) -> go.Figure:
+    """Per-step gaps {label: [|a_t - b_t|, ...]} on a log scale, with the tolerance drawn
+    (exact zeros have no place on a log scale: they are left out)."""
+    fig = go.Figure()
+    for i, (label, g) in enumerate(gaps.items()):
+        fig.add_scatter(x=list(range(len(g))), y=[v if v > 0 else None for v in g], mode="lines+markers",
+                        name=label, line=dict(color=COLORS[(i + 1) % len(COLORS)]),
+                        marker=dict(size=4))
+    fig.add_hline(y=tol, line_dash="dash", line_color="#c00",
+                  annotation_text=f"tolerance {tol:g}", annotation_position="top left")
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="absolute gap", height=320,
+                      template="plotly_white")
+    fig.update_yaxes(type="log", exponentformat="e")
+    return fig
+
+
 def dp_bytes_by_kind(run: Run, step: int = -1) -> dict[str, list[int]]:
     """Bytes each replica of a `dp` run moved (sent + received) in one step, by kind."""
     e = sorted(run.history("step"), key=lambda e: e["step"])[step]["dp"]["bytes"]
@@ -134,8 +150,9 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     fig.add_bar(x=names, y=[summary["replica0_only_s"] * 1e3] + [0] * (n - 1),
                 name="replica 0 only: replicate, scatter, gather, loss, grad scatter, "
                      "reduce-add, optimizer", marker_color=COLORS[6], row=1, col=2)
-    fig.update_layout(barmode="stack", height=420, template="plotly_white",
-                      legend=dict(font=dict(size=10)))
+    fig.update_layout(barmode="stack", height=440, template="plotly_white",
+                      title=f"dp, {n} replicas in one process: what replica 0 carries",
+                      margin=dict(t=90), legend=dict(font=dict(size=10)))
     fig.update_yaxes(title_text="KiB", row=1, col=1)
     fig.update_yaxes(title_text="ms", row=1, col=2)
     return fig
@@ -199,4 +216,82 @@ def grouped_bars(groups: dict[str, dict[str, float]], title: str, yaxis: str,
                     marker_color=COLORS[i % len(COLORS)])
     fig.update_layout(barmode="group", title=title, yaxis_title=yaxis, height=height,
                       template="plotly_white")
+    return fig
+
+
+def bucket_plan(cfg: RunConfig) -> list[dict]:
+    """The buckets of `ddp` for cfg's GPT, in launch order: {"tensors": parameter names,
+    "bytes": gradient bytes}. The gradients in reverse registration order, cut by
+    distlab.parallel.ddp.assign_buckets at cfg.bucket_mb, as DDP.wrap does (built here on the
+    caller's side, without a process group)."""
+    from .models import GPT, GPTConfig
+    from .parallel.ddp import MiB as DDP_MiB, assign_buckets
+
+    model = GPT(GPTConfig.from_run(cfg))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+    sizes = [p.numel() * p.element_size() for _, p in named]
+    return [{"tensors": [named[i][0] for i in b], "bytes": sum(sizes[i] for i in b)}
+            for b in assign_buckets(sizes, cfg.bucket_mb * DDP_MiB)]
+
+
+def ps_ring_figure(measured: dict[str, tuple[float, float]], P: float, N: int,
+                   ring_points: dict[int, float] | None = None, max_n: int = 16) -> go.Figure:
+    """Left: bytes per update each node of a parameter-server run moved, {node: (sent,
+    received)}, in units of P (the gradient bytes). Right: per-node bytes per update against N
+    by formula: the server's N·P, a worker's P, a ring all-reduce rank's 2(N-1)/N·P, with the
+    measured server at N and measured ring ranks at `ring_points` {N: bytes sent}."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        f"bytes per update, measured (N = {N} workers)",
+        "bytes sent per update by the busiest node, vs N"))
+    names = list(measured)
+    fig.add_bar(x=names, y=[measured[k][0] / P for k in names], name="sent",
+                marker_color=COLORS[0], row=1, col=1)
+    fig.add_bar(x=names, y=[measured[k][1] / P for k in names], name="received",
+                marker_color=COLORS[1], row=1, col=1)
+    ns = list(range(2, max_n + 1))
+    for i, (label, f) in enumerate((
+            ("parameter server: N·P (formula)", lambda n: n),
+            ("ps worker: P (formula)", lambda n: 1),
+            ("ring all-reduce rank: 2(N-1)/N·P (formula)", lambda n: 2 * (n - 1) / n))):
+        fig.add_scatter(x=ns, y=[f(n) for n in ns], mode="lines", name=label,
+                        line=dict(color=COLORS[2 + i], dash="dot"), row=1, col=2)
+    server = next((v for k, v in measured.items() if k.startswith("server")), None)
+    if server is not None:
+        fig.add_scatter(x=[N], y=[server[0] / P], mode="markers", name="server, measured",
+                        marker=dict(color=COLORS[2], size=12, symbol="diamond"), row=1, col=2)
+    if ring_points:
+        fig.add_scatter(x=list(ring_points), y=[v / P for v in ring_points.values()],
+                        mode="markers", name="ring rank, measured",
+                        marker=dict(color=COLORS[4], size=12, symbol="circle"), row=1, col=2)
+    fig.update_layout(barmode="group", height=440, template="plotly_white",
+                      title="parameter server vs ring all-reduce: bytes per node, in units of "
+                            "P (the gradient's bytes)",
+                      margin=dict(t=90), legend=dict(font=dict(size=10)))
+    fig.update_yaxes(title_text="bytes / P", row=1, col=1)
+    fig.update_yaxes(title_text="bytes sent / P", row=1, col=2)
+    fig.update_xaxes(title_text="N (workers or ranks)", row=1, col=2)
+    return fig
+
+
+def scaling_figure(curves: list[dict]) -> go.Figure:
+    """Loss against step (left) and against samples seen (right) for each run of
+    distlab.scaling.scaling_experiment: one colour per (batch, rule), dotted with warm-up."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=("loss vs step", "loss vs samples seen"))
+    keys = sorted({(c["batch"], c["rule"]) for c in curves})
+    for c in curves:
+        color = COLORS[keys.index((c["batch"], c["rule"])) % len(COLORS)]
+        line = dict(color=color, dash="dot" if c["warmup_steps"] else "solid", width=1.8)
+        for col, x in ((1, c["step"]), (2, c["samples"])):
+            fig.add_scatter(x=x, y=c["loss"], mode="lines", name=c["label"], line=line,
+                            legendgroup=c["label"], showlegend=col == 1, row=1, col=col)
+    top = 1.3 * max(c["loss_at_start"] for c in curves)
+    floor = min(c["loss_floor"] for c in curves)
+    fig.update_yaxes(range=[floor - 0.2, top], title_text="loss (nats)", row=1, col=1)
+    fig.update_yaxes(range=[floor - 0.2, top], row=1, col=2)
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_xaxes(title_text="samples", type="log", row=1, col=2)
+    fig.update_layout(height=500, template="plotly_white", legend=dict(font=dict(size=10)),
+                      title="tiny GPT, SGD: batch sizes × lr rules (solid: no warm-up, dotted: "
+                            "warm-up); diverged runs leave the plot", margin=dict(t=90))
     return fig

@@ -1,0 +1,471 @@
+"""Caller-side helpers of the ZeRO and FSDP notebook (workbook/04_zero_and_fsdp): what a rank
+of each strategy holds and sends, read from the runs' step events and set beside the formulas,
+the figures that draw them, and a widget that runs one strategy and plots its memory per rank
+next to the estimate.
+
+Nothing here runs inside a rank or changes how anything trains: the ranks are
+distlab.parallel.zero (zero1/zero2/zero3) and distlab.parallel.reference (zero1-torch,
+fsdp-torch); the formulas are distlab.estimate's and distlab.comm's.
+
+    explorer = MemoryExplorer(RunConfig(steps=3, n_layer=2, n_embd=32, n_head=2))
+    explorer.widget                              # knobs, Run, status, figure
+    explorer.run(strategy="zero3", world_size=4).wait()   # what the Run button does, then wait
+    explorer.measured, explorer.estimate         # per-rank bytes, and the estimate drawn
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import threading
+import time
+
+import ipywidgets as W
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from . import lab
+from .comm import ring_allreduce_bytes
+from .config import RunConfig
+from .estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, estimate_run,
+                       gpt_activation_bytes, gpt_params_of, zero_model_states)
+from .launch import launch
+from .run import Run
+
+KiB = 1024
+# The strategies the notebook compares, as "stages": DDP keeps everything on every rank.
+STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1-torch": 1, "fsdp-torch": 3}
+EXPLORER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp-torch")
+# Model-state categories a step event can carry; "_offloaded" ones live in host memory.
+MODEL_STATES = ("params", "grads", "optim")
+HOST_CATEGORIES = (("params_offloaded", "parameters (host)"),
+                   ("grads_offloaded", "gradients (host)"),
+                   ("optim_offloaded", "optimizer state (host)"))
+ALL_CATEGORIES = lab.MEMORY_CATEGORIES + HOST_CATEGORIES
+COLORS = dict(zip([k for k, _ in lab.MEMORY_CATEGORIES], lab.MEMORY_COLORS))
+COLORS.update(params_offloaded=COLORS["params"], grads_offloaded=COLORS["grads"],
+              optim_offloaded=COLORS["optim"])
+KIND_COLORS = {"all_reduce": "#4c78a8", "reduce_scatter": "#f58518", "all_gather": "#54a24b",
+               "broadcast": "#b279a2"}
+# What the runs of the explorer offload, by strategy (RunConfig.offload's meaning for each).
+OFFLOAD_MEANING = {
+    "ddp": "nothing: DDP has no offload",
+    "zero1": "optimizer state to the host (ZeRO-Offload)",
+    "zero2": "optimizer state to the host (ZeRO-Offload)",
+    "zero3": "optimizer state to the host (ZeRO-Offload)",
+    "fsdp-torch": "parameter shards, gradients and optimizer state to the host "
+                  "(FSDP2 CPUOffloadPolicy)",
+}
+
+
+# -- reading runs ---------------------------------------------------------------------------
+def memory_by_rank(run: Run, step: int | None = None) -> list[dict]:
+    """Each rank's memory dict (bytes by category) at `step` (default: the last step every
+    rank finished), in rank order."""
+    step = run.steps_done() - 1 if step is None else step
+    return [e["memory"] for e in lab.step_events(run, step)]
+
+
+def comm_by_step(run: Run, rank: int) -> list[dict]:
+    """One rank's {kind: bytes_sent} for every step, in step order."""
+    return [{k: v["bytes_sent"] for k, v in e.get("comm", {}).items()}
+            for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
+
+
+def model_states(mem: dict) -> dict:
+    """The model-state entries of a memory dict (device and host), zero ones included."""
+    keys = MODEL_STATES + tuple(k for k, _ in HOST_CATEGORIES)
+    return {k: mem[k] for k in keys if k in mem}
+
+
+def total(mem: dict, keys=None) -> int:
+    """Sum of a memory dict's entries (all categories, or `keys`); None counts as 0."""
+    return sum(v or 0 for k, v in mem.items() if keys is None or k in keys)
+
+
+# -- estimates --------------------------------------------------------------------------------
+def fsdp2_model_state_bytes(cfg: RunConfig, rank: int = 0) -> dict:
+    """Model-state bytes rank `rank` of an `fsdp-torch` run of cfg's GPT holds: what
+    distlab.parallel.reference logs from the DTensors' local shards.
+
+    FSDP2 shards every parameter on dim 0 as torch.chunk does: chunks of ceil(rows/N) rows,
+    rank r gets chunk r (an empty one past the last row), unpadded. fp32, 4 bytes a value.
+    AdamW keeps exp_avg and exp_avg_sq of the local shard (8 bytes a value) and a 4-byte `step`
+    counter for every parameter tensor on every rank (each rank steps every tensor's shard).
+    cfg.offload (CPUOffloadPolicy): the same bytes, all three under "*_offloaded"."""
+    from .models import GPT, GPTConfig
+
+    n = cfg.world_size
+    with torch.device("meta"):
+        params = list(GPT(GPTConfig.from_run(cfg)).parameters())
+    local = 0
+    for p in params:
+        rows = p.shape[0]
+        c = math.ceil(rows / n)
+        local += max(0, min(c, rows - rank * c)) * (p.numel() // rows)
+    optim = 8 * local + 4 * len(params) if cfg.optimizer == "adamw" else 0
+    out = {"params": 4 * local, "grads": 4 * local, "optim": optim}
+    if cfg.offload:
+        return {**{k: 0 for k in out}, **{f"{k}_offloaded": v for k, v in out.items()}}
+    return out
+
+
+def estimate_memory(cfg: RunConfig, rank: int = 0) -> tuple[dict, str]:
+    """(bytes by category, where the numbers come from) for rank `rank` of a run of cfg:
+    model states and activations; comm buffers are not estimated (None).
+
+    ddp, zero1/2/3: distlab.estimate.estimate_run, derived for our padded flat buffers.
+    fsdp-torch: fsdp2_model_state_bytes (dim-0 shards); activations as our GPT's
+    (gpt_activation_bytes). zero1-torch (greedy whole-tensor partition): the ZeRO paper's
+    stage-1 formula with fp32 AdamW's bytes, Ψ/N exactly."""
+    if cfg.strategy in ("single", "ddp", "zero1", "zero2", "zero3"):
+        est = {k: v for k, v in estimate_run(cfg, rank).items() if v is not None}
+        src = "distlab.estimate.estimate_run (exact for our code)"
+    elif cfg.strategy == "fsdp-torch":
+        est = {**fsdp2_model_state_bytes(cfg, rank), "activations": gpt_activation_bytes(cfg)}
+        src = "fsdp2_model_state_bytes (FSDP2's dim-0 shards) + our GPT's activations"
+    else:
+        bpp = FP32_ADAM if cfg.optimizer == "adamw" else FP32_SGD
+        st = zero_model_states(gpt_params_of(cfg), cfg.world_size, STAGE_OF[cfg.strategy], bpp)
+        est = {"params": st.params, "grads": st.grads, "optim": st.optim,
+               "activations": gpt_activation_bytes(cfg)}
+        src = "ZeRO paper's formula with fp32 AdamW (4, 4, K = 8 bytes per parameter)"
+    est["comm_buffers"] = None
+    return est, src
+
+
+def comm_formula(strategy: str, n: int, model_bytes: float) -> dict:
+    """Bytes each rank sends per step by collective kind, by formula, for a model of
+    `model_bytes` bytes (4Ψ in fp32) on n ranks, one micro-batch (Rajbhandari et al. 2020,
+    Section 7; distlab.parallel.zero's docstring):
+
+        ddp          all-reduce            2(N-1)/N · 4Ψ
+        zero1/zero2  reduce-scatter         (N-1)/N · 4Ψ   + all-gather (N-1)/N · 4Ψ
+        zero3, FSDP  all-gather (fwd + bwd) 2(N-1)/N · 4Ψ  + reduce-scatter (N-1)/N · 4Ψ
+        zero1-torch  DDP's all-reduce + one broadcast of each rank's partition ((N-1)/N · 4Ψ
+                     if the partitions were equal)"""
+    one = (n - 1) / n * model_bytes
+    if strategy == "ddp":
+        return {"all_reduce": ring_allreduce_bytes(model_bytes, n)}
+    if strategy in ("zero1", "zero2"):
+        return {"reduce_scatter": one, "all_gather": one}
+    if strategy in ("zero3", "fsdp-torch"):
+        return {"all_gather": 2 * one, "reduce_scatter": one}
+    if strategy == "zero1-torch":
+        return {"all_reduce": ring_allreduce_bytes(model_bytes, n), "broadcast": one}
+    raise ValueError(f"no formula for {strategy!r}")
+
+
+def stage_rows(psi: float, n_d: int, bpp: BytesPerParam, gpu_bytes: float | None = None,
+               offload=(), unit: float = GB) -> list[list]:
+    """One row per ZeRO stage of distlab.estimate.zero_model_states: parameters held per GPU,
+    then params, grads, optimizer state, device total and host total in `unit` (GB = 1e9 by
+    default), and whether the device total fits in gpu_bytes."""
+    rows = []
+    for stage, name in STAGES.items():
+        st = zero_model_states(psi, n_d, stage, bpp, offload)
+        held = psi / n_d if stage == 3 else psi
+        row = [name, f"{held / 1e9:.2f}B", f"{st.params / unit:.1f}", f"{st.grads / unit:.1f}",
+               f"{st.optim / unit:.1f}", f"{st.device / unit:.1f}"]
+        if offload:
+            row.append(f"{st.host / unit:.1f}")
+        if gpu_bytes:
+            row.append("yes" if st.device <= gpu_bytes else "no")
+        rows.append(row)
+    return rows
+
+
+def activation_room(gpu_bytes: float, states_bytes: float, per_sequence_bytes: float,
+                    gpus: int, seq_len: int) -> dict:
+    """How many sequences fit in what the model states leave of a GPU, and the tokens of one
+    data-parallel step: free = gpu - states; sequences per GPU = floor(free / per sequence);
+    tokens per step = GPUs x sequences per GPU x seq_len."""
+    free = gpu_bytes - states_bytes
+    per_gpu = max(0, math.floor(free / per_sequence_bytes))
+    return {"free": free, "per_gpu": per_gpu, "sequences": gpus * per_gpu,
+            "tokens": gpus * per_gpu * seq_len}
+
+
+# -- figures -----------------------------------------------------------------------------------
+def memory_figure(groups: dict[str, dict[str, dict | None]], title: str,
+                  scale: float = KiB, unit: str = "KiB", height: int = 460) -> go.Figure:
+    """Stacked bars by memory category, grouped: {group: {bar: memory dict}} (e.g. {"zero2":
+    {"rank 0": {...}, "rank 1": {...}, "est.": {...}}}). Host (offloaded) categories are
+    hatched; estimate bars (a bar name starting "est") are drawn lighter. None is left out."""
+    xs = [[], []]
+    for g, bars in groups.items():
+        for b in bars:
+            xs[0].append(g)
+            xs[1].append(b)
+    fig = go.Figure()
+    for key, name in ALL_CATEGORIES:
+        ys, raw = [], []
+        for g, bars in groups.items():
+            for b, mem in bars.items():
+                v = (mem or {}).get(key)
+                ys.append(None if v is None else v / scale)
+                raw.append(v)
+        if all(v in (None, 0) for v in raw):
+            continue
+        host = key.endswith("_offloaded")
+        fig.add_bar(x=xs, y=ys, name=name, customdata=raw, marker_color=COLORS[key],
+                    marker_opacity=[0.45 if b.startswith("est") else 1.0 for b in xs[1]],
+                    marker_pattern_shape="/" if host else "",
+                    hovertemplate=f"{name}: %{{customdata:,}} bytes<extra></extra>")
+    fig.update_layout(barmode="stack", title=title, yaxis_title=unit, height=height,
+                      template="plotly_white", legend=dict(traceorder="normal"),
+                      margin=dict(t=70), bargap=0.08)
+    fig.update_xaxes(tickangle=0, tickfont=dict(size=10))
+    return fig
+
+
+def equivalence_figure(curves: dict[str, list[float]], ref: str, tol: float,
+                       title: str) -> go.Figure:
+    """Left: loss curves (the reference drawn thickest). Right: |loss - reference's loss| per
+    step on a log scale with the tolerance; exact zeros have no place on a log scale."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        "loss per step", f"|loss − {ref}'s loss| per step"))
+    base = curves[ref]
+    for i, (label, y) in enumerate(curves.items()):
+        color = lab.RUN_COLORS[i % len(lab.RUN_COLORS)]
+        fig.add_scatter(x=list(range(len(y))), y=y, mode="lines", name=label, legendgroup=label,
+                        line=dict(color=color, width=max(1.2, 5 - 0.6 * i)), row=1, col=1)
+        if label != ref:
+            gap = [abs(a - b) for a, b in zip(y, base)]
+            fig.add_scatter(x=list(range(len(y))), y=[g if g > 0 else None for g in gap],
+                            mode="markers+lines", marker=dict(size=4), line=dict(color=color),
+                            name=label, legendgroup=label, showlegend=False, row=1, col=2)
+    fig.add_hline(y=tol, line_dash="dash", line_color="#c00", row=1, col=2,
+                  annotation_text=f"tolerance {tol:g}", annotation_position="bottom right")
+    fig.update_yaxes(title_text="loss (nats)", row=1, col=1)
+    fig.update_yaxes(type="log", exponentformat="e", row=1, col=2)
+    fig.update_xaxes(title_text="step")
+    fig.update_layout(title=title, height=400, template="plotly_white", margin=dict(t=80))
+    return fig
+
+
+def comm_figure(measured: dict[str, dict], formula: dict[str, dict], model_bytes: float,
+                n: int, outside: dict[str, dict] | None = None,
+                other_n: dict[str, dict[int, float]] | None = None, max_n: int = 64) -> go.Figure:
+    """Left: bytes one rank sent in one step, stacked by collective kind, in units of the
+    model's bytes (4Ψ), per strategy: measured by Comm (solid), modeled outside Comm (hatched,
+    `outside`: {strategy: {kind: bytes}}), the formula's total as a diamond. Right: the
+    formulas' per-rank bytes against N (DDP/ZeRO-1/2: 2(N-1)/N, ZeRO-3/FSDP: 3(N-1)/N, in 4Ψ)
+    with the measured totals at N and at `other_n` ({strategy: {N: bytes}})."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, column_widths=[0.55, 0.45],
+                        subplot_titles=(f"bytes sent per rank per step, N = {n}",
+                                        "bytes sent per rank per step vs N (formula lines)"))
+    names = list(formula)
+    kinds = [k for k in KIND_COLORS if any(k in m for m in measured.values())]
+    for k in kinds:
+        fig.add_bar(x=names, y=[measured.get(s, {}).get(k, 0) / model_bytes for s in names],
+                    name=f"{k} (counted by Comm)", marker_color=KIND_COLORS[k], row=1, col=1)
+    for k in sorted({k for o in (outside or {}).values() for k in o}):
+        fig.add_bar(x=names, y=[(outside or {}).get(s, {}).get(k, 0) / model_bytes for s in names],
+                    name=f"{k} (inside torch, modeled: not counted)",
+                    marker_color=KIND_COLORS.get(k, "#999"), marker_pattern_shape="/",
+                    marker_opacity=0.6, row=1, col=1)
+    fig.add_scatter(x=names, y=[sum(formula[s].values()) / model_bytes for s in names],
+                    mode="markers", name="formula, total",
+                    marker=dict(symbol="diamond", size=13, color="#222"), row=1, col=1)
+    ns = list(range(2, max_n + 1))
+    for label, f, dash in (("all-reduce (DDP, ZeRO-1, ZeRO-2): 2(N-1)/N", 2, "solid"),
+                           ("ZeRO-3 / FSDP: 3(N-1)/N", 3, "dash")):
+        fig.add_scatter(x=ns, y=[f * (m - 1) / m for m in ns], mode="lines", name=label,
+                        line=dict(color="#555", dash=dash), row=1, col=2)
+    points = {s: {n: sum(measured.get(s, {}).values())} for s in ("ddp", "zero1", "zero2", "zero3")
+              if s in measured}
+    for s, d in (other_n or {}).items():
+        points.setdefault(s, {}).update(d)
+    for i, (s, d) in enumerate(points.items()):  # ddp, zero1, zero2 coincide: nested circles
+        fig.add_scatter(x=list(d), y=[v / model_bytes for v in d.values()], mode="markers",
+                        name=f"{s}, measured",
+                        marker=dict(size=(15, 11, 7, 11)[i % 4], color=lab.RUN_COLORS[i],
+                                    symbol="square" if s == "zero3" else "circle"),
+                        row=1, col=2)
+    for s in names:
+        if not measured.get(s) and not (outside or {}).get(s):
+            fig.add_annotation(x=s, y=0.05, yanchor="bottom", showarrow=False, row=1, col=1,
+                               text="not counted:<br>torch's own<br>collectives",
+                               font=dict(size=10, color="#555"))
+    fig.update_xaxes(type="log", title_text="N (ranks)", row=1, col=2)
+    fig.update_yaxes(title_text="bytes sent / 4Ψ", row=1, col=1)
+    fig.update_yaxes(title_text="bytes sent / 4Ψ", range=[0, 3.2], row=1, col=2)
+    fig.update_layout(barmode="stack", height=460, template="plotly_white",
+                      title="Bytes on the wire per rank per step, in units of the fp32 model (4Ψ)",
+                      legend=dict(font=dict(size=10), traceorder="normal"), margin=dict(t=90))
+    return fig
+
+
+def reduction_figure(mixes: dict[str, BytesPerParam], measured: dict[str, tuple[int, float]],
+                     max_n: int = 1024) -> go.Figure:
+    """Model-state memory of plain DP over that of each ZeRO stage, against N_d, for each
+    bytes-per-parameter mix (Rajbhandari et al. 2020: (2 + 2 + K) / per-stage bytes), with the
+    ratios measured here ({label: (N, ratio)}) as markers."""
+    ns = [2 ** k for k in range(0, int(math.log2(max_n)) + 1)]
+    fig = go.Figure()
+    dashes = ("solid", "dot", "dash")
+    for j, (mix_name, bpp) in enumerate(mixes.items()):
+        for s in (1, 2, 3):
+            ys = [zero_model_states(1.0, n, 0, bpp).device / zero_model_states(1.0, n, s, bpp).device
+                  for n in ns]
+            fig.add_scatter(x=ns, y=ys, mode="lines", name=f"{STAGES[s]}, {mix_name}",
+                            line=dict(color=lab.MEMORY_COLORS[s - 1], dash=dashes[j % 3]))
+    for i, (label, (n, ratio)) in enumerate(measured.items()):
+        fig.add_scatter(x=[n], y=[ratio], mode="markers", name=label,
+                        marker=dict(size=12, symbol="star", color=lab.MEMORY_COLORS[i % 3],
+                                    line=dict(color="#000", width=1)))
+    for y in (4, 8):
+        fig.add_hline(y=y, line_dash="dot", line_color="#999", annotation_text=f"{y}×",
+                      annotation_position="top left")
+    fig.update_xaxes(type="log", title_text="N_d (data-parallel ranks)")
+    fig.update_yaxes(type="log", title_text="plain DP bytes / ZeRO bytes (model states)")
+    fig.update_layout(height=440, template="plotly_white", legend=dict(font=dict(size=10)),
+                      title="Memory reduction of each stage vs N_d: where '4×' and '8×' come from")
+    return fig
+
+
+# -- the widget ------------------------------------------------------------------------------------
+class MemoryExplorer:
+    """Pick a strategy, a world size and offload; Run launches the real thing (non-blocking)
+    and a thread draws each rank's memory by category, as the ranks log it, next to the
+    estimate (estimate_memory), until the run ends.
+
+    `run(**overrides)` is what the button does (knob values can be overridden: strategy,
+    world_size, offload, or any RunConfig field) and returns the Run at once; `wait()` blocks
+    until the drawing thread has drawn the finished run and raises the run's error if it
+    failed. After that, `measured` (one memory dict per rank) and `estimate` hold what the
+    figure shows. As in distlab.lab: the thread only sets widget state, under a lock, inside
+    batch_update(), at most every `poll_s`."""
+
+    def __init__(self, base: RunConfig, strategies=EXPLORER_STRATEGIES, worlds=(2, 4),
+                 poll_s: float = lab.POLL_S):
+        self.base = base
+        self.poll_s = poll_s
+        style = {"description_width": "initial"}
+        self.strategy = W.Dropdown(options=strategies, value="zero3", description="strategy",
+                                   style=style)
+        self.world_size = W.Dropdown(options=worlds, value=max(worlds), description="world size",
+                                     style=style)
+        self.offload = W.Checkbox(value=False, description="offload", indent=False)
+        self.button = W.Button(description="Run", button_style="success", icon="play")
+        self.status = W.HTML("ready: pick a strategy and press Run")
+        self.note = W.HTML()
+        self.fig = go.FigureWidget()
+        for key, name in ALL_CATEGORIES:
+            self.fig.add_bar(x=[], y=[], name=name, marker_color=COLORS[key],
+                             marker_pattern_shape="/" if key.endswith("_offloaded") else "",
+                             hovertemplate=f"{name}: %{{customdata:,}} bytes<extra></extra>")
+        self.fig.update_layout(barmode="stack", height=420, template="plotly_white",
+                               yaxis_title="KiB", title="press Run", margin=dict(t=60),
+                               legend=dict(traceorder="normal"))
+        self.widget = W.VBox([W.HBox([self.strategy, self.world_size, self.offload,
+                                      self.button]), self.status, self.note, self.fig])
+        self.widget.add_class("distlab-zero-explorer")
+        self.button.on_click(self._on_click)
+        self.strategy.observe(self._on_strategy, names="value")
+        self._on_strategy({"new": self.strategy.value})
+        self.last_run: Run | None = None
+        self.measured: list[dict] = []
+        self.estimate: dict = {}
+        self.source = ""
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def config(self, **overrides) -> RunConfig:
+        """The RunConfig the knobs describe now (overrides win). DDP has no offload: off."""
+        cfg = self.base.replace(**{"strategy": self.strategy.value,
+                                   "world_size": self.world_size.value,
+                                   "offload": self.offload.value, **overrides})
+        return cfg.replace(offload=False) if cfg.strategy == "ddp" else cfg
+
+    def run(self, **overrides) -> "MemoryExplorer":
+        """Set the knobs from overrides, launch (non-blocking), start the drawing thread."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("the last run is still going: wait for it")
+        for name in ("strategy", "world_size", "offload"):  # the knobs show what runs
+            if name in overrides and not (name == "offload" and self.offload.disabled):
+                getattr(self, name).value = overrides[name]
+        cfg = self.config(**overrides)
+        self.estimate, self.source = estimate_memory(cfg)
+        self.measured, self.error = [], None
+        self.note.value = html.escape(f"offload: {OFFLOAD_MEANING[cfg.strategy]}"
+                                      if cfg.offload else "") + \
+            f"<br><small>estimate: {html.escape(self.source)}; comm buffers not estimated</small>"
+        run = launch(cfg)
+        self.last_run = run
+        self.button.disabled = True
+        self.status.value = html.escape(f"starting {lab.run_label(run)}: spawning "
+                                        f"{cfg.world_size} processes")
+        self._thread = threading.Thread(target=self._poll, args=(run,), daemon=True,
+                                        name="distlab-zero-explorer")
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> "MemoryExplorer":
+        """Block until the run ended and its last step is drawn; raise its error if any."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the run did not end within {timeout} s")
+        if self.last_run is not None and self.last_run.error is not None:
+            raise self.last_run.error
+        if self.error is not None:
+            raise self.error
+        return self
+
+    # -- the thread --------------------------------------------------------------------------
+    def _poll(self, run: Run):
+        try:
+            while True:
+                finished = run.done  # before drawing: a finished run has all its events
+                self._draw(run)
+                if finished:
+                    break
+                time.sleep(self.poll_s)
+        except BaseException as e:  # noqa: BLE001 - never raise from a thread
+            self.error = e
+            self.status.value = (f"<span style='color:#c00'>drawing stopped: "
+                                 f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
+        finally:
+            self.button.disabled = False
+
+    def _draw(self, run: Run):
+        with self._lock:
+            measured = memory_by_rank(run) if run.steps_done() > 0 else []
+            label = lab.run_label(run)
+            x = [f"rank {r}" for r in range(len(measured))] + ["estimate"]
+            with self.fig.batch_update():
+                for trace, (key, _) in zip(self.fig.data, ALL_CATEGORIES):
+                    raw = [m.get(key, 0) for m in measured] + [self.estimate.get(key)]
+                    trace.x = x
+                    trace.y = [None if v is None else v / KiB for v in raw]
+                    trace.customdata = raw
+                    trace.marker.opacity = [1.0] * len(measured) + [0.5]
+                    trace.visible = any(v for v in raw)
+                step = f"step {run.steps_done() - 1}" if measured else "no step yet"
+                self.fig.layout.title.text = f"{label}: memory per rank by category, {step}"
+            self.measured = measured
+            self.status.value = html.escape(lab.describe(run, label))
+
+    # -- knobs ---------------------------------------------------------------------------------
+    def _on_click(self, _button):
+        try:  # runs in the kernel's main thread; returns at once (launch does not wait)
+            self.run()
+        except Exception as e:  # noqa: BLE001 - a widget callback's exception is invisible
+            self.status.value = (f"<span style='color:#c00'>not started: "
+                                 f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
+
+    def _on_strategy(self, change):
+        self.offload.disabled = change["new"] == "ddp"
+        if change["new"] == "ddp":
+            self.offload.value = False
+        self.offload.description = ("offload (FSDP2: params, grads, optimizer state)"
+                                    if change["new"] == "fsdp-torch" else
+                                    "offload optimizer state" if change["new"] != "ddp"
+                                    else "offload (not for DDP)")
+
+    def __repr__(self):
+        return f"MemoryExplorer(last run: {self.last_run})"

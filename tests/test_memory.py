@@ -140,3 +140,21 @@ def test_train_reports_the_peak_when_asked(launched):
         assert mem["peak"] >= mem["params"] + mem["activations"]
         assert mem["allocated"] >= mem["params"] + mem["grads"] + mem["optim"]
     assert e_on["loss"] == e_off["loss"]  # tracking only watches
+
+
+def test_activation_meter_counts_autocast_weight_copies_apart():
+    """Under bf16 autocast a Linear saves its input cast to bf16 (an activation: the cast of a
+    leaf that is not a parameter counts too) and the bf16 copy autocast made of its weight (a
+    cast of a parameter, 2 bytes per weight whatever the batch): counted in param_cast_bytes."""
+    lin = torch.nn.Linear(256, 128, bias=False)
+    meter = ActivationMeter(lin)
+    x = torch.randn(4, 256, requires_grad=True)
+    with meter.measure(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = lin(x)
+        h.float().exp()  # exp is not on CPU autocast's lists: fp32; it saves its result
+    assert meter.param_cast_bytes == 128 * 256 * 2
+    assert meter.by_dtype == {"bfloat16": 4 * 256 * 2, "float32": 4 * 128 * 4}
+    assert meter.bytes == sum(meter.by_dtype.values())
+    with meter.measure():  # fp32: no copies (the weight itself is a parameter); x, exp's result
+        lin(x).exp()
+    assert (meter.param_cast_bytes, meter.by_dtype) == (0, {"float32": (4 * 256 + 4 * 128) * 4})

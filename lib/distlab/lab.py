@@ -49,6 +49,8 @@ MEMORY_CATEGORIES = (("params", "parameters"), ("grads", "gradients"),
                      ("comm_buffers", "comm buffers"))
 MEMORY_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756")
 FLOOR_COLOR = "#555555"
+PEAK_COLOR = "#222222"
+PEAK_NAME = "peak in the step"  # memory["peak"] (RunConfig.track_peak), drawn beside the bars
 RUN_COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00")
 
 
@@ -225,6 +227,14 @@ class LiveDashboard:
             comm = self.fig.data[len(MEMORY_CATEGORIES)]
             comm.update(x=ranks, y=[v / MiB for v in sent], customdata=sent,
                         hovertext=[_comm_breakdown(e) for e in events])
+            # With track_peak, each rank's peak of aten allocations in the step: a bar stacks
+            # what is held at the step's end, the marker what the step needed at its worst.
+            peaks = [e["memory"].get("peak") for e in events]
+            has_peak = any(p is not None for p in peaks)
+            self.fig.data[len(MEMORY_CATEGORIES) + 1].update(
+                x=ranks if has_peak else [], showlegend=has_peak,
+                y=[p / MiB if p is not None else None for p in peaks] if has_peak else [],
+                customdata=peaks if has_peak else [])
             # Which run and step the bars show goes under them: titles above have no room.
             self.fig.layout.xaxis2.title.text = where
             self.fig.layout.xaxis3.title.text = (
@@ -244,11 +254,21 @@ def _make_figure() -> go.FigureWidget:
     fig = go.FigureWidget(fig)
     for (key, name), color in zip(MEMORY_CATEGORIES, MEMORY_COLORS):
         fig.add_bar(x=[], y=[], name=name, legend="legend2", marker_color=color,
+                    offsetgroup="held",
                     hovertemplate=f"{name}: %{{y:.3f}} MiB (%{{customdata:,}} bytes)<extra></extra>",
                     row=2, col=1)
     fig.add_bar(x=[], y=[], name="bytes sent", showlegend=False, marker_color="#72b7b2",
                 hovertemplate="%{customdata:,} bytes sent<br>%{hovertext}<extra></extra>",
                 row=2, col=2)
+    # The peak (RunConfig.track_peak) as its own bar beside each rank's stack: bars of another
+    # offsetgroup sit side by side with the stacked ones instead of stacking on them.
+    fig.add_bar(x=[], y=[], name=PEAK_NAME, legend="legend2", showlegend=False,
+                offsetgroup="peak", marker=dict(color="rgba(0,0,0,0)",
+                                                line=dict(width=2.5, color=PEAK_COLOR)),
+                hovertemplate=("peak in the step: %{y:.3f} MiB (%{customdata:,} bytes)<br>"
+                               "aten allocations; the CPU stand-in for "
+                               "torch.cuda.max_memory_allocated<extra></extra>"),
+                row=2, col=1)
     # Two legends: runs beside the loss plot, memory categories beside the memory bars.
     fig.update_layout(barmode="stack", height=640, width=960, margin=dict(l=60, r=20, t=40, b=50),
                       template="plotly_white",

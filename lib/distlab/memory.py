@@ -9,7 +9,8 @@ Three measures, all in bytes (see distlab.estimate for the analytic side of each
   model_state_bytes(model, opt)  exact bytes of this rank's params, grads and optimizer state
                                  (numel * element_size of each local tensor; nothing shared)
   ActivationMeter                bytes of the tensors autograd saved for backward in a forward
-                                 (each storage once; parameters excluded)
+                                 (each storage once; parameters, and autocast's low-precision
+                                 copies of them, excluded: those are counted apart)
   PeakMemoryTracker              live bytes of every storage aten ops allocated, and the peak
                                  of that over a step: the CPU stand-in for
                                  torch.cuda.max_memory_allocated. It sees allocations made by
@@ -72,13 +73,35 @@ class ActivationMeter:
     checkpointing only what the checkpoint keeps is seen (the block inputs; with selective
     checkpointing also the op outputs it caches, reported through count_saved); what the
     recomputation holds during backward is transient and shows in PeakMemoryTracker instead.
+
+    Under autocast (bf16/fp16) a matmul saves the low-precision *copy* of its weight that
+    autocast made (`weight.to(bf16)`, cached for the forward). That copy is 2 bytes per weight
+    whatever the batch: a cast of a parameter, not an activation. It is counted apart, in
+    `param_cast_bytes`: a saved tensor (or the base of a saved view) whose grad_fn is a dtype
+    copy (ToCopyBackward0) of a parameter of the model (its AccumulateGrad's variable). Casts
+    of activations (a matmul's input cast to bf16) stay activations. `by_dtype` splits `bytes`
+    by dtype (under autocast some saved tensors stay float32: LayerNorm inputs, the residual
+    stream, log_softmax's output).
     """
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.bytes = 0
+        self.param_cast_bytes = 0  # autocast's low-precision copies of parameters (see above)
+        self.by_dtype: dict[str, int] = {}  # `bytes` split by dtype name ("float32", ...)
         self._seen = set()  # data pointers of storages counted, or known to be parameters
         self._param_storages = set()  # the parameters' StorageImpls (see measure)
+
+    def _is_param_cast(self, t) -> bool:
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+            return False
+        if len(fn.next_functions) != 1:
+            return False
+        var = getattr(fn.next_functions[0][0], "variable", None)  # AccumulateGrad's leaf
+        return (type(var) in _PLAIN
+                and var.untyped_storage()._cdata in self._param_storages)
 
     def _pack(self, t):
         # Only plain tensors: wrapper subclasses (DTensor) have no storage of their own.
@@ -87,7 +110,12 @@ class ActivationMeter:
             key = storage.data_ptr()
             if key not in self._seen and storage._cdata not in self._param_storages:
                 self._seen.add(key)
-                self.bytes += storage.nbytes()
+                if self._is_param_cast(t):
+                    self.param_cast_bytes += storage.nbytes()
+                else:
+                    self.bytes += storage.nbytes()
+                    dtype = str(t.dtype).replace("torch.", "")
+                    self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + storage.nbytes()
         return t
 
     @contextmanager
@@ -96,7 +124,7 @@ class ActivationMeter:
         # mark their storages as seen so they are not counted. By data pointer, and by the
         # StorageImpl too: ZeRO-3 frees and re-gathers parameter buffers in place (resize_),
         # which moves their data but keeps the StorageImpl.
-        self.bytes = 0
+        self.bytes, self.param_cast_bytes, self.by_dtype = 0, 0, {}
         params = [p for p in self.model.parameters()
                   if type(p) in _PLAIN]  # a DTensor (FSDP2) has no storage of its own
         self._seen = {p.untyped_storage().data_ptr() for p in params}

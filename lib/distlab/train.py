@@ -154,6 +154,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         comm_stats, comm_buffer = comm.take_step_stats()
         memory = {**strategy.state_bytes(model, optimizer), "activations": meter.bytes,
                   "comm_buffers": comm_buffer}
+        if meter.param_cast_bytes:  # autocast's low-precision weight copies saved for backward
+            memory["param_casts"] = meter.param_cast_bytes
         if peak is not None:  # "peak": this step's; "allocated": live now (memory.PEAK_LABEL)
             memory.update(peak=peak.step_end(), allocated=peak.current)
         if on_cuda:

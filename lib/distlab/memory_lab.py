@@ -1,0 +1,346 @@
+"""Caller-side helpers of the memory-and-precision notebook (workbook/03_memory_and_precision):
+reading memory, loss scales and step times out of runs' events, a one-micro-batch look inside
+autocast, the loss scaler replayed beside torch.amp.GradScaler, the micro-batch sweep and the
+"fits at batch 1, need batch 32" recipe, and their figures.
+
+Nothing here changes how anything trains: the runs are distlab.train's; these functions read
+their events, or (forward_breakdown, replay_scalers) run one forward/backward or a scaler on
+gradients in this process to show what a run does inside.
+
+    runs = launch_together({"fp32": cfg, "bf16": cfg.replace(precision="bf16")})  # dp_lab's
+    last_memory(runs["bf16"])              # the last step's memory dict of rank 0
+    forward_breakdown(cfg)                 # saved bytes by dtype, autocast's weight copies
+    replay_scalers(gradient_sequence())    # DynamicLossScaler and GradScaler, step by step
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import plotly.graph_objects as go
+import torch
+from IPython.display import Markdown, display
+from plotly.subplots import make_subplots
+
+from .collectives import markdown_table
+from .config import RunConfig
+from .dp_lab import launch_together  # noqa: F401  (re-exported: one launch, many configs)
+from .run import Run
+
+MiB = 2**20
+CATEGORIES = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer state"),
+              ("activations", "activations"), ("comm_buffers", "comm buffers"))
+COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#222222")
+
+
+# -- reading runs --------------------------------------------------------------------------------
+def table(header, rows):
+    """Show a Markdown table under the cell."""
+    display(Markdown(markdown_table(header, rows)))
+
+
+def mib(b) -> str:
+    """Bytes as MiB (2^20), 3 decimals."""
+    return "—" if b is None else f"{b / MiB:,.3f}"
+
+
+def steps_of(run: Run, rank: int = 0) -> list[dict]:
+    return sorted(run.history("step", rank=rank), key=lambda e: e["step"])
+
+
+def last_memory(run: Run, rank: int = 0) -> dict:
+    """The memory dict of `rank`'s last step."""
+    return steps_of(run, rank)[-1]["memory"]
+
+
+def median_step_s(run: Run, skip: int = 1) -> float:
+    """Median over steps (the first `skip` left out: warm-up) of the slowest rank's step time."""
+    by_step: dict[int, float] = {}
+    for e in run.history("step"):
+        by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["step_s"])
+    times = [by_step[s] for s in sorted(by_step)][skip:] or list(by_step.values())
+    return statistics.median(times)
+
+
+def memory_over_steps_figure(run: Run, title: str = "") -> go.Figure:
+    """Per step and rank: the peak of aten allocations in the step (memory["peak"]), what is
+    still allocated at the step's end (memory["allocated"]), and the model states
+    (params + grads + optimizer state) for scale. Needs RunConfig.track_peak."""
+    fig = go.Figure()
+    ranks = sorted({e["rank"] for e in run.history("step")})
+    for r in ranks:
+        ev = steps_of(run, r)
+        x = [e["step"] for e in ev]
+        dash = "solid" if r == 0 else "dot"
+        fig.add_scatter(x=x, y=[e["memory"]["peak"] / MiB for e in ev], mode="lines+markers",
+                        name=f"rank {r}: peak in the step", line=dict(color=COLORS[6], dash=dash))
+        fig.add_scatter(x=x, y=[e["memory"]["allocated"] / MiB for e in ev], mode="lines",
+                        name=f"rank {r}: allocated at the step's end",
+                        line=dict(color=COLORS[0], dash=dash))
+        fig.add_scatter(x=x, y=[sum(e["memory"][k] for k in ("params", "grads", "optim")) / MiB
+                                for e in ev], mode="lines",
+                        name=f"rank {r}: params + grads + optimizer state",
+                        line=dict(color=COLORS[2], dash=dash))
+    fig.update_layout(title=title or "memory per step (aten allocations, MiB)", height=360,
+                      xaxis_title="step", yaxis_title="MiB", template="plotly_white")
+    fig.update_yaxes(rangemode="tozero")
+    return fig
+
+
+# -- inside one micro-batch ----------------------------------------------------------------------
+WATCHED = ("tok_emb", "pos_emb", "blocks.0.ln1", "blocks.0.attn.q", "blocks.0.mlp.fc",
+           "blocks.0.mlp.proj", "ln_f", "head")
+
+
+def forward_breakdown(cfg: RunConfig, rank: int = 0, watched=WATCHED) -> dict:
+    """One micro-batch of rank `rank`, as distlab.train runs it (same init, same rows, same
+    autocast, fp32_modules and checkpointing), forward and backward in this process:
+
+        activations      ActivationMeter.bytes: what the step event logs as "activations"
+        by_dtype         those bytes by dtype
+        param_casts      ActivationMeter.param_cast_bytes: autocast's low-precision copies
+                         of weights, saved for backward (not activations, not parameters)
+        output_dtypes    {module: dtype of its output} for the `watched` modules
+        param_dtypes     {dtype: parameters}; grad_dtypes the same for their gradients
+    """
+    from .data import make_data
+    from .memory import ActivationMeter
+    from .precision import apply_fp32_modules, param_dtypes
+    from .train import autocast, build_model
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg)
+    if cfg.fp32_modules:
+        apply_fp32_modules(model, cfg.fp32_modules)
+    modules = dict(model.named_modules())
+    dtypes, handles = {}, []
+
+    def record(name):
+        def hook(module, inputs, output):  # returns None: the output is left as it is
+            dtypes.setdefault(name, str(output.dtype)[6:])
+        return hook
+
+    for name in watched:
+        if name in modules:
+            handles.append(modules[name].register_forward_hook(record(name)))
+    x_all, y_all = make_data(cfg).rank_batch(0, cfg.global_batch, rank, cfg.dp_degree)
+    x, y = x_all.chunk(cfg.grad_accum)[-1], y_all.chunk(cfg.grad_accum)[-1]
+    meter = ActivationMeter(model)
+    with meter.measure(), autocast(cfg, torch.device("cpu")):
+        loss = model(x, y) / cfg.grad_accum
+    loss.backward()
+    for h in handles:
+        h.remove()
+    grads: dict[str, int] = {}
+    for p in model.parameters():
+        k = str(p.grad.dtype)[6:]
+        grads[k] = grads.get(k, 0) + p.numel()
+    return {"activations": meter.bytes, "by_dtype": dict(meter.by_dtype),
+            "param_casts": meter.param_cast_bytes, "output_dtypes": dtypes,
+            "param_dtypes": param_dtypes(model), "grad_dtypes": grads}
+
+
+def autocast_weight_copy_bytes(cfg: RunConfig) -> int:
+    """Bytes of the low-precision weight copies autocast makes in our GPT's forward, by
+    formula: every nn.Linear's weight (q, k, v, o: 4h² per layer; fc, proj: 2rh²; the head hV)
+    cast to 2 bytes, except in modules kept fp32 (cfg.fp32_modules). Biases are copied too but
+    not saved for backward (addmm's gradient for the bias needs none). 0 in fp32."""
+    if cfg.precision == "fp32":
+        return 0
+    h, r, V, L = cfg.n_embd, cfg.mlp_ratio, cfg.vocab_size, cfg.n_layer
+    fp32 = {n.strip() for n in cfg.fp32_modules.split(",") if n.strip()}
+    per_layer = {"attn": 4 * h * h, "mlp": 2 * r * h * h}
+    total = 0
+    for i in range(L):
+        for part, n in per_layer.items():
+            if not ({f"blocks.{i}", f"blocks.{i}.{part}"} & fp32):
+                total += n
+    if "head" not in fp32:
+        total += h * V
+    return 2 * total
+
+
+# -- the loss scaler beside torch.amp.GradScaler ------------------------------------------------
+def gradient_sequence(steps: int = 24, bad: dict | None = None, size: int = 6, seed: int = 1,
+                      rms: float = 1e-3) -> list[torch.Tensor]:
+    """A synthetic sequence of fp32 gradients (normal entries of root-mean-square `rms`), with
+    one entry overwritten by inf, -inf or NaN at the steps in `bad` (default: three overflows
+    in a row at steps 2-4, then 11 and 19): what a backward in fp16 hands the scaler when the
+    scale is too large. tests/test_precision.py replays a real model's gradients the same way."""
+    inf = float("inf")
+    bad = {2: inf, 3: float("nan"), 4: inf, 11: -inf, 19: float("nan")} if bad is None else bad
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps):
+        g = torch.randn(size, generator=gen) * rms
+        if i in bad:
+            g[1] = bad[i]
+        out.append(g)
+    return out
+
+
+def replay_scalers(grads: list[torch.Tensor], lr: float = 0.1, **scaler_kw) -> dict:
+    """Feed one gradient sequence to distlab's DynamicLossScaler and to torch.amp.GradScaler
+    ("cpu"), each driving its own SGD step on a parameter p (zeros at the start).
+
+    Each step the loss is (p·g).sum(), so backward of scale·loss hands over S·g: exactly what a
+    scaled backward produces. Then torch's `scaler.step(opt); scaler.update()`, or ours:
+    `found = unscale_(grads); step unless found; update(found)`. Returns, per scaler
+    ("distlab", "torch"): the scale each step used, whether the step was skipped (p unchanged),
+    the scale after the last step and the final p."""
+    from .precision import DynamicLossScaler
+
+    out = {}
+    for kind in ("distlab", "torch"):
+        p = torch.zeros_like(grads[0], requires_grad=True)
+        opt = torch.optim.SGD([p], lr=lr)
+        scaler = (torch.amp.GradScaler("cpu", **scaler_kw) if kind == "torch"
+                  else DynamicLossScaler(**scaler_kw))
+        scales, skipped = [], []
+        for g in grads:
+            opt.zero_grad()
+            scales.append(float(scaler.get_scale()))
+            scaler.scale((p * g).sum()).backward()
+            before = p.detach().clone()
+            if kind == "torch":
+                scaler.step(opt)
+                scaler.update()
+            else:
+                found = scaler.unscale_([p.grad])
+                if not found:
+                    opt.step()
+                scaler.update(found)
+            skipped.append(torch.equal(before, p.detach()))
+        out[kind] = {"scale": scales, "skipped": skipped, "final_scale": float(scaler.get_scale()),
+                     "param": p.detach().clone()}
+    return out
+
+
+def scale_figure(run: Run, rank: int = 0, title: str = "") -> go.Figure:
+    """The loss scale each step of an fp16 run used (log2), with the skipped steps marked, and
+    the run's loss underneath: both from the step events."""
+    ev = steps_of(run, rank)
+    x = [e["step"] for e in ev]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        row_heights=[0.6, 0.4])
+    fig.add_scatter(x=x, y=[math.log2(e["scale"]) for e in ev], mode="lines+markers",
+                    line_shape="hv", name="log2(loss scale) used in the step",
+                    line=dict(color=COLORS[0]), row=1, col=1)
+    sk = [e for e in ev if e["skipped"]]
+    fig.add_scatter(x=[e["step"] for e in sk], y=[math.log2(e["scale"]) for e in sk],
+                    mode="markers", marker=dict(symbol="x", size=11, color=COLORS[4]),
+                    name="skipped: inf/NaN in the scaled gradients", row=1, col=1)
+    fig.add_scatter(x=x, y=[e["loss"] for e in ev], mode="lines", name="loss",
+                    line=dict(color=COLORS[6]), row=2, col=1)
+    fig.update_layout(title=title or "dynamic loss scaling in an fp16 run", height=460,
+                      template="plotly_white")
+    fig.update_yaxes(title_text="log2 scale", row=1, col=1)
+    fig.update_yaxes(title_text="loss", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return fig
+
+
+# -- micro-batch sweep and the recipe ------------------------------------------------------------
+def sweep_configs(base: RunConfig, settings: dict[str, dict], micro_batches) -> dict:
+    """{(setting, micro-batch b): cfg}: for each setting (RunConfig changes) and b, the same
+    global batch (base.global_batch) in micro-batches of b rows: grad_accum = global / b."""
+    out = {}
+    for name, changes in settings.items():
+        for b in micro_batches:
+            if base.global_batch % (base.dp_degree * b):
+                raise ValueError(f"micro-batch {b} does not divide {base.global_batch} rows")
+            out[(name, b)] = base.replace(grad_accum=base.global_batch // (base.dp_degree * b),
+                                          **changes)
+    return out
+
+
+def largest_fitting(peaks: dict[int, int], budget: float) -> int | None:
+    """The largest micro-batch whose measured peak is within `budget` (None: none fits)."""
+    fits = [b for b, p in peaks.items() if p <= budget]
+    return max(fits) if fits else None
+
+
+def sweep_figure(peaks: dict[str, dict[int, int]], budget: float, title: str) -> go.Figure:
+    """Measured peak per micro-batch size, one line per setting, and the budget line."""
+    fig = go.Figure()
+    for i, (name, by_b) in enumerate(peaks.items()):
+        bs = sorted(by_b)
+        fig.add_scatter(x=bs, y=[by_b[b] / MiB for b in bs], mode="lines+markers", name=name,
+                        line=dict(color=COLORS[i % len(COLORS)]))
+    fig.add_hline(y=budget / MiB, line_dash="dash", line_color="#c00",
+                  annotation_text="budget: fp32 fits micro-batch 1, not 2",
+                  annotation_position="top left")
+    fig.update_layout(title=title, xaxis_title="micro-batch rows (same global batch)",
+                      yaxis_title="peak MiB per rank", height=400, template="plotly_white")
+    fig.update_xaxes(type="log", tickvals=sorted({b for v in peaks.values() for b in v}))
+    return fig
+
+
+def recipe_figure(rows: list[dict], budget: float) -> go.Figure:
+    """Bars per recipe step: activations and peak per rank (MiB, left), step time (ms, right)."""
+    names = [r["step"] for r in rows]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("bytes per rank (MiB)", "step time (ms)"))
+    fig.add_bar(x=names, y=[r["activations"] / MiB for r in rows], name="activations",
+                marker_color=COLORS[3], row=1, col=1)
+    fig.add_bar(x=names, y=[r["peak"] / MiB for r in rows], name="peak in the step",
+                marker_color=COLORS[6], row=1, col=1)
+    fig.add_hline(y=budget / MiB, line_dash="dash", line_color="#c00", row=1, col=1,
+                  annotation_text="budget", annotation_position="top right")
+    fig.add_bar(x=names, y=[r["step_s"] * 1e3 for r in rows], name="step time",
+                marker_color=COLORS[0], row=1, col=2)
+    fig.update_layout(barmode="group", height=420, template="plotly_white",
+                      title="the recipe, step by step (global batch fixed)")
+    return fig
+
+
+def replay_figure(rep: dict) -> go.Figure:
+    """The scale each step used, DynamicLossScaler (thick) and GradScaler (thin, on top), with
+    the steps each skipped."""
+    fig = go.Figure()
+    for i, (kind, width) in enumerate((("distlab", 6), ("torch", 2))):
+        r = rep[kind]
+        x = list(range(len(r["scale"])))
+        name = "distlab DynamicLossScaler" if kind == "distlab" else "torch.amp.GradScaler"
+        fig.add_scatter(x=x, y=[math.log2(s) for s in r["scale"]], mode="lines", line_shape="hv",
+                        name=name, line=dict(width=width, color=COLORS[i * 4]))
+        sk = [j for j, s in enumerate(r["skipped"]) if s]
+        fig.add_scatter(x=sk, y=[math.log2(r["scale"][j]) for j in sk], mode="markers",
+                        name=f"{name}: skipped", marker=dict(symbol="x" if i else "circle-open",
+                                                             size=14 - 6 * i,
+                                                             color=COLORS[i * 4]))
+    fig.update_layout(title="one gradient sequence, two scalers", xaxis_title="step",
+                      yaxis_title="log2(scale used)", height=340, template="plotly_white")
+    return fig
+
+
+RECIPE_STEPS = ("fp32", "+ bf16", "+ full checkpointing", "+ accumulation", "+ more ranks",
+                "accumulation alone")
+
+
+def recipe_configs(base: RunConfig, micro: int, ranks: int = 2,
+                   strategy: str = "allreduce") -> dict:
+    """The "fits at batch 1, need batch 32" recipe, each step adding one lever to the step
+    before it, all at the same global batch (base.global_batch, G rows):
+
+        fp32                  G rows in one micro-batch: what does not fit
+        + bf16                autocast
+        + full checkpointing  each block recomputed in backward
+        + accumulation        micro-batches of `micro` rows, G/micro of them per step
+        + more ranks          `ranks` data-parallel ranks (`strategy`), each G/ranks rows in
+                              micro-batches of `micro`
+        accumulation alone    fp32, micro-batches of 1 row: the answer without the others
+
+    Returns {step name: RunConfig} in that order."""
+    G = base.global_batch
+    if G % (ranks * micro):
+        raise ValueError(f"global batch {G} does not split into {ranks} ranks x micro-batches "
+                         f"of {micro}")
+    s0 = base.replace(strategy="single", world_size=1, grad_accum=1, precision="fp32",
+                      checkpointing="none")
+    s2 = s0.replace(precision="bf16", checkpointing="full")
+    return dict(zip(RECIPE_STEPS, (
+        s0, s0.replace(precision="bf16"), s2, s2.replace(grad_accum=G // micro),
+        s2.replace(strategy=strategy, world_size=ranks, grad_accum=G // (ranks * micro)),
+        s0.replace(grad_accum=G))))

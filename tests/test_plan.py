@@ -1,0 +1,184 @@
+"""The 3D-parallelism planner (distlab.plan) on worked examples: published figures and the
+interview questions in shared/questions.
+
+Assumptions throughout (each test names its own on top):
+  - mixed-precision Adam, 16 bytes per parameter (ZeRO paper), 2-byte activations and
+    gradients on the wire; Korthikanti et al.'s activation formulas; GB = 1e9 bytes.
+  - A100 80 GB, 8 per node, NVLink 3 (300 GB/s per direction) inside a node, InfiniBand HDR
+    (25 GB/s per GPU) between nodes, bf16 peak 312 TFLOP/s (NVIDIA datasheets); the whole
+    80 GB usable unless a test says otherwise.
+  - data-parallel communication fully exposed (dp_overlap=0), tensor- and pipeline-parallel
+    communication exposed; ZeRO-2/3 not combined with pipeline parallelism (DeepSpeed).
+  - "mfu" is the fraction of peak the GPUs reach on the model's own FLOPs; recomputation,
+    the pipeline bubble and exposed communication come on top of it.
+"""
+
+import math
+
+import pytest
+
+from distlab.estimate import GB
+from distlab.plan import (DAY, GPT3_175B, RECOMPUTE, Cluster, Model, best, evaluate,
+                          max_micro_batch, memory_per_gpu, plan, table, training_time)
+
+A100 = dict(gpus_per_node=8, memory=80 * GB)
+
+
+# -- training time: 6ND ------------------------------------------------------------------------
+def test_gpt3_training_time_narayanan():
+    """Narayanan et al. 2021, Section 5.1: GPT-3 (175B) on 300B tokens, 1024 A100s at an
+    achieved 140 TFLOP/s per GPU: "about 34 days". Their estimate is 8·T·P/(n·X): they count
+    full activation recomputation (an extra forward), so 8 FLOPs per parameter per token.
+    The plain 6ND count at the same 140 TFLOP/s gives 25.4 days: 34 days is 6ND only at
+    105 TFLOP/s of model FLOPs (MFU 105/312 = 0.34). At MFU 0.5 (156 TFLOP/s) 6ND gives 22.8."""
+    N, D, n = 175e9, 300e9, 1024
+    assert training_time(N, D, n, 140e12, 1.0, flops_per_param_token=8) / DAY == \
+        pytest.approx(33.9, abs=0.05)
+    assert training_time(N, D, n, 140e12, 1.0) / DAY == pytest.approx(25.4, abs=0.05)
+    assert training_time(N, D, n, 312e12, 140 / 312 * 6 / 8) / DAY == pytest.approx(33.9, abs=0.05)
+    assert training_time(N, D, n, 312e12, 0.5) / DAY == pytest.approx(22.8, abs=0.05)
+
+
+def test_training_time_is_6nd_over_throughput():
+    assert training_time(1e9, 1e12, 8, 1e14, 0.5) == pytest.approx(6e21 / (8 * 1e14 * 0.5))
+
+
+# -- GPT-3 175B: Megatron's layout ---------------------------------------------------------------
+def test_gpt3_175b_needs_tensor_and_pipeline_parallelism():
+    """Narayanan et al. 2021 train GPT models of 145.6B-1T parameters with t = 8 (a whole
+    DGX A100 node) and p >= 8 on 1536+ A100 80 GB GPUs. GPT-3 shape (96 layers, h = 12288,
+    96 heads, s = 2048, V = 51200), batch 1536 sequences (theirs for GPT-3), 1536 GPUs, MFU 0.5.
+    Checks: with no ZeRO (Megatron's PTD-P) no layout with t·p = 1 fits (2.8 TB of model states
+    per GPU); t = 8, p = 8 (dp = 24) fits; the planner's fastest layout uses t = 8 and
+    t·p >= 64. ZeRO-3 over all 1536 GPUs with full recomputation does fit in memory, and ranks
+    far behind: 3 gathers of 350 GB of bf16 weights per step over 25 GB/s links."""
+    c = Cluster(gpus=1536, **A100)
+    rows = plan(GPT3_175B, c, 1536, mfu=0.5, fits_only=False)
+    assert not [r for r in rows if r.tp * r.pp == 1 and r.zero == 0 and r.fits]
+    r88 = [r for r in rows if (r.tp, r.pp) == (8, 8) and r.zero == 0 and r.fits]
+    assert r88 and r88[0].dp == 24
+    fit = [r for r in rows if r.fits]
+    assert fit[0].tp == 8 and fit[0].tp * fit[0].pp >= 64
+    z3 = [r for r in fit if r.tp * r.pp == 1]
+    assert z3 and all(r.zero == 3 and r.recompute == "full" for r in z3)
+    assert z3[0].step_s > 3 * fit[0].step_s
+    # t = 8, p = 8, b = 1, selective, stage 0: 43.75 GB of states + 10.3 GB of activations
+    r = evaluate(GPT3_175B, c, 1536, 24, 8, 8, 0, 1, "selective", 0.5)
+    assert r.states / GB == pytest.approx(16 * GPT3_175B.params / 64 / 1e9)
+    assert r.activations / GB == pytest.approx(34 * 2048 * 12288 / 8 * 12 * 8 / 1e9)
+
+
+# -- 512 GPUs: "start with DP=64, PP=8, TP=1; add TP if needed" ----------------------------------
+@pytest.mark.parametrize("name,model,fits", [
+    ("13B", Model(40, 5120, 40), True),
+    ("70B", Model(80, 8192, 64), False),
+    ("175B", GPT3_175B, False),
+])
+def test_512_gpus_dp64_pp8_tp1(name, model, fits):
+    """The question (shared/questions, Challenge 5) names no model: checked for three GPT
+    shapes (s = 2048, V = 51200), global batch 512 sequences, micro-batch 1, no recomputation,
+    no ZeRO. DP=64, PP=8, TP=1 fits a 13B model (26 GB of states + 48 GB of activations); at
+    70B the states alone are 130 GB per GPU and at 175B 349 GB."""
+    c = Cluster(gpus=512, **A100)
+    r = evaluate(model, c, 512, 64, 1, 8, 0, 1, "none", 0.5)
+    assert r.fits is fits
+
+
+def test_512_gpus_adding_tp_splits_activations_not_model_states():
+    """The question's "add TP if needed: DP=64, PP=4, TP=2" keeps t·p = 8, so the model states
+    per GPU do not change at all; what halves is the activation memory (sequence parallelism
+    splits every activation t ways, and 1F1B's first stage holds p micro-batches of L/p layers,
+    L layers' worth whatever p is). So adding TP is needed when activations, not states, are
+    what overflow: a 70B-class model (80 layers, h = 8192, 64 heads) with ZeRO-1 and no
+    recomputation needs 187 GB at TP=1 and 110 GB at TP=2, fitting at TP=4 (72 GB), or at TP=1
+    with selective recomputation. At 175B even ZeRO-1's 91 GB of states overflow with t·p = 8:
+    the data-parallel degree has to drop below 64."""
+    c = Cluster(gpus=512, **A100)
+    m = Model(80, 8192, 64)
+    a = evaluate(m, c, 512, 64, 1, 8, 1, 1, "none", 0.5)
+    b = evaluate(m, c, 512, 64, 2, 4, 1, 1, "none", 0.5)
+    d = evaluate(m, c, 512, 64, 4, 2, 1, 1, "none", 0.5)
+    assert a.states == pytest.approx(b.states) == pytest.approx(d.states)
+    assert b.activations == pytest.approx(a.activations / 2)
+    assert (a.fits, b.fits, d.fits) == (False, False, True)
+    assert evaluate(m, c, 512, 64, 1, 8, 1, 1, "full", 0.5).fits
+    for t, p in ((1, 8), (2, 4), (4, 2), (8, 1)):
+        for z in (0, 1):
+            assert not any(evaluate(GPT3_175B, c, 512, 64, t, p, z, 1, rc, 0.5).fits
+                           for rc in RECOMPUTE)
+    top = best(GPT3_175B, c, 512, 0.5)
+    assert top.dp < 64 and top.tp * top.pp > 8
+
+
+# -- 70B on 8 GPUs ------------------------------------------------------------------------------
+def test_70b_on_8_gpus():
+    """The question's "70B model, 8 GPUs -> FSDP stores ~9B params per GPU": 70B/8 = 8.75B
+    parameters, but with mixed-precision Adam that is 140 GB of model states per GPU: 1.12 TB
+    in all against 8 × 80 = 640 GB. Plain DP (1.12 TB per GPU) does not fit; neither does
+    ZeRO-3/FSDP, TP = 8, nor any other layout. With the optimizer state offloaded to CPU
+    memory (ZeRO-Offload) ZeRO-3 keeps 4 bytes per parameter / 8 = 35 GB on each GPU and fits.
+    Shape: 80 layers, h = 8192, 64 heads, s = 4096, Ψ = 70e9; global batch 64 sequences.
+    (Offload is costed in memory only: its PCIe traffic and CPU optimizer step are not timed.)"""
+    m = Model(80, 8192, 64, 4096, 32000, n_params=70e9)
+    c = Cluster(gpus=8, **A100)
+    ddp = evaluate(m, c, 64, 8, 1, 1, 0, 1, "full", 0.5)
+    assert ddp.states / GB == pytest.approx(1120) and not ddp.fits
+    assert evaluate(m, c, 64, 8, 1, 1, 3, 1, "full", 0.5).states / GB == pytest.approx(140)
+    assert plan(m, c, 64, 0.5, zero23_with_pp=True) == []
+    off = plan(m, c, 64, 0.5, zero_stages=(3,), offload=("optim",))
+    z3 = [r for r in off if r.dp == 8]
+    assert z3 and z3[0].states / GB == pytest.approx(35)
+
+
+# -- 8× A100 80 GB, a "60 GB model": DDP vs FSDP -------------------------------------------------
+def test_8xa100_60gb_model_ddp_vs_fsdp():
+    """The question: 8 A100 80 GB, a model whose states take 60 GB; DDP leaves 20 GB per GPU
+    for activations, FSDP (ZeRO-3) shards the states to 7.5 GB. Reading "60 GB" as mixed-Adam
+    model states: Ψ = 3.75B at 16 bytes; shape 18 layers, h = 4096, 32 heads, s = 2048.
+    Largest micro-batch per GPU (Korthikanti activations, 18 layers):
+        recompute   none  selective  full
+        DDP            1          3    15
+        FSDP           4         14    57
+    With selective recomputation FSDP's 14 sequences per GPU are the question's 229K tokens
+    per step (8 × 14 × 2048); DDP's 3 are 49K (the question says 4 and 65K).
+    But tokens per step is not throughput: with gradient accumulation DDP runs the same global
+    batch at the same FLOP rate. At batch 512 and MFU 0.5 the planner has DDP at least as fast
+    as FSDP (FSDP gathers the weights again for every micro-batch), not 3.5× slower."""
+    m = Model(18, 4096, 32, 2048, 50257, n_params=3.75e9)
+    c = Cluster(gpus=8, **A100)
+    assert memory_per_gpu(m, c, 8, 1, 1, 0, 1, "none", 1)[0] / GB == pytest.approx(60)
+    got = {z: [max_micro_batch(m, c, 8, 1, 1, z, rc) for rc in RECOMPUTE] for z in (0, 3)}
+    assert got == {0: [1, 3, 15], 3: [4, 14, 57]}
+    assert 8 * got[3][1] * m.seq == 229376
+    ddp = best(m, c, 512, 0.5, zero_stages=(0,))
+    fsdp = [r for r in plan(m, c, 512, 0.5, zero_stages=(3,)) if r.tp * r.pp == 1][0]
+    assert (ddp.dp, ddp.tp, ddp.pp) == (8, 1, 1)
+    assert ddp.tokens_per_s >= fsdp.tokens_per_s
+    assert ddp.tokens_per_s / fsdp.tokens_per_s < 1.5
+
+
+# -- mechanics ----------------------------------------------------------------------------------
+def test_plan_sorted_fitting_and_partitions_the_cluster():
+    c = Cluster(gpus=64, **A100)
+    m = Model(32, 4096, 32)
+    rows = plan(m, c, 256, 0.5)
+    assert rows and all(r.fits and r.dp * r.tp * r.pp == 64 for r in rows)
+    assert all(r.tp <= 8 and m.n_layer % r.pp == 0 for r in rows)
+    assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
+    r = rows[0]
+    assert r.step_s == pytest.approx(r.compute_s + r.bubble_s + r.dp_comm_s + r.tp_comm_s
+                                     + r.pp_comm_s)
+    assert r.tokens_per_s == pytest.approx(256 * 2048 / r.step_s)
+    assert 0 < r.mfu <= 0.5
+    assert "tok/s" in table(rows, 3)
+
+
+def test_bubble_and_recompute_overheads():
+    """Bubble (p-1)/(m+p-1) of the total; full recomputation +1/3 of the compute."""
+    c = Cluster(gpus=64, **A100)
+    m = Model(32, 4096, 32)
+    r = evaluate(m, c, 256, 8, 1, 8, 1, 1, "full", 0.5)  # m = 32 micro-batches, p = 8
+    ideal = training_time(m.params, 256 * 2048, 64, c.peak_flops, 0.5)
+    assert r.compute_s == pytest.approx(ideal * 4 / 3)
+    assert r.bubble_s / (r.compute_s + r.bubble_s) == pytest.approx(7 / (32 + 7))
+    assert evaluate(m, c, 256, 8, 1, 8, 1, 3, "none", 0.5) is None  # 32 rows don't split by 3

@@ -227,11 +227,20 @@ class Comm:
         dist.send(t.contiguous(), dst=self._global(dst), group=self.group)
         self._add(kind, _nbytes(t), 0, time.perf_counter() - t0)
 
-    def recv(self, t: torch.Tensor, src: int, kind: str = "recv"):
+    def recv(self, t: torch.Tensor, src: int, kind: str = "recv", tag: int = 0):
         t0 = time.perf_counter()
-        dist.recv(t, src=self._global(src), group=self.group)
+        dist.recv(t, src=self._global(src), group=self.group, tag=tag)
         self._add(kind, 0, _nbytes(t), time.perf_counter() - t0)
         return t
+
+    def isend(self, t: torch.Tensor, dst: int, kind: str = "send", tag: int = 0):
+        """Start sending `t` and return the work handle (wait() on it before reusing `t`).
+        A pipeline sends without blocking, so two stages sending to each other cannot both
+        wait for the other's receive. Books the bytes now."""
+        t = t.contiguous()
+        work = dist.isend(t, dst=self._global(dst), group=self.group, tag=tag)
+        self._add(kind, _nbytes(t), 0, 0.0)
+        return work
 
     def _exchange(self, send_t, dst, recv_t, src):
         """Send one tensor and receive another at once (no deadlock in a ring)."""

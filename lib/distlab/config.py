@@ -12,7 +12,12 @@ from dataclasses import dataclass, field, fields
 
 # Each strategy names how the one training loop is parallelised (see distlab.parallel).
 STRATEGIES = ("single", "allreduce", "dp", "ps-sync", "ps-async", "ddp", "ddp-torch",
-              "zero1", "zero2", "zero3", "zero1-torch", "fsdp-torch")
+              "zero1", "zero2", "zero3", "zero1-torch", "fsdp-torch",
+              "tp", "tp-torch", "pp", "pp-torch")
+# Model-parallel strategies: tp and pp split the model (3d, dp x tp x pp on one mesh, is to come).
+TP_STRATEGIES = ("tp", "tp-torch")
+PP_STRATEGIES = ("pp", "pp-torch")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 # Parameter-server strategies spend rank 0 on the server; the other ranks are workers.
 PS_STRATEGIES = ("ps-sync", "ps-async")
 MODELS = ("gpt", "bnnet")
@@ -56,6 +61,13 @@ class RunConfig:
     track_peak: bool = False  # memory["peak"] per step: aten-allocated bytes (~20% step time)
     offload: bool = False  # zero*: optimizer state lives on the CPU
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
+    # model parallelism (distlab.parallel.tensor / pipeline / mesh)
+    tp: int = 1  # tensor-parallel degree
+    sp: bool = False  # sequence parallelism in the tensor-parallel regions' LayerNorm/dropout
+    pp: int = 1  # pipeline stages (ranks)
+    microbatches: int = 1  # pipeline micro-batches per step
+    schedule: str = "gpipe"  # naive | gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # interleaved: model chunks per pipeline rank
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
     bucket_mb: float = 0.25  # ddp: gradient bucket size cap, MiB (torch's default is 25)
     compress: str = "none"  # ddp: gradient compression ("topk": top-k with error feedback)
@@ -105,6 +117,10 @@ class RunConfig:
         _choice("compress", self.compress, COMPRESSIONS)
         _choice("loss_scale", self.loss_scale, LOSS_SCALES)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _choice("schedule", self.schedule, SCHEDULES)
+        for name in ("tp", "pp", "microbatches", "virtual_stages"):
+            _positive_int(name, getattr(self, name))
+        self._check_model_parallel()
         if self.checkpointing != "none" and self.model != "gpt":
             raise ValueError(f"checkpointing={self.checkpointing!r} wraps GPT blocks; "
                              f"model={self.model!r} has none")
@@ -186,12 +202,43 @@ class RunConfig:
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
 
+    def _check_model_parallel(self):
+        tp = self.tp if self.strategy in TP_STRATEGIES + ("3d",) else 1
+        pp = self.pp if self.strategy in PP_STRATEGIES + ("3d",) else 1
+        if (self.tp > 1 or self.sp) and tp == 1:
+            raise ValueError(f"tp={self.tp}, sp={self.sp}: tensor parallelism needs strategy "
+                             "'tp', 'tp-torch' or '3d'")
+        if self.pp > 1 and pp == 1:
+            raise ValueError(f"pp={self.pp}: pipeline parallelism needs strategy 'pp', "
+                             "'pp-torch' or '3d'")
+        if self.strategy in TP_STRATEGIES + PP_STRATEGIES and self.world_size != tp * pp:
+            raise ValueError(f"world_size={self.world_size}: strategy {self.strategy!r} uses "
+                             f"tp x pp = {tp * pp} ranks")
+        if self.strategy == "3d" and self.world_size % (tp * pp):
+            raise ValueError(f"world_size={self.world_size} is not a multiple of "
+                             f"tp x pp = {tp * pp} (3d: world = dp x tp x pp)")
+        if self.n_head % tp or self.n_embd % tp:
+            raise ValueError(f"n_head={self.n_head} and n_embd={self.n_embd} must divide by "
+                             f"tp={tp} (each rank holds whole heads)")
+        if self.n_layer % (pp * self.virtual_stages):
+            raise ValueError(f"n_layer={self.n_layer} must divide into pp={pp} x "
+                             f"virtual_stages={self.virtual_stages} equal stages")
+        if self.sp and self.seq_len % tp:
+            raise ValueError(f"seq_len={self.seq_len} must divide by tp={tp} for sp=True")
+        if pp > 1 and self.schedule in ("1f1b", "interleaved") and self.microbatches < pp:
+            raise ValueError(f"schedule={self.schedule!r} needs microbatches >= pp "
+                             f"({self.microbatches} < {pp})")
+
     @property
     def dp_degree(self) -> int:
         """How many ranks split one global batch: the workers (not the parameter server, not
-        the backup workers, whose gradients are extra)."""
+        the backup workers, whose gradients are extra); for model parallelism world/(tp·pp)."""
         if self.strategy in PS_STRATEGIES:
             return self.world_size - 1 - self.backup_workers
+        if self.strategy in TP_STRATEGIES + PP_STRATEGIES + ("3d",):
+            tp = self.tp if self.strategy != "pp" and self.strategy != "pp-torch" else 1
+            pp = self.pp if self.strategy != "tp" and self.strategy != "tp-torch" else 1
+            return self.world_size // (tp * pp)
         return self.world_size
 
     @property

@@ -88,6 +88,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
                 if cfg.detect_nan else None)
     strategy = make_strategy(cfg, comm)
     strategy.log = log
+    if keep is not None:
+        keep["strategy"] = strategy
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model, lambda params: build_optimizer(cfg, params))
     scaler = make_loss_scaler(cfg, comm)
@@ -129,8 +131,13 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         x_all, y_all = batch
         if peak is not None:
             peak.step_begin(x_all, y_all)
-        loss_sum = 0.0
-        micro_batches = list(zip(x_all.chunk(cfg.grad_accum), y_all.chunk(cfg.grad_accum)))
+        # a pipeline schedule owns the step's forward/backward (strategy.forward_backward)
+        owned = strategy.forward_backward(
+            model, x_all.to(device), y_all.to(device),
+            lambda loss: scaler.scale(loss) if scaler is not None else loss)
+        loss_sum = 0.0 if owned is NotImplemented else owned
+        micro_batches = ([] if owned is not NotImplemented else
+                         list(zip(x_all.chunk(cfg.grad_accum), y_all.chunk(cfg.grad_accum))))
         for micro, (x, y) in enumerate(micro_batches):
             # a short last batch of a finite dataset may split into fewer micro-batches
             last = micro == len(micro_batches) - 1
@@ -187,6 +194,7 @@ def train_with_state(rank: int, world: int, device: torch.device, log, cfg_dicts
     for d in cfg_dicts:
         keep = {}
         train(RunConfig.from_dict(d), rank, world, device, log, keep=keep)
-        state = {k: v.detach().cpu().clone() for k, v in keep["model"].state_dict().items()}
+        state = {k: v.detach().cpu().clone()
+                 for k, v in keep["strategy"].full_state_dict(keep["model"]).items()}
         out.append({"losses": keep["losses"], "comm": keep["comm"], "state": state})
     return out

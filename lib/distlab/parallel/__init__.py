@@ -21,6 +21,10 @@ _REGISTRY = {
     "zero3": "distlab.parallel.zero:ZeRO3",
     "zero1-torch": "distlab.parallel.reference:TorchZeRO1",
     "fsdp-torch": "distlab.parallel.reference:TorchFSDP",
+    "tp": "distlab.parallel.tensor:TensorParallel",
+    "tp-torch": "distlab.parallel.tp_torch:TorchTP",
+    "pp": "distlab.parallel.pipeline:PipelineParallel",
+    "pp-torch": "distlab.parallel.pp_torch:TorchPP",
 }
 
 

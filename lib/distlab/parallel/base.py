@@ -58,6 +58,13 @@ class Strategy:
         only accumulate locally; communication waits for the last micro-batch."""
         return contextlib.nullcontext()
 
+    def forward_backward(self, model, x, y, scale_loss):
+        """Own the step's forward and backward over all its micro-batches (a pipeline
+        schedule). Return the loss to log (None on a rank that has none, e.g. a pipeline's
+        non-last stage), or NotImplemented (the default) to let the loop run its own
+        micro-batch loop. `scale_loss(loss)` applies loss scaling before backward."""
+        return NotImplemented
+
     def reduce_gradients(self, model):
         """After backward: make the gradients the ones of the global batch."""
 
@@ -81,6 +88,11 @@ class Strategy:
         optimizer_step. Sharding strategies (ZeRO, FSDP) count their local shards instead."""
         from ..memory import model_state_bytes
         return model_state_bytes(model, optimizer)
+
+    def full_state_dict(self, model) -> dict:
+        """The whole model's weights under the names `single` uses (what equivalence tests
+        compare). Strategies that shard parameters gather them; a collective for those."""
+        return model.state_dict()
 
     def step_info(self) -> dict:
         """Extra fields for this step's event (bucket timeline, staleness, ...)."""

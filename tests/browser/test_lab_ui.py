@@ -118,7 +118,8 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
             # The first dashboard (the `single` run, drawn live while its cell blocked).
             first = page.locator(".distlab-dashboard").first
             first.scroll_into_view_if_needed()
-            assert [t["n"] for t in loss_traces(page, ".distlab-dashboard")] == [QUICK_STEPS]
+            wait_until(lambda: [t["n"] for t in loss_traces(page, ".distlab-dashboard")]
+                       == [QUICK_STEPS], 15, "the first dashboard did not draw every step")
             shot(first, shots_dir / "00_first_run_dashboard.png", shots)
 
             # The control panel: a click must reach the kernel and start a run.
@@ -128,9 +129,12 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
             status = panel.locator(".widget-html-content").first
             status.filter(has_text=re.compile("running|done in")).wait_for(timeout=30_000)
             status.filter(has_text="done in").wait_for(timeout=PANEL_RUN_TIMEOUT_S * 1000)
+            # plotly redraws asynchronously in the browser: the status text can arrive before
+            # the last points are painted, so give the figure a moment to catch up
+            wait_until(lambda: [t["n"] for t in loss_traces(page, ".distlab-panel")]
+                       == [QUICK_STEPS], 15, "the panel's loss plot did not draw every step")
             panel_traces = loss_traces(page, ".distlab-panel")
             assert panel_traces and all(t["n"] > 0 for t in panel_traces), panel_traces
-            assert [t["n"] for t in panel_traces] == [QUICK_STEPS]
 
             # World size 2: the panel switches 'single' (one process) to 'allreduce', and the
             # second run overlays the first and draws bytes on the wire.
@@ -141,7 +145,8 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
             runs_status = panel.locator(".distlab-dashboard .widget-html-content")
             runs_status.filter(has_text=re.compile(r"#2: done in")).wait_for(
                 timeout=PANEL_RUN_TIMEOUT_S * 1000)
-            assert [t["n"] for t in loss_traces(page, ".distlab-panel")] == [QUICK_STEPS] * 2
+            wait_until(lambda: [t["n"] for t in loss_traces(page, ".distlab-panel")]
+                       == [QUICK_STEPS] * 2, 15, "the second run's points were not all drawn")
             sent = panel.locator(".js-plotly-plot").first.evaluate(SENT_JS)
             assert len(sent) == 2 and all(b > 0 for b in sent), sent
             time.sleep(0.5)  # let plotly finish painting before the screenshot

@@ -1,0 +1,162 @@
+"""Measured pipeline bubble of `pp` against the textbook formula, per schedule, p and m.
+
+    .venv/bin/python benchmarks/pipeline_bubble.py [--delay 0.03] [--steps 4] [--quick]
+
+For p in --pp (default 2 4) and m in --microbatches (default 1 2 4 8), every schedule that
+RunConfig accepts: naive, gpipe, 1f1b (m >= p), interleaved with v=2 (m >= p and m % p == 0,
+Megatron's order). One launch per world size trains all of its configs in turn (launches cost
+seconds). Each training is --steps steps of a small GPT (8 layers so p·v divides it, n_embd
+32, batch 8 x seq 16, SGD) with extra={"pp_op_delay_s": --delay}: a fixed sleep per forward
+and per backward (per chunk, interleaved), so stage costs are equal and dominate compute
+(~1-2 ms) and scheduling noise, and the idle the ranks see is the schedule's own.
+
+Measured bubble: each step event's e["pipeline"]["bubble"] = 1 - (forward + backward time) /
+step time, per rank (distlab.parallel.pipeline.timeline); the first step of each training is
+dropped (warm-up), and the figure is the median over the remaining steps of all ranks.
+"spread" is max - min of the per-rank medians (in gpipe, 1f1b and interleaved every rank idles
+alike; in naive too).
+
+Predicted bubble: bubble_formula(schedule, p, m, v, of="total") (idle / step time, GPipe's
+convention) for every row so the columns compare; "paper" is the formula in the convention of
+the schedule's own paper (FORMULA_CONVENTION: "ideal" = idle / ideal compute time for
+interleaved, Megatron's (p-1)/(v·m)). Target: |measured - predicted| <= --tol (default 0.05).
+
+--quick: p=2 only, m in {2, 4}, 3 steps, delay 0.02 s (about 15 s).
+
+Runs go to a temporary DISTLAB_RUNS folder, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+V_INTERLEAVED = 2
+
+
+class _StepRecorder:
+    """An EventLog that also keeps the step events it writes."""
+
+    def __init__(self, log):
+        self.log, self.steps = log, []
+
+    def write(self, kind, **fields):
+        if kind == "step":
+            self.steps.append(fields)
+        return self.log.write(kind, **fields)
+
+    def __getattr__(self, name):
+        return getattr(self.log, name)
+
+
+def measure_bubbles(rank, world, device, log, cfg_dicts: list, warmup: int):
+    """Rank function: train each config in turn; per config (its extra["name"]) this rank's
+    measured bubble and step time of each step after warmup."""
+    from distlab.config import RunConfig
+    from distlab.train import train
+
+    out = {}
+    for d in cfg_dicts:
+        rec = _StepRecorder(log)
+        train(RunConfig.from_dict(d), rank, world, device, rec)
+        steps = rec.steps[warmup:]
+        out[d["extra"]["name"]] = {"bubble": [e["pipeline"]["bubble"] for e in steps],
+                                   "step_s": [e["step_s"] for e in steps]}
+    return out
+
+
+def configs(RunConfig, p: int, ms, steps: int, delay: float) -> list:
+    """The valid (schedule, m, v) configs at pipeline degree p, as RunConfigs."""
+    base = RunConfig(strategy="pp", world_size=p, pp=p, steps=steps, optimizer="sgd", lr=0.1,
+                     global_batch=8, seq_len=16, n_layer=8, n_embd=32, n_head=2, mlp_ratio=4,
+                     timeout_s=120)
+    out = []
+    for sc in SCHEDULES:
+        for m in ms:
+            if sc in ("1f1b", "interleaved") and m < p:
+                continue
+            if sc == "interleaved" and m % p:
+                continue
+            if base.global_batch % m:
+                continue
+            v = V_INTERLEAVED if sc == "interleaved" else 1
+            out.append(base.replace(schedule=sc, microbatches=m, virtual_stages=v,
+                                    extra={"name": f"{sc} p{p} m{m} v{v}",
+                                           "pp_op_delay_s": delay}))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline degrees")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="micro-batch counts (must divide the batch of 8)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per config (default 4)")
+    ap.add_argument("--warmup", type=int, default=1, help="steps dropped per config")
+    ap.add_argument("--delay", type=float, default=0.03,
+                    help="sleep per forward and per backward, s (default 0.03)")
+    ap.add_argument("--tol", type=float, default=0.05, help="target |measured - predicted|")
+    ap.add_argument("--quick", action="store_true", help="p=2, m in {2,4}, 3 steps, 0.02 s")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pp, args.microbatches, args.steps, args.delay = [2], [2, 4], 3, 0.02
+
+    root = tempfile.mkdtemp(prefix="distlab-pp-bench-")
+    os.environ["DISTLAB_RUNS"] = root
+    # Spawned ranks import the rank function by module name: make this file importable.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from distlab import RunConfig, run_ranks
+        from distlab.parallel.pipeline import FORMULA_CONVENTION, bubble_formula
+
+        bench = importlib.import_module("pipeline_bubble")
+        print(f"pp: GPT 8 layers n_embd 32, batch 8 x seq 16; {args.steps} steps per config "
+              f"(first {args.warmup} dropped); op delay {1e3 * args.delay:.0f} ms per forward "
+              f"and per backward; cpu cores {os.cpu_count()}, load average "
+              f"{os.getloadavg()[0]:.1f}\n")
+        rows = []
+        for p in args.pp:
+            cfgs = configs(RunConfig, p, args.microbatches, args.steps, args.delay)
+            t0 = time.perf_counter()
+            res = run_ranks(bench.measure_bubbles, p, [c.to_dict() for c in cfgs],
+                            args.warmup, timeout_s=120, wall_timeout_s=600)
+            print(f"p={p}: {len(cfgs)} configs in one launch, {time.perf_counter() - t0:.1f} s")
+            for c in cfgs:
+                name = c.extra["name"]
+                per_rank = [r[name]["bubble"] for r in res]
+                meas = statistics.median(b for bs in per_rank for b in bs)
+                spread = (max(statistics.median(bs) for bs in per_rank)
+                          - min(statistics.median(bs) for bs in per_rank))
+                step = statistics.median(res[0][name]["step_s"])
+                v = c.virtual_stages
+                pred = bubble_formula(c.schedule, p, c.microbatches, v, of="total")
+                conv = FORMULA_CONVENTION[c.schedule]
+                paper = bubble_formula(c.schedule, p, c.microbatches, v)
+                rows.append((c.schedule, p, c.microbatches, v, meas, spread, pred, meas - pred,
+                             paper, conv, step))
+        print(f"\n{'schedule':<12} {'p':>2} {'m':>2} {'v':>2}  {'measured':>8} {'spread':>6}  "
+              f"{'predicted':>9} {'diff':>7}   {'paper (conv.)':<16} {'step ms':>7}")
+        for sc, p, m, v, meas, spread, pred, diff, paper, conv, step in rows:
+            flag = "" if abs(diff) <= args.tol else "  <- off"
+            print(f"{sc:<12} {p:>2} {m:>2} {v:>2}  {meas:>8.3f} {spread:>6.3f}  {pred:>9.3f} "
+                  f"{diff:>+7.3f}   {paper:>6.3f} ({conv:<5})  {1e3 * step:>7.0f}{flag}")
+        worst = max(abs(r[7]) for r in rows)
+        ok = worst <= args.tol
+        print(f"\npredicted: bubble_formula(..., of='total') = idle / step time; paper: the "
+              f"schedule's own convention ('ideal' = idle / m·(tf+tb)).\nlargest |measured - "
+              f"predicted|: {worst:.3f} (target: at most {args.tol})")
+        print("\nmet" if ok else "\nNOT met")
+        return 0 if ok else 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

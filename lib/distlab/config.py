@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields
 # Each strategy names how the one training loop is parallelised (see distlab.parallel).
 STRATEGIES = ("single", "allreduce", "dp", "ps-sync", "ps-async", "ddp", "ddp-torch",
               "zero1", "zero2", "zero3", "zero1-torch", "fsdp-torch",
-              "tp", "tp-torch", "pp", "pp-torch")
-# Model-parallel strategies: tp and pp split the model (3d, dp x tp x pp on one mesh, is to come).
+              "tp", "tp-torch", "pp", "pp-torch", "3d")
+# Model-parallel strategies: tp and pp split the model (3d: dp x tp x pp on one mesh, parallel/mesh.py).
 TP_STRATEGIES = ("tp", "tp-torch")
 PP_STRATEGIES = ("pp", "pp-torch")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")

@@ -25,6 +25,7 @@ _REGISTRY = {
     "tp-torch": "distlab.parallel.tp_torch:TorchTP",
     "pp": "distlab.parallel.pipeline:PipelineParallel",
     "pp-torch": "distlab.parallel.pp_torch:TorchPP",
+    "3d": "distlab.parallel.mesh:ThreeD",
 }
 
 

@@ -1,0 +1,194 @@
+"""A 3D device mesh (dp x tp x pp) and the `3d` strategy that trains on it.
+
+**Rank layout (Megatron-LM's order: tp fastest, then dp, then pp).** World = dp·tp·pp and
+
+    rank = pp_idx·(dp·tp) + dp_idx·tp + tp_idx
+
+so the ranks of one tensor-parallel group are consecutive (on a real machine: the GPUs of one
+node, joined by NVLink, which TP's per-layer all-reduces need), a data-parallel group strides by
+tp, and a pipeline group strides by dp·tp (pipeline stages may sit on different nodes: they only
+exchange one activation per micro-batch). dp=tp=pp=2:
+
+    pp 0:  dp 0 [0 1]   dp 1 [2 3]        tp groups: [0,1] [2,3] [4,5] [6,7]
+    pp 1:  dp 0 [4 5]   dp 1 [6 7]        dp groups: [0,2] [1,3] [4,6] [5,7]
+                                          pp groups: [0,4] [1,5] [2,6] [3,7]
+
+`dist.new_group` is a collective over the WHOLE world: every rank creates every group, in the
+same order (all tp groups, then all dp groups, then all pp groups), and keeps the three it
+belongs to. Each kept group gets its own `Comm`, so bytes are counted per group kind.
+
+**`3d` (ThreeD).** Reuses the strategies written for one dimension, each handed its group's
+Comm: TensorParallel (tp group: Megatron column/row splits, f/g all-reduces) inside each
+pipeline stage, PipelineParallel (pp group: the stage split and cfg.schedule over
+cfg.microbatches) and ZeRO1 (dp group: the optimizer state of this rank's parameters, i.e. its
+tp shard of its stage, sharded over the dp replicas; gradients reduce-scattered, updated
+parameters all-gathered). A rank's batch is its dp block of the global batch, split by the
+pipeline into cfg.microbatches micro-batches. Not supported: sp=True (the pipeline would carry
+sequence-sharded activations), grad_clip (a norm over three kinds of groups), dataset_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from .base import Strategy
+
+KINDS = ("tp", "dp", "pp")
+# what each group carries in `3d`
+CARRIES = {"tp": "activations' partial sums: all-reduce per block, forward and backward",
+           "dp": "ZeRO-1: gradient reduce-scatter, updated-parameter all-gather",
+           "pp": "activations forward, their gradients backward (send/recv)"}
+
+
+def coords(rank: int, dp: int, tp: int, pp: int) -> dict:
+    """(pp_idx, dp_idx, tp_idx) of `rank` in the Megatron layout."""
+    return {"pp": rank // (dp * tp), "dp": (rank // tp) % dp, "tp": rank % tp}
+
+
+def rank_of(pp_idx: int, dp_idx: int, tp_idx: int, dp: int, tp: int) -> int:
+    return pp_idx * dp * tp + dp_idx * tp + tp_idx
+
+
+def layout(dp: int, tp: int, pp: int) -> dict:
+    """Every group of each kind, as lists of global ranks, in creation order (pure: no
+    processes). Group members are in increasing rank order, so a rank's place in its group is
+    its coordinate along that dimension."""
+    r = lambda p, d, t: rank_of(p, d, t, dp, tp)  # noqa: E731
+    return {"tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+            "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+            "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]}
+
+
+class Mesh:
+    """This rank's place in a dp x tp x pp mesh: coordinates, its group of each kind, the
+    group's members (peers) and a Comm per group. Collective: every rank must build it."""
+
+    def __init__(self, dp: int, tp: int, pp: int):
+        world = dist.get_world_size()
+        if dp * tp * pp != world:
+            raise ValueError(f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp} != world {world}")
+        self.dp, self.tp, self.pp = dp, tp, pp
+        self.rank, self.world = dist.get_rank(), world
+        self.coords = coords(self.rank, dp, tp, pp)
+        self.layout = layout(dp, tp, pp)
+        self.groups, self.peers = {}, {}
+        for kind in KINDS:  # the same order on every rank
+            for ranks in self.layout[kind]:
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[kind], self.peers[kind] = g, list(ranks)
+        self.comms = {kind: Comm(self.groups[kind]) for kind in KINDS}
+
+    def take_step_stats(self) -> dict:
+        """Per group kind, the collective stats since the last call (resets them)."""
+        return {kind: c.take_step_stats()[0] for kind, c in self.comms.items()}
+
+    def table(self) -> list[dict]:
+        """Who talks to whom over which group: one row per group (for a notebook)."""
+        return table(self.dp, self.tp, self.pp)
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "coords": dict(self.coords),
+                "peers": {k: list(v) for k, v in self.peers.items()}}
+
+
+def table(dp: int, tp: int, pp: int) -> list[dict]:
+    """One row per group: kind, index, member ranks and what `3d` sends over it."""
+    return [{"kind": kind, "group": i, "ranks": ranks, "carries": CARRIES[kind]}
+            for kind in KINDS for i, ranks in enumerate(layout(dp, tp, pp)[kind])]
+
+
+def mesh_ranks(rank, world, device, log, dims, cfg_dicts=()):
+    """Rank function (run_ranks): build Mesh(*dims), return its view from this rank and, if
+    configs are given, distlab.train.train_with_state(cfg_dicts) on the same launch."""
+    mesh = Mesh(*dims)
+    out = {**mesh.describe(), "world": {k: dist.get_world_size(g) for k, g in mesh.groups.items()},
+           "group_rank": {k: dist.get_rank(g) for k, g in mesh.groups.items()}}
+    if cfg_dicts:
+        from ..train import train_with_state
+        out["runs"] = train_with_state(rank, world, device, log, list(cfg_dicts))
+    return out
+
+
+class ThreeD(Strategy):
+    """`3d`: tensor parallel in the tp group, pipeline across the pp group, ZeRO-1 over the
+    dp group (see the module docstring)."""
+
+    def __init__(self, cfg, comm):
+        super().__init__(cfg, comm)
+        if cfg.sp or cfg.grad_clip or cfg.dataset_size:
+            raise ValueError("3d supports neither sp=True, grad_clip nor dataset_size")
+        from .pipeline import PipelineParallel
+        from .tensor import TensorParallel
+        from .zero import ZeRO1
+        self.mesh = Mesh(cfg.dp_degree, cfg.tp, cfg.pp)
+        c = self.mesh.comms
+        self.tp_s = TensorParallel(cfg, c["tp"])
+        self.pp_s = PipelineParallel(cfg, c["pp"])
+        self.dp_s = ZeRO1(cfg, c["dp"])
+        self.dp_rank, self.dp = c["dp"].rank, c["dp"].world
+
+    def wrap(self, model):
+        model = self.tp_s.wrap(model)  # every block split by columns/rows (tp group)
+        model = self.pp_s.wrap(model)  # then keep this stage's blocks (pp group)
+
+        def present(name):
+            try:
+                model.get_submodule(name)
+                return True
+            except AttributeError:
+                return False
+        self.tp_s.sharded = {n: s for n, s in self.tp_s.sharded.items() if present(n)}
+        model = self.dp_s.wrap(model)  # flat buffer over what is left, optimizer state sharded
+        # parameters now view ZeRO's flat buffer: the pipeline must not count them as activations
+        self.pp_s._param_ptrs = {q.untyped_storage().data_ptr() for q in model.parameters()}
+        return model
+
+    def build_optimizer(self, model, make):
+        return self.dp_s.build_optimizer(model, make)
+
+    def batch(self, data, step):
+        return data.rank_batch(step, self.cfg.global_batch, self.dp_rank, self.dp)
+
+    def no_sync(self, model):
+        return self.dp_s.no_sync(model)
+
+    def forward_backward(self, model, x, y, scale_loss):
+        # the pipeline calls stages, not model.forward, so ZeRO's pre-forward hook (which points
+        # each .grad into its flat gradient buffer) is run here
+        self.dp_s._attach_grad_views()
+        return self.pp_s.forward_backward(model, x, y, scale_loss)
+
+    def reduce_gradients(self, model):
+        self.tp_s.reduce_gradients(model)  # nothing without sp
+        self.dp_s.reduce_gradients(model)
+
+    def step_gradients(self, model):
+        return self.dp_s.step_gradients(model)
+
+    def clip_gradients(self, model, max_norm):
+        raise NotImplementedError("3d: grad_clip is not supported")
+
+    def optimizer_step(self, optimizer):
+        self.dp_s.optimizer_step(optimizer)
+
+    def state_bytes(self, model, optimizer):
+        return self.dp_s.state_bytes(model, optimizer)
+
+    def full_state_dict(self, model) -> dict:
+        """All weights under `single`'s names: tp shards gathered in the tp group, then the
+        stages' dicts gathered across the pp group (collective: every rank)."""
+        sd = {k: v.detach().clone() for k, v in self.tp_s.full_state_dict(model).items()}
+        parts = [None] * self.mesh.pp
+        dist.all_gather_object(parts, sd, group=self.mesh.groups["pp"])
+        out = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    def step_info(self):
+        info = {**self.pp_s.step_info(), **self.dp_s.step_info()}
+        info["mesh"] = {"coords": dict(self.mesh.coords), "comm": self.mesh.take_step_stats()}
+        return info

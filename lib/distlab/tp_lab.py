@@ -1,0 +1,154 @@
+"""Caller-side helpers of the tensor-parallelism notebook (workbook/05_tensor_parallel): the
+Megatron byte formulas, a trace of where the collectives sit in one step, the bytes figure and
+the control panel with tp and sp knobs.
+
+Nothing here runs inside a rank or changes how anything trains. `collective_trace` builds the
+same TensorParallel wrapping a rank builds, in this process, on a recording stand-in for
+distlab.comm with one rank (every collective is then the identity), and notes each collective
+with the module whose forward ran last or whose gradient arrived last: where the collectives
+sit does not depend on how many ranks share the work, only their bytes do.
+"""
+
+from __future__ import annotations
+
+import types
+
+import ipywidgets as W
+import plotly.graph_objects as go
+import torch
+
+from .config import RunConfig
+from .dp_lab import COLORS
+
+FP32 = 4
+
+
+# -- theory ------------------------------------------------------------------------------------
+def megatron_bytes(cfg: RunConfig) -> dict[str, tuple[int, float]]:
+    """{comm kind: (calls, bytes sent per rank)} of one training step of `tp` on cfg's GPT, as
+    the ring moves them (distlab.comm), with S = B·T·d·4 (the residual stream of the whole
+    global batch in fp32), t = tp, L = layers (tests/test_tensor_parallel.py derives them):
+
+    without sp: 4L all-reduces (forward: g after attn.o and mlp.proj; backward: f before q/k/v
+                and mlp.fc), each 2(t-1)/t·S.
+    with sp:    4L reduce-scatters and 4L+2 all-gathers, each (t-1)/t·S, plus one all-reduce
+                of the sequence-parallel gradients ((2·2d + 2d)·L + 2d floats)."""
+    t, L, d = cfg.tp, cfg.n_layer, cfg.n_embd
+    S = cfg.global_batch * cfg.seq_len * d * FP32
+    if not cfg.sp:
+        return {"tp.all_reduce": (4 * L, 4 * L * 2 * (t - 1) * S / t)}
+    sp_grads = ((2 * 2 * d + 2 * d) * L + 2 * d) * FP32
+    return {"sp.all_gather": (4 * L + 2, (4 * L + 2) * (t - 1) * S / t),
+            "sp.reduce_scatter": (4 * L, 4 * L * (t - 1) * S / t),
+            "sp.grad_all_reduce": (1, 2 * (t - 1) * sp_grads / t)}
+
+
+def measured_bytes(run) -> dict[str, set]:
+    """{comm kind: {(calls, bytes sent)} over every rank and step} of a run: one element per
+    kind when every rank moved the same in every step."""
+    out: dict[str, set] = {}
+    for e in run.history("step"):
+        for kind, v in e.get("comm", {}).items():
+            out.setdefault(kind, set()).add((v["calls"], v["bytes_sent"]))
+    return out
+
+
+# -- where the collectives sit -------------------------------------------------------------------
+class _Recorder:
+    """A one-rank stand-in for distlab.comm.Comm that records each collective it is asked for."""
+
+    rank, world = 0, 1
+
+    def __init__(self):
+        self.events: list = []   # ("module", phase, name) and ("comm", kind)
+
+    def _done(self, kind, result):
+        self.events.append(("comm", kind))
+        return types.SimpleNamespace(wait=lambda: result)
+
+    def all_reduce_async(self, t, kind="all_reduce"):
+        return self._done(kind, t)
+
+    def all_gather_async(self, out, t, kind="all_gather"):
+        out.copy_(t)
+        return self._done(kind, out)
+
+    def reduce_scatter_async(self, out, t, kind="reduce_scatter"):
+        out.copy_(t)
+        return self._done(kind, out)
+
+
+def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
+    """One forward and backward of cfg's GPT wrapped by TensorParallel (one rank, recording):
+    one row per collective in the order issued, {"phase", "kind", "inside", "after",
+    "before"}: the leaf module whose forward was running when it was issued (None between
+    modules), the leaf module that finished its forward last (forward) or whose output
+    gradient arrived last (backward), and the next leaf module to start."""
+    import warnings
+
+    from .models import GPT, GPTConfig
+    from .parallel.tensor import TensorParallel
+
+    torch.manual_seed(0)
+    rec = _Recorder()
+    strategy = TensorParallel(types.SimpleNamespace(sp=sp), rec)
+    model = strategy.wrap(GPT(GPTConfig.from_run(cfg)))
+    for name, m in model.named_modules():
+        if name and not list(m.children()):  # leaves: linears, LayerNorms, embeddings
+            m.register_forward_pre_hook(lambda *_, n=name: rec.events.append(("enter", n)))
+            m.register_forward_hook(lambda *_, n=name: rec.events.append(("leave", n)))
+            m.register_full_backward_pre_hook(lambda *_, n=name: rec.events.append(("grad", n)))
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with warnings.catch_warnings():  # token ids need no gradient: hooks fire on outputs
+        warnings.simplefilter("ignore", UserWarning)
+        model(x, x).backward()  # GPT returns the loss when given targets
+    rows, open_, last, phase = [], None, None, "forward"
+    for ev in rec.events:
+        if ev[0] == "comm":
+            rows.append({"phase": phase, "kind": ev[1], "inside": open_, "after": last,
+                         "before": None})
+            continue
+        for r in rows:
+            if r["before"] is None:
+                r["before"] = ev[1]
+        if ev[0] == "enter":
+            open_ = ev[1]
+        elif ev[0] == "leave":
+            open_, last = None, ev[1]
+        else:
+            phase, open_, last = "backward", None, ev[1]
+    return rows
+
+
+# -- figures -------------------------------------------------------------------------------------
+def bytes_figure(rows: list[tuple[str, str, float, float]], title: str) -> go.Figure:
+    """rows (config, kind, formula bytes, measured bytes) as grouped bars, formula beside
+    measured, one pair per config and kind."""
+    x = [f"{c}<br>{k}" for c, k, _, _ in rows]
+    fig = go.Figure()
+    fig.add_bar(x=x, y=[f / 1024 for _, _, f, _ in rows], name="formula",
+                marker_color=COLORS[0], customdata=[f for _, _, f, _ in rows],
+                hovertemplate="formula: %{customdata:,.0f} B<extra></extra>")
+    fig.add_bar(x=x, y=[m / 1024 for *_, m in rows], name="measured (every rank, every step)",
+                marker_color=COLORS[1], customdata=[m for *_, m in rows],
+                hovertemplate="measured: %{customdata:,.0f} B<extra></extra>")
+    fig.update_layout(barmode="group", title=title, yaxis_title="KiB sent per rank per step",
+                      height=420, template="plotly_white")
+    return fig
+
+
+# -- the control panel ---------------------------------------------------------------------------
+def tp_panel(**defaults):
+    """A lab.ControlPanel with two knobs added: the tp degree (world_size follows it, since
+    every rank of `tp` / `tp-torch` is a tensor-parallel rank) and sp."""
+    from .lab import ControlPanel
+
+    tp = W.Dropdown(options=[2, 4], value=defaults.get("tp", 2), description="tp")
+    sp = W.Checkbox(value=defaults.get("sp", False), description="sequence parallel (sp)")
+    defaults = {"strategy": "tp", **defaults, "world_size": tp.value, "tp": tp.value}
+    panel = ControlPanel(extra_widgets={"tp": tp, "sp": sp}, **defaults)
+
+    def follow(change):
+        panel.knobs["world_size"].value = change["new"]
+    tp.observe(follow, names="value")
+    return panel

@@ -1,0 +1,196 @@
+"""Caller-side helpers of the pipeline notebook (workbook/06_pipeline_parallel): a Gantt chart per
+rank from a `pp` step's recorded events, the ideal timeline of a schedule, the measured bubble
+of a run, and a widget that re-runs the real pipeline and redraws its chart.
+
+Nothing here runs inside a rank; it reads what the runs logged (e["pipeline"], written by
+distlab.parallel.pipeline.PipelineParallel.step_info).
+
+    runs = launch_together({"gpipe": cfg})
+    gantt(runs["gpipe"], step=-1).show()      # forward / backward / send / recv / idle per rank
+    measured_bubble(runs["gpipe"])            # median over steps (first dropped) and ranks
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from .config import RunConfig
+from .dp_lab import launch_together
+from .parallel.pipeline import bubble_formula, simulate, make_schedule
+from .run import Run
+
+OP_COLORS = {"F": "#1f5fbf", "B": "#2b8a3e", "send": "#e8590c", "recv": "#c2255c",
+             "idle": "#dee2e6"}
+OP_NAMES = {"F": "forward", "B": "backward", "send": "send", "recv": "recv (waiting)",
+            "idle": "idle"}
+
+
+# -- reading the runs ---------------------------------------------------------------------------
+def step_pipelines(run: Run, step: int = -1) -> list[dict]:
+    """e["pipeline"] of one step, one dict per rank (rank order). step=-1: the last step."""
+    steps = sorted({e["step"] for e in run.history("step")})
+    s = steps[step]
+    by_rank = {e["rank"]: e["pipeline"] for e in run.history("step") if e["step"] == s}
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def measured_bubble(run: Run, skip: int = 1) -> float:
+    """Median of e["pipeline"]["bubble"] (1 - busy / step time, per rank) over every rank's
+    steps, the first `skip` steps dropped (warm-up)."""
+    vals = [e["pipeline"]["bubble"] for e in run.history("step") if e["step"] >= skip]
+    return statistics.median(vals)
+
+
+def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
+    """Per run: schedule, p, m, v, measured bubble (of total time) and both formulas."""
+    rows = []
+    for label, run in runs.items():
+        c = run.cfg
+        v = c.virtual_stages if c.schedule == "interleaved" else 1
+        rows.append({"run": label, "schedule": c.schedule, "p": c.pp, "m": c.microbatches, "v": v,
+                     "measured": measured_bubble(run, skip),
+                     "total": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="total"),
+                     "ideal": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="ideal")})
+    return rows
+
+
+def schedule_rows(kind: str, p: int, m: int, v: int = 1) -> list[list[str]]:
+    """make_schedule as table rows: one row per rank, ops written F0, B0 (chunk as F0.1)."""
+    out = []
+    for r, ops in enumerate(make_schedule(kind, p, m, v)):
+        out.append([f"rank {r}", " ".join(f"{op}{mb}" + (f".{c}" if v > 1 else "")
+                                          for op, mb, c in ops)])
+    return out
+
+
+# -- figures ------------------------------------------------------------------------------------
+def _bars(fig, rows_events, row_label, scale=1e3):
+    """Add one horizontal bar per event: rows_events is [(row name, [events]), ...]."""
+    seen = set()
+    for name, events in rows_events:
+        for e in sorted(events, key=lambda e: (e["op"] != "idle", e["t0"])):
+            op = e["op"]
+            text = "" if e.get("mb") is None else f"{e['mb']}" + (
+                f".{e['chunk']}" if e.get("chunk") else "")
+            fig.add_bar(y=[name], x=[(e["t1"] - e["t0"]) * scale], base=[e["t0"] * scale],
+                        orientation="h", marker_color=OP_COLORS[op], name=OP_NAMES[op],
+                        legendgroup=op, showlegend=op not in seen,
+                        text=text if op in ("F", "B") else "", textposition="inside",
+                        hovertemplate=f"{row_label(name)} {OP_NAMES[op]} mb {e.get('mb')} "
+                                      f"chunk {e.get('chunk')}: %{{base:.1f}}–%{{x:.1f}}<extra></extra>")
+            seen.add(op)
+
+
+def gantt(pipelines: list[dict], title: str = "", fig: go.Figure | None = None) -> go.Figure:
+    """Per-rank Gantt chart (ms) of one step from its recorded events: forward, backward,
+    send, recv (time blocked in the receive) and idle (gaps between forward/backward)."""
+    fig = fig if fig is not None else go.Figure()
+    fig.data = ()
+    rows = [(f"rank {r}", p["events"]) for r, p in enumerate(pipelines)]
+    _bars(fig, rows, lambda n: n)
+    fig.update_layout(title=title, barmode="overlay", xaxis_title="time in the step (ms)",
+                      height=140 + 50 * len(rows), template="plotly_white",
+                      yaxis=dict(autorange="reversed", categoryorder="array",
+                                 categoryarray=[n for n, _ in rows]))
+    return fig
+
+
+def ideal_gantt(kind: str, p: int, m: int, v: int = 1, title: str = "") -> go.Figure:
+    """The same chart for simulate(): unit forward and backward costs, free communication."""
+    tl = simulate(make_schedule(kind, p, m, v), p, v)
+    end = max(e[4] for r in tl for e in r)
+    rows = []
+    for r, ops in enumerate(tl):
+        evs = [{"op": op, "mb": mb, "chunk": c, "t0": t0, "t1": t1} for op, mb, c, t0, t1 in ops]
+        t = 0.0
+        for e in sorted(evs, key=lambda e: e["t0"]) + [{"t0": end, "t1": end}]:
+            if e["t0"] > t:
+                evs.append({"op": "idle", "mb": None, "chunk": None, "t0": t, "t1": e["t0"]})
+            t = max(t, e["t1"])
+        rows.append((f"rank {r}", evs))
+    fig = go.Figure()
+    _bars(fig, rows, lambda n: n, scale=1)
+    fig.update_layout(title=title or f"{kind}: ideal timeline (p={p}, m={m}, v={v})",
+                      barmode="overlay", xaxis_title="time (units of one forward)",
+                      height=140 + 50 * p, template="plotly_white",
+                      yaxis=dict(autorange="reversed"))
+    return fig
+
+
+def bubble_curve(rows: list[dict], title: str) -> go.Figure:
+    """Measured bubble vs m beside (p-1)/(m+p-1), for rows of one schedule and p."""
+    ms = [r["m"] for r in rows]
+    fig = go.Figure()
+    fig.add_scatter(x=ms, y=[r["measured"] for r in rows], mode="lines+markers",
+                    name="measured (idle / step time)", line=dict(color="#1f5fbf", width=3))
+    fig.add_scatter(x=ms, y=[r["total"] for r in rows], mode="lines+markers",
+                    name="(p-1)/(m+p-1) (Huang et al. 2019)",
+                    line=dict(color="#e8590c", dash="dash"))
+    fig.update_layout(title=title, xaxis_title="micro-batches m", yaxis_title="bubble fraction",
+                      xaxis_type="log", height=360, template="plotly_white")
+    fig.update_xaxes(tickvals=ms)
+    return fig
+
+
+# -- the widget ---------------------------------------------------------------------------------
+class PipelineExplorer:
+    """Schedule, micro-batches and virtual stages; Run trains the real `pp` pipeline (one
+    launch, `base`'s other settings) and redraws the Gantt chart of its last step. An invalid
+    combination is refused with RunConfig's message in the status line."""
+
+    def __init__(self, base: RunConfig, schedules=("naive", "gpipe", "1f1b", "interleaved"),
+                 microbatches=(1, 2, 4, 8), virtual_stages=(1, 2)):
+        self.base = base
+        self.schedule = W.Dropdown(options=list(schedules), value="1f1b", description="schedule")
+        self.microbatches = W.Dropdown(options=list(microbatches),
+                                       value=max(m for m in microbatches if m <= 4),
+                                       description="micro-batches")
+        self.virtual = W.Dropdown(options=list(virtual_stages), value=virtual_stages[0],
+                                  description="virtual stages")
+        self.button = W.Button(description="Run", button_style="primary")
+        self.status = W.HTML()
+        self.fig = go.FigureWidget()
+        self.fig.update_layout(height=240, template="plotly_white")
+        self.button.on_click(lambda _b: self._safe_run())
+        self.last: dict | None = None
+        self.widget = W.VBox([W.HBox([self.schedule, self.microbatches, self.virtual,
+                                      self.button]), self.status, self.fig])
+
+    def config(self) -> RunConfig:
+        sc = self.schedule.value
+        return self.base.replace(schedule=sc, microbatches=self.microbatches.value,
+                                 virtual_stages=self.virtual.value if sc == "interleaved" else 1)
+
+    def run(self, **values) -> dict:
+        """Set the knobs (schedule=, microbatches=, virtual_stages=), train, redraw; returns
+        {"config", "run", "measured", "total", "ideal", "pipelines"}."""
+        for k, w in (("schedule", self.schedule), ("microbatches", self.microbatches),
+                     ("virtual_stages", self.virtual)):
+            if k in values:
+                w.value = values[k]
+        cfg = self.config()
+        self.status.value = f"running {cfg.schedule}, m={cfg.microbatches} ..."
+        run = launch_together({"explorer": cfg}, name="pp-explorer")["explorer"]
+        (row,) = bubble_rows({"explorer": run})
+        pipes = step_pipelines(run)
+        with self.fig.batch_update():
+            gantt(pipes, fig=self.fig,
+                  title=f"{cfg.schedule}, p={cfg.pp}, m={cfg.microbatches}, v={row['v']}: "
+                        f"last step")
+        self.status.value = (f"measured bubble {row['measured']:.3f} (idle / step time); formula "
+                             f"{row['total']:.3f} of total, {row['ideal']:.3f} of ideal time")
+        self.last = {"config": cfg, "run": run, "pipelines": pipes, **row}
+        return self.last
+
+    def _safe_run(self):
+        try:
+            self.run()
+        except Exception as e:  # shown in the status line, not raised into the event loop
+            self.status.value = f"<b style='color:#c00'>{type(e).__name__}</b>: {e}"
+
+    def _ipython_display_(self):
+        from IPython.display import display
+        display(self.widget)

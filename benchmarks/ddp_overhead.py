@@ -37,32 +37,18 @@ TARGET_RATIO = 1.15
 STRATEGIES = ("ddp", "ddp-torch", "allreduce")
 
 
-class _StepRecorder:
-    """An EventLog that also keeps the step events it writes."""
-
-    def __init__(self, log):
-        self.log, self.steps = log, []
-
-    def write(self, kind, **fields):
-        if kind == "step":
-            self.steps.append(fields)
-        return self.log.write(kind, **fields)
-
-    def __getattr__(self, name):
-        return getattr(self.log, name)
-
-
 def time_strategies(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
     """Rank function: train each config `repeats` times, alternating the order; per config
     the step times, bytes sent per step and (ddp) overlap fractions of the steps after warmup."""
     from distlab.config import RunConfig
+    from distlab.events import StepRecorder
     from distlab.train import train
 
     out = {d["strategy"]: {"step_s": [], "per_repeat": [], "bytes": [], "overlap": [],
                            "buckets": []} for d in cfg_dicts}
     for rep in range(repeats):
         for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
-            rec = _StepRecorder(log)
+            rec = StepRecorder(log)
             train(RunConfig.from_dict(d), rank, world, device, rec)
             steps = rec.steps[warmup:]
             o = out[d["strategy"]]

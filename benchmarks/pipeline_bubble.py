@@ -41,30 +41,16 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 V_INTERLEAVED = 2
 
 
-class _StepRecorder:
-    """An EventLog that also keeps the step events it writes."""
-
-    def __init__(self, log):
-        self.log, self.steps = log, []
-
-    def write(self, kind, **fields):
-        if kind == "step":
-            self.steps.append(fields)
-        return self.log.write(kind, **fields)
-
-    def __getattr__(self, name):
-        return getattr(self.log, name)
-
-
 def measure_bubbles(rank, world, device, log, cfg_dicts: list, warmup: int):
     """Rank function: train each config in turn; per config (its extra["name"]) this rank's
     measured bubble and step time of each step after warmup."""
     from distlab.config import RunConfig
+    from distlab.events import StepRecorder
     from distlab.train import train
 
     out = {}
     for d in cfg_dicts:
-        rec = _StepRecorder(log)
+        rec = StepRecorder(log)
         train(RunConfig.from_dict(d), rank, world, device, rec)
         steps = rec.steps[warmup:]
         out[d["extra"]["name"]] = {"bubble": [e["pipeline"]["bubble"] for e in steps],

@@ -33,31 +33,17 @@ NAMES = ("tp", "tp-torch", "tp sp", "tp-torch sp")
 PAIRS = (("tp", "tp-torch"), ("tp sp", "tp-torch sp"))
 
 
-class _StepRecorder:
-    """An EventLog that also keeps the step events it writes."""
-
-    def __init__(self, log):
-        self.log, self.steps = log, []
-
-    def write(self, kind, **fields):
-        if kind == "step":
-            self.steps.append(fields)
-        return self.log.write(kind, **fields)
-
-    def __getattr__(self, name):
-        return getattr(self.log, name)
-
-
 def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
     """Rank function: train each config `repeats` times, alternating the order; per config (its
     extra["name"]) the step times and bytes sent after warmup and each repeat's median."""
     from distlab.config import RunConfig
+    from distlab.events import StepRecorder
     from distlab.train import train
 
     out = {d["extra"]["name"]: {"step_s": [], "per_repeat": [], "bytes": []} for d in cfg_dicts}
     for rep in range(repeats):
         for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
-            rec = _StepRecorder(log)
+            rec = StepRecorder(log)
             train(RunConfig.from_dict(d), rank, world, device, rec)
             steps = rec.steps[warmup:]
             o = out[d["extra"]["name"]]

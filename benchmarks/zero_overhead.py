@@ -37,31 +37,17 @@ import tempfile
 STRATEGIES = ("zero3", "fsdp-torch", "ddp")
 
 
-class _StepRecorder:
-    """An EventLog that also keeps the step events it writes."""
-
-    def __init__(self, log):
-        self.log, self.steps = log, []
-
-    def write(self, kind, **fields):
-        if kind == "step":
-            self.steps.append(fields)
-        return self.log.write(kind, **fields)
-
-    def __getattr__(self, name):
-        return getattr(self.log, name)
-
-
 def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
     """Rank function: train each config `repeats` times, alternating the order; per config
     (by its "name" in extra) the step events after warmup and each repeat's median."""
     from distlab.config import RunConfig
+    from distlab.events import StepRecorder
     from distlab.train import train
 
     out = {d["extra"]["name"]: {"steps": [], "per_repeat": []} for d in cfg_dicts}
     for rep in range(repeats):
         for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
-            rec = _StepRecorder(log)
+            rec = StepRecorder(log)
             train(RunConfig.from_dict(d), rank, world, device, rec)
             steps = [{"step_s": e["step_s"], "memory": e["memory"],
                       "bytes": sum(s["bytes_sent"] for s in e["comm"].values()),

@@ -14,13 +14,12 @@ the mean), ~1e-7 relative per step, and SGD does not amplify it (we observed at 
 into the wrong parameters, a micro-batch not accumulated) moves parameters by ~1e-2.
 """
 
-import json
-import os
 import statistics
 
 import pytest
 import torch
 
+from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPT, GPTConfig
@@ -63,19 +62,6 @@ def _expected_buckets(bucket_mb):
     return [sum(sizes[i] for i in b) for b in assign_buckets(sizes, bucket_mb * MiB)]
 
 
-def _step_events(run_dir, rank):
-    """The rank's step events, one list per trained config (each run begins with "start")."""
-    runs = []
-    with open(os.path.join(run_dir, f"rank{rank}.jsonl")) as f:
-        for line in f:
-            e = json.loads(line)
-            if e["kind"] == "start":
-                runs.append([])
-            elif e["kind"] == "step":
-                runs[-1].append(e)
-    return runs
-
-
 def _strip(name):
     return name.removeprefix("module.")  # torch's DDP wrapper prefixes its module's keys
 
@@ -101,7 +87,7 @@ def ddp_runs(request, tmp_path_factory):
     out = {}
     for i, (name, cfg) in enumerate(cfgs.items()):
         out[name] = {"cfg": cfg, "ranks": [results[r][i] for r in range(world)],
-                     "events": [_step_events(run_dir, r)[i] for r in range(world)]}
+                     "events": [step_events_per_run(run_dir, r)[i] for r in range(world)]}
     return world, out
 
 

@@ -12,12 +12,11 @@ per step that SGD does not amplify (we observed <= 3e-8). A micro-batch's gradie
 twice or not scaled by 1/m moves parameters by ~1e-2.
 """
 
-import json
-import os
 import statistics
 
 import pytest
 
+from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.parallel.pipeline import (bubble_formula, in_flight, make_schedule,
                                        p2p_bytes_per_step, simulate)
@@ -92,18 +91,6 @@ def _configs(world):
     return cfgs
 
 
-def _step_events(run_dir, rank):
-    runs = []
-    with open(os.path.join(run_dir, f"rank{rank}.jsonl")) as f:
-        for line in f:
-            e = json.loads(line)
-            if e["kind"] == "start":
-                runs.append([])
-            elif e["kind"] == "step":
-                runs[-1].append(e)
-    return runs
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("single"))
@@ -117,7 +104,7 @@ def pp_runs(request, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp(f"pp-w{world}"))
     results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
                         timeout_s=60, run_dir=run_dir, wall_timeout_s=240)
-    events = [_step_events(run_dir, r) for r in range(world)]
+    events = [step_events_per_run(run_dir, r) for r in range(world)]
     return world, {name: {"cfg": cfg, "ranks": [results[r][i] for r in range(world)],
                           "events": [events[r][i] for r in range(world)]}
                    for i, (name, cfg) in enumerate(cfgs.items())}

@@ -22,12 +22,11 @@ t = tp degree, L = layers, all modeled as the ring moves them (distlab.comm):
                bias, row-parallel biases): (2·2d + 2d)·L + 2d floats.
 """
 
-import json
-import os
 
 import pytest
 import torch
 
+from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.tensor import plan_table, tp_plan
@@ -49,25 +48,13 @@ def _configs(world):
     return cfgs
 
 
-def _step_events(run_dir, rank):
-    runs = []
-    with open(os.path.join(run_dir, f"rank{rank}.jsonl")) as f:
-        for line in f:
-            e = json.loads(line)
-            if e["kind"] == "start":
-                runs.append([])
-            elif e["kind"] == "step":
-                runs[-1].append(e)
-    return runs
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("single"))
     cfgs = [BASE, BASE.replace(grad_clip=CLIP)]
     res = run_ranks(train_with_state, 1, [c.to_dict() for c in cfgs], timeout_s=60,
                     run_dir=run_dir)[0]
-    events = _step_events(run_dir, 0)
+    events = step_events_per_run(run_dir, 0)
     return {"plain": res[0], "clip": {**res[1], "events": events[1]}}
 
 
@@ -79,7 +66,7 @@ def tp_runs(request, tmp_path_factory):
     results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
                         timeout_s=60, run_dir=run_dir)
     return world, {name: {"cfg": cfg, "ranks": [results[r][i] for r in range(world)],
-                          "events": [_step_events(run_dir, r)[i] for r in range(world)]}
+                          "events": [step_events_per_run(run_dir, r)[i] for r in range(world)]}
                    for i, (name, cfg) in enumerate(cfgs.items())}
 
 

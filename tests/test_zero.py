@@ -39,12 +39,11 @@ Bytes on the wire per rank per step (modeled ring bytes, booked by distlab.comm)
              = 1.5x ddp's; with A micro-batches the all-gathers are 2A(N-1)/N·4ΣP_u
 """
 
-import json
-import os
 
 import pytest
 import torch
 
+from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPT, GPTConfig
@@ -108,19 +107,6 @@ def _n_tensors(cfg):
     return len(list(GPT(GPTConfig.from_run(cfg)).parameters()))
 
 
-def _step_events(run_dir, rank):
-    """The rank's step events, one list per trained config (each run begins with "start")."""
-    runs = []
-    with open(os.path.join(run_dir, f"rank{rank}.jsonl")) as f:
-        for line in f:
-            e = json.loads(line)
-            if e["kind"] == "start":
-                runs.append([])
-            elif e["kind"] == "step":
-                runs[-1].append(e)
-    return runs
-
-
 def _strip(name):
     return name.removeprefix("module.")  # torch's DDP wrapper prefixes its module's keys
 
@@ -136,7 +122,7 @@ def single(tmp_path_factory):
     cfgs = {"sgd": BASE, "short": SHORT, "clip": SHORT.replace(grad_clip=CLIP), "mem": MEM}
     res = run_ranks(train_with_state, 1, [c.to_dict() for c in cfgs.values()], timeout_s=60,
                     run_dir=run_dir)[0]
-    events = _step_events(run_dir, 0)
+    events = step_events_per_run(run_dir, 0)
     return {name: {**res[i], "events": events[i]} for i, name in enumerate(cfgs)}
 
 
@@ -147,7 +133,7 @@ def runs(request, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp(f"zero-w{world}"))
     results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
                         timeout_s=60, run_dir=run_dir)
-    events = [_step_events(run_dir, r) for r in range(world)]
+    events = [step_events_per_run(run_dir, r) for r in range(world)]
     out = {name: {"cfg": cfg, "ranks": [results[r][i] for r in range(world)],
                   "events": [events[r][i] for r in range(world)]}
            for i, (name, cfg) in enumerate(cfgs.items())}

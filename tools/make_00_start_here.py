@@ -8,26 +8,12 @@ Cell ids are fixed so that regenerating an unchanged notebook gives an unchanged
 from __future__ import annotations
 
 import pathlib
-import textwrap
+import sys
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from nbcells import code, md, write_notebook  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "workbook" / "00_start_here.ipynb"
-
-
-def md(cell_id: str, text: str):
-    cell = new_markdown_cell(textwrap.dedent(text).strip())
-    cell.id = cell_id
-    return cell
-
-
-def code(cell_id: str, text: str, tags: tuple = ()):
-    cell = new_code_cell(textwrap.dedent(text).strip())
-    cell.id = cell_id
-    if tags:
-        cell.metadata["tags"] = list(tags)
-    return cell
 
 
 CELLS = [
@@ -256,19 +242,5 @@ CELLS = [
 ]
 
 
-def build() -> nbformat.NotebookNode:
-    nb = new_notebook(cells=CELLS)
-    nb.metadata = {
-        "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                       "language": "python"},
-        "language_info": {"name": "python"},
-    }
-    return nb
-
-
 if __name__ == "__main__":
-    nb = build()
-    nbformat.validate(nb)
-    OUT.parent.mkdir(exist_ok=True)
-    nbformat.write(nb, OUT)
-    print(f"wrote {OUT} ({len(nb.cells)} cells)")
+    write_notebook(CELLS, OUT)

@@ -54,3 +54,31 @@ class LogTail:
 
 def rank_log_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"rank{rank}.jsonl")
+
+
+def step_events_per_run(run_dir: str, rank: int) -> list[list[dict]]:
+    """A rank's step events from its log, one list per training run in it: a launch that
+    trains several configs one after another (train_with_state) starts each with "start"."""
+    runs: list[list[dict]] = []
+    for e in LogTail(rank_log_path(run_dir, rank)).read_new():
+        if e["kind"] == "start":
+            runs.append([])
+        elif e["kind"] == "step":
+            runs[-1].append(e)
+    return runs
+
+
+class StepRecorder:
+    """An EventLog stand-in that writes through to `log` and also keeps the step events, for
+    rank functions that want them back without reading the log file (the benchmarks)."""
+
+    def __init__(self, log):
+        self.log, self.steps = log, []
+
+    def write(self, kind, **fields):
+        if kind == "step":
+            self.steps.append(fields)
+        return self.log.write(kind, **fields)
+
+    def __getattr__(self, name):
+        return getattr(self.log, name)

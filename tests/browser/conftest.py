@@ -42,6 +42,9 @@ class LabServer:
     log: Path
 
     def api(self, path: str, method: str = "GET"):
+        """Call the JupyterLab server this fixture started on 127.0.0.1 (its REST API: status,
+        kernels). Loopback only: nothing is fetched from outside the machine."""
+        assert self.url.startswith("http://127.0.0.1:"), self.url
         req = urllib.request.Request(f"{self.url}{path}", method=method,
                                      headers={"Authorization": f"token {self.token}"})
         with urllib.request.urlopen(req, timeout=5) as r:

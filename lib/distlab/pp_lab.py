@@ -92,10 +92,14 @@ def gantt(pipelines: list[dict], title: str = "", fig: go.Figure | None = None) 
     rows = [(f"rank {r}", p["events"]) for r, p in enumerate(pipelines)]
     _bars(fig, rows, lambda n: n)
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time in the step (ms)",
-                      height=140 + 50 * len(rows), template="plotly_white",
+                      height=170 + 50 * len(rows), template="plotly_white", legend=LEGEND,
                       yaxis=dict(autorange="reversed", categoryorder="array",
                                  categoryarray=[n for n, _ in rows]))
     return fig
+
+
+# One row under the chart: a vertical legend of six ops does not fit a two-rank chart's height.
+LEGEND = dict(orientation="h", yanchor="top", y=-0.45, x=0)
 
 
 def ideal_gantt(kind: str, p: int, m: int, v: int = 1, title: str = "") -> go.Figure:
@@ -115,7 +119,7 @@ def ideal_gantt(kind: str, p: int, m: int, v: int = 1, title: str = "") -> go.Fi
     _bars(fig, rows, lambda n: n, scale=1)
     fig.update_layout(title=title or f"{kind}: ideal timeline (p={p}, m={m}, v={v})",
                       barmode="overlay", xaxis_title="time (units of one forward)",
-                      height=140 + 50 * p, template="plotly_white",
+                      height=170 + 50 * p, template="plotly_white", legend=LEGEND,
                       yaxis=dict(autorange="reversed"))
     return fig
 
@@ -153,7 +157,7 @@ class PipelineExplorer:
         self.button = W.Button(description="Run", button_style="primary")
         self.status = W.HTML()
         self.fig = go.FigureWidget()
-        self.fig.update_layout(height=240, template="plotly_white")
+        self.fig.update_layout(height=270, template="plotly_white", legend=LEGEND)
         self.button.on_click(lambda _b: self._safe_run())
         self.last: dict | None = None
         self.widget = W.VBox([W.HBox([self.schedule, self.microbatches, self.virtual,

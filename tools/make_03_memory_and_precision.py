@@ -481,7 +481,7 @@ CELLS = [
     md("ckpt-md", """
         ## 4. Activation checkpointing and gradient accumulation
 
-        **Checkpointing** (`distlab.checkpoint`, per GPT block, applied from outside by name):
+        **Checkpointing** (`distlab.recompute`, per GPT block, applied from outside by name):
         `full` keeps only each block's input and reruns the whole block in backward; `selective`
         keeps the matmul outputs (q, k, v, o, fc, proj) and recomputes the cheap ops (LayerNorm,
         GELU, attention core, adds). Per layer, in values per position: none 8 + 2r (16 at
@@ -540,7 +540,7 @@ CELLS = [
         The price is time: full reruns every block's forward (about a third more compute);
         selective costs less compute, but here, with tiny matmuls, torch's selective
         checkpointing pays a Python dispatch cost per op that can make it as slow as full
-        (`distlab.checkpoint`'s docstring has the numbers for larger models). Step times on a
+        (`distlab.recompute`'s docstring has the numbers for larger models). Step times on a
         shared 2-core machine move by tens of percent from run to run: read them as rough.
 
         **Accumulation as the memory lever.** Same global batch of 32, micro-batches of

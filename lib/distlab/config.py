@@ -57,7 +57,7 @@ class RunConfig:
     loss_scale_init: float = 65536.0  # dynamic: the first scale (torch GradScaler's: 2**16)
     loss_scale_growth_interval: int = 2000  # dynamic: clean steps before the scale doubles
     fp32_modules: str = ""  # comma-separated module names kept in fp32 under autocast
-    checkpointing: str = "none"  # activation checkpointing per block (distlab.checkpoint)
+    checkpointing: str = "none"  # activation checkpointing per block (distlab.recompute)
     track_peak: bool = False  # memory["peak"] per step: aten-allocated bytes (~20% step time)
     offload: bool = False  # zero*: optimizer state lives on the CPU
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)

@@ -334,7 +334,7 @@ def gpt_activation_bytes(cfg, checkpointing: str | None = None, micro_batch: int
         rstd (2 x 2sb) and the attention's log-sum-exp (a·s·b floats). Weights are parameters,
         not activations.
       per layer, selective          4·sbh(6 + r): block input, q, k, v, o output, fc output,
-                                    proj output (distlab.checkpoint)
+                                    proj output (distlab.recompute)
       per layer, full               4·sbh: the block input
       once: ln_f input and output 2·4sbh, its mean/rstd 2·4sb, log_softmax output 4sbV, the
         loss's total_weight 4; the token ids 8·R(s+1) (the inputs are a view of the step's

@@ -54,7 +54,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
 
 
 # Meters measuring now (innermost last). Selective activation checkpointing keeps some op
-# outputs in its own cache instead of saving them through autograd's hooks; distlab.checkpoint
+# outputs in its own cache instead of saving them through autograd's hooks; distlab.recompute
 # reports those here (count_saved) so the meter still sees every byte kept for backward.
 _ACTIVE_METERS: list["ActivationMeter"] = []
 

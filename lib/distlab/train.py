@@ -68,8 +68,8 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
         from .models.bnnet import build_bnnet
         return build_bnnet(cfg)
     model = GPT(GPTConfig.from_run(cfg))
-    if cfg.checkpointing != "none":  # per block, by name, from outside (distlab.checkpoint)
-        from .checkpoint import apply_checkpointing
+    if cfg.checkpointing != "none":  # per block, by name, from outside (distlab.recompute)
+        from .recompute import apply_checkpointing
         apply_checkpointing(model, cfg.checkpointing)
     return model
 

@@ -1,7 +1,5 @@
-"""Checkpoints: activation checkpointing now; training checkpoints (save and resume) later.
+"""Activation checkpointing (recomputation): keep a region's inputs, recompute the rest in backward.
 
-Activation checkpointing (recomputation)
----------------------------------------
 Backward needs tensors from the forward: each layer saves what its gradient formula reads.
 Checkpointing a region keeps only the region's inputs and recomputes the rest in backward:
 memory falls, compute grows. It is applied from outside the model, by module name, as

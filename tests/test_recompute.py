@@ -1,4 +1,4 @@
-"""Activation checkpointing (distlab.checkpoint): same loss and gradients, fewer bytes kept.
+"""Activation checkpointing (distlab.recompute): same loss and gradients, fewer bytes kept.
 
 Tolerance: none. Recomputation reruns the same CPU kernels on the same inputs (our GPT has no
 dropout, so no random state is involved), so the recomputed activations, and every gradient
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distlab import Run, RunConfig, run_ranks
-from distlab.checkpoint import apply_checkpointing, checkpointing_of
+from distlab.recompute import apply_checkpointing, checkpointing_of
 from distlab.data import make_data
 from distlab.estimate import gpt_activation_bytes, run_model_state_bytes
 from distlab.memory import ActivationMeter, PeakMemoryTracker
@@ -67,7 +67,7 @@ def test_activation_bytes_fall_and_match_the_estimate(single_process):
     assert act["none"] > act["selective"] > act["full"]
     for m in MODES:
         assert act[m] == gpt_activation_bytes(CFG, checkpointing=m), m
-    # per layer, in s·b·h floats: 16 -> 10 -> 1 (r = 4; see distlab.checkpoint)
+    # per layer, in s·b·h floats: 16 -> 10 -> 1 (r = 4; see distlab.recompute)
     sbh4 = 4 * CFG.seq_len * CFG.micro_batch * CFG.n_embd
     per_layer = {m: gpt_activation_bytes(CFG, checkpointing=m, breakdown=True)[1]["per_layer"]
                  for m in MODES}

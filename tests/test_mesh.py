@@ -125,3 +125,22 @@ def test_3d_bytes_per_group(runs):
             numel_dp0 += evs[0]["zero"]["numel"]
     # over one dp replica, the ranks hold the sharded weights once, the replicated ones tp times
     assert numel_dp0 == n_sharded + TP * n_rep
+
+
+def test_group_table_matches_formula(runs):
+    """distlab.mesh_lab's bytes-per-group table (what 07_3d_parallelism shows) from this run:
+    every group's bytes per step, summed over its members, equal mesh_lab.predicted_bytes (the
+    formulas above, with Ψ_r counted from the model's shapes), from the first step on (setup
+    traffic is not booked to a step); the traffic matrix puts every byte in one cell."""
+    from distlab.mesh_lab import group_rows, measured_bytes, traffic_matrix
+
+    _, _, events = runs
+    flat = [e for evs in events for e in evs]
+    rows = group_rows(CFG, flat)
+    assert len(rows) == 12
+    for r in rows:
+        assert r["measured"] == r["predicted"] > 0, r
+    M, _ = traffic_matrix(CFG, flat)
+    sent = measured_bytes(flat)
+    assert [sum(row) for row in M] == [sum(v["bytes_sent"] for g in sent[r].values()
+                                           for v in g.values()) for r in range(8)]

@@ -144,6 +144,9 @@ class ThreeD(Strategy):
         model = self.dp_s.wrap(model)  # flat buffer over what is left, optimizer state sharded
         # parameters now view ZeRO's flat buffer: the pipeline must not count them as activations
         self.pp_s._param_ptrs = {q.untyped_storage().data_ptr() for q in model.parameters()}
+        # setup traffic (ZeRO's broadcast of rank 0's weights over dp) is not a step's: drop
+        # it, as train() does for its own Comm, or step 0 would report it
+        self.mesh.take_step_stats()
         return model
 
     def build_optimizer(self, model, make):

@@ -161,7 +161,9 @@ def in_flight(rank_schedule) -> int:
 def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = None) -> float:
     """The textbook bubble. of="total": idle / step time (GPipe's convention, (p-1)/(m+p-1));
     of="ideal": idle / ideal compute time m·(tf+tb) (Megatron's, (p-1)/(v·m) interleaved).
-    Default: the convention the schedule's paper uses (FORMULA_CONVENTION)."""
+    One number in two units: total = ideal / (1 + ideal). A measured bubble (1 - busy / step
+    time) compares with of="total". Default: the convention the schedule's paper uses
+    (FORMULA_CONVENTION)."""
     of = of or FORMULA_CONVENTION[schedule]
     if schedule == "naive":
         ideal = p - 1  # one micro-batch in the pipe: p-1 idle slots per busy slot

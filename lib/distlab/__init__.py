@@ -5,9 +5,10 @@
     run.wait().losses()
 """
 
+from .checkpoint import CheckpointError, resume
 from .config import RunConfig
 from .launch import launch, run_ranks
 from .run import Run, RunError
 
-__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError"]
+__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError"]
 __version__ = "0.1.0"

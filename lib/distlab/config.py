@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field, fields
 
 # Each strategy names how the one training loop is parallelised (see distlab.parallel).
@@ -29,8 +30,16 @@ OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+# Fine-tuning (distlab.lora, distlab.forgetting): strategies each feature is written for.
+LORA_STRATEGIES = ("single", "allreduce", "ddp", "ddp-torch", "zero1", "zero2", "zero3")
+EWC_STRATEGIES = ("single", "allreduce", "ddp", "ddp-torch")
+EVAL_STRATEGIES = LORA_STRATEGIES
 # Injected faults, for the drills that prove the launcher's process safety.
-FAULTS = ("none", "raise", "stall", "kill", "nan")  # nan: a NaN in one weight (distlab.nan)
+FAULTS = ("none", "raise", "stall", "kill", "nan",  # nan: a NaN in one weight (distlab.nan)
+          "kill_in_save")  # SIGKILL halfway through writing a checkpoint (distlab.checkpoint)
+# Training checkpoints (distlab.checkpoint): one file from rank 0, or a shard from every rank.
+CHECKPOINT_STRATEGIES = ("single", "allreduce", "ddp", "ddp-torch", "zero1-torch",  # full
+                         "zero1", "zero2", "zero3", "fsdp-torch")  # sharded
 
 
 @dataclass
@@ -87,6 +96,16 @@ class RunConfig:
     drop_last: bool = True  # sampler: drop the tail that does not divide among ranks
     join: bool = False  # uneven inputs: ranks out of data shadow the others' collectives
     seed: int = 0
+    task: int = 0  # which Markov chain: 0 the default; k >= 1 redraws half its rows (data.py)
+    # fine-tuning (distlab.lora, distlab.forgetting)
+    init_from: str = ""  # a model state-dict .pt to start from (loaded before LoRA, wrapping)
+    save_final: str = ""  # write the trained model's state dict here (adapters merged)
+    lora_rank: int = 0  # 0: full fine-tuning; r >= 1: LoRA adapters of rank r, the rest frozen
+    lora_alpha: float = 8.0  # adapters' output scaled by lora_alpha / lora_rank
+    lora_targets: str = "qv"  # qv | attn | attn_mlp, or a regex on module names
+    replay: float = 0.0  # fraction of each batch's rows drawn from task 0 (replay buffer)
+    ewc_lambda: float = 0.0  # Elastic Weight Consolidation strength (anchor: the start weights)
+    eval_every: int = 0  # "eval" event: held-out loss on tasks 0 and `task` every k steps
     # launch
     backend: str = "auto"
     device: str = "auto"
@@ -103,6 +122,11 @@ class RunConfig:
     fault: str = "none"
     fault_rank: int = 0
     fault_step: int = 0
+    # training checkpoints (distlab.checkpoint)
+    checkpoint_every: int = 0  # save every k steps and after the last one (0: off)
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    checkpoint_dir: str = ""  # "": <run dir>/checkpoints
+    resume_from: str = ""  # a checkpoint, a checkpoints folder (its latest), or "auto"
     extra: dict = field(default_factory=dict)  # room for knobs of later notebooks
 
     def __post_init__(self):
@@ -121,6 +145,8 @@ class RunConfig:
         for name in ("tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
         self._check_model_parallel()
+        self._check_finetuning()
+        self._check_checkpoints()
         if self.checkpointing != "none" and self.model != "gpt":
             raise ValueError(f"checkpointing={self.checkpointing!r} wraps GPT blocks; "
                              f"model={self.model!r} has none")
@@ -201,6 +227,75 @@ class RunConfig:
                 raise ValueError(f"fault_rank={self.fault_rank} must be in [0, {self.world_size})")
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
+
+    def _check_checkpoints(self):
+        _positive_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        _positive_int("keep_last", self.keep_last)
+        if not (self.checkpoint_every or self.resume_from):
+            if self.fault == "kill_in_save":
+                raise ValueError("fault='kill_in_save' fires while a checkpoint is written: "
+                                 "set checkpoint_every > 0")
+            return
+        if self.strategy not in CHECKPOINT_STRATEGIES:
+            raise ValueError(f"checkpointing is written for {', '.join(CHECKPOINT_STRATEGIES)} "
+                             f"(got strategy={self.strategy!r}): set checkpoint_every=0 and "
+                             "resume_from=''")
+        if self.compress != "none":
+            raise ValueError(f"compress={self.compress!r} keeps error-feedback residuals on each "
+                             "rank that checkpoints do not hold, so a resume would not be exact")
+        if self.join:
+            raise ValueError("join=True: a rank out of data shadows the others' steps without "
+                             "ending them, so it would miss their checkpoints; use drop_last")
+        k = self.checkpoint_every
+        if self.fault == "kill_in_save" and not (
+                k and ((self.fault_step + 1) % k == 0 or self.fault_step == self.steps - 1)):
+            raise ValueError(f"fault='kill_in_save' at fault_step={self.fault_step}: no checkpoint "
+                             f"is written after that step (checkpoint_every={k} saves after "
+                             f"steps {k - 1}, {2 * k - 1}, ... and the last, {self.steps - 1})")
+
+    def _check_finetuning(self):
+        for name in ("task", "lora_rank", "eval_every"):
+            _positive_int(name, getattr(self, name), minimum=0)
+        uses_gpt = [n for n in ("task", "lora_rank", "init_from") if getattr(self, n)]
+        if uses_gpt and self.model != "gpt":
+            raise ValueError(f"{', '.join(uses_gpt)}: fine-tuning is written for the GPT "
+                             f"(model='gpt'), not model={self.model!r}")
+        if self.lora_rank:
+            from .lora import TARGETS
+            if not self.lora_alpha > 0:
+                raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0")
+            if self.lora_targets not in TARGETS:
+                try:
+                    re.compile(self.lora_targets)
+                except re.error as e:
+                    raise ValueError(f"lora_targets={self.lora_targets!r} is neither a preset "
+                                     f"({', '.join(TARGETS)}) nor a regex: {e}") from None
+            if self.strategy not in LORA_STRATEGIES:
+                raise ValueError(f"lora_rank={self.lora_rank}: LoRA runs under "
+                                 f"{', '.join(LORA_STRATEGIES)} (got {self.strategy!r})")
+        if not 0 <= self.replay < 1:
+            raise ValueError(f"replay={self.replay} must be in [0, 1) (a fraction of each batch)")
+        if self.ewc_lambda < 0:
+            raise ValueError(f"ewc_lambda={self.ewc_lambda} must be >= 0 (0: off)")
+        if (self.replay or self.ewc_lambda) and not self.task:
+            raise ValueError("replay and ewc_lambda keep task 0 while training on another: "
+                             "set task >= 1")
+        if self.replay and self.dataset_size:
+            raise ValueError("replay mixes rows into endless data; set dataset_size=0")
+        if self.ewc_lambda:
+            if not self.init_from:
+                raise ValueError("ewc_lambda > 0 anchors the weights a run starts from: set "
+                                 "init_from to the task-0 model's state dict")
+            if self.strategy not in EWC_STRATEGIES:
+                raise ValueError(f"ewc_lambda: written for {', '.join(EWC_STRATEGIES)}, whose "
+                                 f"every rank holds whole gradients (got {self.strategy!r})")
+            if self.loss_scale == "dynamic" or self.precision == "fp16":
+                raise ValueError("ewc_lambda adds its gradient after the reduction, where "
+                                 "loss-scaled gradients would need it scaled too; use "
+                                 "fp32/bf16 without loss scaling")
+        if self.eval_every and self.strategy not in EVAL_STRATEGIES:
+            raise ValueError(f"eval_every: every rank evaluates the whole model, written for "
+                             f"{', '.join(EVAL_STRATEGIES)} (got {self.strategy!r})")
 
     def _check_model_parallel(self):
         tp = self.tp if self.strategy in TP_STRATEGIES + ("3d",) else 1

@@ -20,20 +20,45 @@ import numpy as np
 import torch
 
 
+# Tasks k >= 1 redraw this fraction of task 0's successor rows (MarkovData._shift_task).
+TASK_SHIFT = 0.5
+# Held-out evaluation rows are the batches of "steps" EVAL_STREAM + i: no run trains that long,
+# and finite datasets (DATASET_STREAM + i, below) would need 2**32 rows to reach them.
+EVAL_STREAM = 2 ** 33
+
+
 class MarkovData:
     def __init__(self, vocab_size: int = 64, seq_len: int = 64, successors: int = 3,
-                 seed: int = 0):
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+                 seed: int = 0, task: int = 0):
+        self.vocab_size, self.seq_len, self.seed, self.task = vocab_size, seq_len, seed, task
         rng = np.random.default_rng([seed, 0])
         # successor table: token a may be followed only by succ[a, 0..k-1], with probs[a]
         self.succ = np.stack([rng.permutation(vocab_size)[:successors] for _ in range(vocab_size)])
         self.probs = rng.dirichlet(np.ones(successors), size=vocab_size)
+        if task:
+            self._shift_task(task, successors)
         self._cum = np.cumsum(self.probs, axis=1)
         self._cum[:, -1] = 1.0  # guard against rounding: a draw u < 1 always finds a successor
 
+    def _shift_task(self, task: int, successors: int):
+        """Task k >= 1 (the transfer-learning lessons): task 0's chain with the successors and
+        probabilities of TASK_SHIFT of the tokens drawn anew (from a generator of its own).
+        The tasks share the other rows, so what was learnt on task 0 partly transfers; the
+        redrawn rows conflict, so training on task k alone overwrites them (forgetting). A
+        sequence that visits a redrawn token shows which chain it follows, so one model can
+        learn both tasks (what replay and EWC aim at)."""
+        V = self.vocab_size
+        rng = np.random.default_rng([self.seed, 0, task])
+        self.shifted = np.sort(rng.choice(V, size=round(TASK_SHIFT * V), replace=False))
+        for a in self.shifted:
+            self.succ[a] = rng.permutation(V)[:successors]
+            self.probs[a] = rng.dirichlet(np.ones(successors))
+
     def global_batch(self, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of shape (batch, seq_len) for one optimizer step."""
-        rng = np.random.default_rng([self.seed, 1, step])
+        """(inputs, targets) of shape (batch, seq_len) for one optimizer step. Task 0's rows
+        come from generator (seed, 1, step); task k's from (seed, 1, step, k), a stream of its
+        own. Held-out rows for evaluation are "steps" EVAL_STREAM + i (eval_batch)."""
+        rng = np.random.default_rng([self.seed, 1, step] + ([self.task] if self.task else []))
         seq = np.empty((batch, self.seq_len + 1), dtype=np.int64)
         seq[:, 0] = rng.integers(0, self.vocab_size, size=batch)
         u = rng.random((batch, self.seq_len))
@@ -51,6 +76,10 @@ class MarkovData:
         x, y = self.global_batch(step, batch)
         rows = slice(rank * batch // world, (rank + 1) * batch // world)
         return x[rows], y[rows]
+
+    def eval_batch(self, i: int, batch: int):
+        """Held-out batch i: rows of a stream no training step reaches (EVAL_STREAM + i)."""
+        return self.global_batch(EVAL_STREAM + i, batch)
 
     @property
     def loss_floor(self) -> float:
@@ -82,7 +111,7 @@ def make_data(cfg):
     (distlab.sampler)."""
     if cfg.model == "bnnet":
         return cluster_data(cfg)
-    return MarkovData(cfg.vocab_size, cfg.seq_len, cfg.successors, cfg.seed)
+    return MarkovData(cfg.vocab_size, cfg.seq_len, cfg.successors, cfg.seed, cfg.task)
 
 
 # -- a classification set for the BatchNorm model ---------------------------------------------

@@ -94,6 +94,8 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
             store = dist.TCPStore("127.0.0.1", init["port"], world, False, timeout=timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                     timeout=timeout)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            init_under_torchrun_agent_store(backend, rank, world, timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
         result = spec["fn"](rank, world, device, log, *spec["args"])
@@ -111,6 +113,18 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         log.close()
         os._exit(1)  # skip interpreter teardown: peers may be wedged in a collective with us
     log.close()
+
+
+def init_under_torchrun_agent_store(backend: str, rank: int, world: int, timeout: timedelta):
+    """Join torchrun's process group in the store its agent keeps across restarts, under a
+    prefix per attempt. env:// alone uses the same keys every attempt, so after a restart
+    (--max-restarts) a rank could read a dead worker's address and fail with "Gloo
+    connectFullMesh failed ... Connect timeout" (measured: 4 of 6 restarts; pytorch#135712)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          False, timeout=timeout)
+    store = dist.PrefixStore(f"distlab/attempt{attempt}", agent)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int):

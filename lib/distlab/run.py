@@ -5,7 +5,8 @@ When a rank fails it picks the root cause, ends every other rank and records a R
 caller sees it from `wait()`, `error` or `status`. `Run.load(path)` reopens a finished run from
 its folder.
 
-Folder layout: config.json, rank<r>.jsonl (one per rank), status.json (written at the end).
+Folder layout: config.json, rank<r>.jsonl (one per rank), status.json (written at the end),
+checkpoints/ (distlab.checkpoint, when the run saves them).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Run:
                     return self._fail()
                 if all(c == 0 for c in codes):
                     self._read()
-                    return self._finish("done")
+                    # ranks that left on a preemption notice saved first (distlab.checkpoint)
+                    return self._finish("preempted" if self.history("preempted") else "done")
                 time.sleep(POLL_S)
         except BaseException as e:  # noqa: BLE001 - the monitor must never die silently
             self.error = RunError(-1, f"run monitor crashed: {e!r}")
@@ -217,6 +219,25 @@ class Run:
         if self.error is not None:
             raise self.error
         return self
+
+    def preempt(self, grace_s: float = 120.0) -> "Run":
+        """Preempt the whole job as a cloud reclaims a spot instance: SIGTERM to every rank (the
+        notice), SIGKILL to any still alive grace_s later. A run with checkpoint_every > 0
+        saves at the next step boundary and ends with status "preempted"; resume it with
+        distlab.resume. Without checkpointing, SIGTERM simply ends the ranks."""
+        for p in self.processes:
+            if p.exitcode is None:
+                p.terminate()
+        reclaim = threading.Timer(grace_s, self._reclaim)
+        reclaim.daemon = True  # a caller that exits earlier is not held up by it
+        reclaim.start()
+        return self
+
+    def _reclaim(self):
+        if not self._finished.is_set():  # the grace is over: what is left is killed
+            for p in self.processes:
+                if p.exitcode is None:
+                    p.kill()
 
     def stop(self) -> "Run":
         """End every rank now (SIGTERM, then SIGKILL). Events written so far are kept."""

@@ -1,6 +1,7 @@
 """The one training loop. Every strategy plugs into it; none copies it.
 
-    for step in range(steps):
+    start = steps done in the checkpoint resumed from (distlab.checkpoint), else 0
+    for step in range(start, steps):
         x, y  = this rank's part of the step's global batch
         loss  = model(x, y)                  (under autocast for bf16/fp16)
         (loss * scale).backward()            (dynamic loss scaling: fp16)
@@ -9,6 +10,7 @@
                                              (distlab.precision.finish_step)
         log one "step" event: loss, tokens, time, memory by category, bytes per collective,
                               loss scale and skipped
+        save a checkpoint if one is due; leave if the job got a preemption notice
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checkpoint import Checkpointer
 from .comm import Comm
 from .config import RunConfig
 from .data import make_data
+from .forgetting import FineTuning, load_init_from
+from .lora import inject_lora
 from .memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
 from .models import GPT, GPTConfig
 from .nan import NanDetector, poison
@@ -47,8 +52,10 @@ def autocast(cfg: RunConfig, device: torch.device):
 
 def inject_fault(cfg: RunConfig, rank: int, step: int, log, model=None):
     """The fault drills: one rank misbehaves at one step, as real ranks do."""
-    if cfg.fault == "none" or rank != cfg.fault_rank or step != cfg.fault_step:
-        return
+    if cfg.fault in ("none", "kill_in_save") or rank != cfg.fault_rank or step != cfg.fault_step:
+        return  # kill_in_save fires while a checkpoint is written (distlab.checkpoint)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return  # a worker torchrun restarted is the recovery: the drill's fault fired once
     if cfg.fault == "nan":  # a NaN in one weight; detect_nan=True names where it surfaces
         module = poison(model, cfg.extra.get("fault_module", ""))
         log.write("fault", fault=cfg.fault, step=step, module=module)
@@ -68,6 +75,10 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
         from .models.bnnet import build_bnnet
         return build_bnnet(cfg)
     model = GPT(GPTConfig.from_run(cfg))
+    if cfg.init_from:  # pre-trained weights, before adapters and wrapping (distlab.forgetting)
+        load_init_from(model, cfg.init_from)
+    if cfg.lora_rank:  # adapters on the named Linears, everything else frozen (distlab.lora)
+        inject_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha)
     if cfg.checkpointing != "none":  # per block, by name, from outside (distlab.recompute)
         from .recompute import apply_checkpointing
         apply_checkpointing(model, cfg.checkpointing)
@@ -86,6 +97,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     # with loss scaling, an inf gradient is routine (the step is skipped): check forward only
     detector = (NanDetector(model, log, check_backward=resolve_loss_scale(cfg) == "none")
                 if cfg.detect_nan else None)
+    finetune = FineTuning(cfg, model, device)  # eval on both tasks, replay, EWC, save_final
     strategy = make_strategy(cfg, comm)
     strategy.log = log
     if keep is not None:
@@ -93,7 +105,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model, lambda params: build_optimizer(cfg, params))
     scaler = make_loss_scaler(cfg, comm)
-    data = make_data(cfg)
+    data = finetune.data(make_data(cfg))
     meter = ActivationMeter(model)
     # per-step peak of bytes aten allocated (opt-in: a Python call per op costs ~20% step time)
     peak = PeakMemoryTracker() if cfg.track_peak else None
@@ -107,6 +119,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
               threads=torch.get_num_threads(), pid=os.getpid(),
               role="server" if strategy.is_server() else "worker",
               peak_memory=PEAK_LABEL if peak is not None else None)
+    # training checkpoints: resume_from loads here, checkpoint_every saves after steps
+    ckpt = Checkpointer.for_run(cfg, rank, world, device, strategy, model, optimizer, scaler, log)
+    start = ckpt.restore() if ckpt is not None else 0
     if strategy.is_server():  # a parameter server: it applies updates, it does not train
         strategy.serve(model, optimizer)
         if keep is not None:
@@ -114,7 +129,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         return {"final_loss": None}
 
     losses, comm_per_step = [], []
-    for step in range(cfg.steps):
+    finetune.evaluate(model, start, log, comm)  # before the first step (0, or a resumed one)
+    for step in range(start, cfg.steps):
         inject_fault(cfg, rank, step, log, model)
         if detector is not None:
             detector.step = step
@@ -154,6 +170,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         if rank == cfg.straggler_rank:
             time.sleep(cfg.straggler_delay_s)  # a slow rank: everyone else waits at the sync
         strategy.reduce_gradients(model)
+        finetune.after_reduce()  # EWC's penalty gradient, the same on every rank
         precision = finish_step(strategy, model, optimizer, scaler, cfg.grad_clip)
         if on_cuda:
             torch.cuda.synchronize(device)
@@ -173,8 +190,12 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), step_s=step_s,
                   lr=cfg.lr_at(step), memory=memory, comm=comm_stats, **precision,
                   **strategy.step_info())
+        finetune.evaluate(model, step + 1, log, comm)
+        if ckpt is not None and ckpt.after_step(step):
+            break  # preempted: every rank saved, now they leave together
         if cfg.step_delay_s:
             time.sleep(cfg.step_delay_s)
+    finetune.finish(strategy, model, comm)
     if keep is not None:
         keep.update(model=model, losses=losses, comm=comm_per_step)
     return {"final_loss": losses[-1] if losses else None}

@@ -1,0 +1,186 @@
+"""Caller-side helpers of the checkpoints notebook (workbook/09_checkpoints_and_faults): the fault
+drills' curves, torchrun's command line for a RunConfig, what a checkpoint holds and what saving
+it cost each rank.
+
+Nothing here runs inside a rank; it reads what the runs logged and what the checkpoints hold.
+
+    first = launch(cfg.replace(fault="kill", fault_rank=1, fault_step=7))   # dies: RunError
+    again = distlab.resume(first).wait()                                    # from its latest
+    drill_figure(reference, first, again, "SIGKILL at step 7").show()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import plotly.graph_objects as go
+import psutil
+from plotly.subplots import make_subplots
+
+from .checkpoint import checkpoint_root, latest_checkpoint, load_full
+from .config import RunConfig
+from .dp_lab import COLORS
+from .events import LogTail, rank_log_path
+from .run import Run
+
+
+# -- torchrun ----------------------------------------------------------------------------------
+def cli_args(cfg: RunConfig) -> list[str]:
+    """`python -m distlab` flags for the fields of cfg that differ from RunConfig's defaults
+    (world_size is torchrun's to set)."""
+    args = []
+    for f in dataclasses.fields(RunConfig):
+        value = getattr(cfg, f.name)
+        if f.name in ("extra", "world_size") or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+def torchrun(cfg: RunConfig, run_dir: str, max_restarts: int = 1,
+             timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Run cfg under `torchrun --standalone --nproc_per_node=world_size --max-restarts=N -m
+    distlab`, as on a cluster node, and wait for it. Its workers write their events in run_dir;
+    a worker torchrun restarts appends to the same rank<r>.jsonl."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={cfg.world_size}", f"--max-restarts={max_restarts}",
+           "--monitor-interval=0.2", "-m", "distlab", *cli_args(cfg), "--run-dir", run_dir]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def attempts(run_dir: str, rank: int = 0) -> list[list[dict]]:
+    """A rank's events cut at each "start": one list per worker process torchrun started, or
+    per config of a launch that trained several in turn."""
+    out: list[list[dict]] = []
+    for e in LogTail(rank_log_path(run_dir, rank)).read_new():
+        if e["kind"] == "start":
+            out.append([])
+        if out:
+            out[-1].append(e)
+    return out
+
+
+# -- the drills ------------------------------------------------------------------------------------
+def final_checkpoint(run: Run) -> dict:
+    """The latest complete checkpoint of a run, read whole (distlab.checkpoint.load_full)."""
+    return load_full(latest_checkpoint(checkpoint_root(run.cfg, run.dir)))
+
+
+def wait_for_steps(run: Run, n: int, timeout_s: float = 120.0) -> Run:
+    """Block until every rank of a live run has logged n steps."""
+    deadline = time.time() + timeout_s
+    while run.steps_done() < n:
+        if run.done or time.time() > deadline:
+            raise RuntimeError(f"run {run.dir} ended or stalled before {n} steps: {run.status}")
+        time.sleep(0.05)
+    return run
+
+
+def alive(pids) -> list[int]:
+    """The pids still running (a zombie counts as gone only once reaped: it counts as alive)."""
+    return [p for p in pids if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over every tensor two checkpoints hold (load_full(...)["tensors"]); they
+    must hold the same keys and shapes."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different keys: {sorted(a.keys() ^ b.keys())[:5]}")
+    return max(((x.double() - b[k].double()).abs().max().item() if x.numel() else 0.0)
+               for k, x in a.items())
+
+
+def steps_losses(run: Run) -> tuple[list[int], list[float]]:
+    """(steps, mean loss over ranks) of the steps a run logged: a resumed run starts late."""
+    steps = sorted({e["step"] for e in run.history("step")})
+    return steps, run.losses()
+
+
+def drill_figure(reference: Run, first: Run, resumed: Run, title: str) -> go.Figure:
+    """The uninterrupted run's loss, the interrupted run's up to where it stopped, and the
+    resumed run's from its checkpoint on: the last retraces the first exactly."""
+    fig = go.Figure()
+    for i, (label, run, width, dash) in enumerate((
+            ("uninterrupted", reference, 6, None), ("interrupted", first, 3, None),
+            ("resumed from the checkpoint", resumed, 2, "dot"))):
+        x, y = steps_losses(run)
+        fig.add_scatter(x=x, y=y, mode="lines+markers", name=label, marker=dict(size=5),
+                        line=dict(color=COLORS[i], width=width, dash=dash))
+    start = resumed.history("resume")[0]["steps_done"]
+    fig.add_vline(x=start - 0.5, line_dash="dash", line_color="#555",
+                  annotation_text=f"checkpoint: {start} steps done", annotation_position="top")
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss (nats)", height=340,
+                      template="plotly_white")
+    return fig
+
+
+# -- what a checkpoint holds, and what it cost -------------------------------------------------
+def contents_rows(tensors: dict, meta: dict) -> list[list]:
+    """One row per group of stored tensors (model, optimizer state by kind, loss scaler):
+    count, elements, bytes; from load_full(path)."""
+    groups: dict[str, list] = {}
+    for key, t in tensors.items():
+        parts = key.split("/")
+        if parts[0] in ("model", "frozen", "buffer", "scaler"):
+            group = parts[0]
+        elif "param_groups" in parts:
+            group = "optimizer: param_groups (lr, betas, eps, ...)"
+        else:  # optimizer state by kind: exp_avg, exp_avg_sq, step
+            group = f"optimizer: {parts[-1]}"
+        g = groups.setdefault(group, [0, 0, 0])
+        g[0] += 1
+        g[1] += t.numel()
+        g[2] += t.numel() * t.element_size()
+    return [[meta["strategy"], meta["format"], k, n, f"{e:,}", f"{b:,}"]
+            for k, (n, e, b) in sorted(groups.items())]
+
+
+def overhead_row(tensors: dict, meta: dict) -> list:
+    """Tensor bytes against the bytes of the state files on disk (RNG files left out): what
+    the format adds. DCP stores each tensor as a record of its own."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    disk = sum(r["bytes"] for rel, r in meta["files"].items() if not rel.startswith("rng/"))
+    return [meta["strategy"], len(tensors), f"{data:,}", f"{disk:,}",
+            f"{(disk - data) / len(tensors):,.0f}"]
+
+
+def file_rows(meta: dict) -> list[list]:
+    """Each file of a checkpoint: who wrote it and its size (from meta.json)."""
+    return [[meta["strategy"], rel, rec["rank"], f"{rec['bytes']:,}"]
+            for rel, rec in sorted(meta["files"].items())]
+
+
+def save_cost(runs: dict[str, Run]) -> dict[str, dict[int, dict]]:
+    """{label: {rank: {"bytes": per save, "seconds": median per save}}} from "checkpoint"
+    events (the final save included)."""
+    out: dict[str, dict[int, dict]] = {}
+    for label, run in runs.items():
+        for rank in range(run.world_size):
+            evs = run.history("checkpoint", rank=rank)
+            secs = sorted(e["seconds"] for e in evs)
+            out.setdefault(label, {})[rank] = {"bytes": evs[-1]["bytes"],
+                                               "seconds": secs[len(secs) // 2], "saves": len(evs)}
+    return out
+
+
+def save_cost_figure(cost: dict[str, dict[int, dict]]) -> go.Figure:
+    """Bytes each rank wrote per checkpoint, and the seconds a save stalled training, per rank:
+    full (rank 0 writes everything) beside sharded (each rank its part)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("bytes written per save, by rank",
+                                                        "seconds per save (median), by rank"))
+    for i, (label, ranks) in enumerate(cost.items()):
+        x = [f"rank {r}" for r in ranks]
+        for col, key in ((1, "bytes"), (2, "seconds")):
+            fig.add_bar(x=x, y=[v[key] for v in ranks.values()], name=label, row=1, col=col,
+                        marker_color=COLORS[i % len(COLORS)], showlegend=col == 1,
+                        legendgroup=label)
+    fig.update_layout(barmode="group", height=360, template="plotly_white",
+                      title="What one checkpoint costs each rank")
+    return fig

@@ -1,0 +1,301 @@
+"""Caller-side helpers of the LoRA and fine-tuning notebook (workbook/08_lora_finetuning): read
+the "eval" events (held-out loss on both tasks) that fine-tuning runs log, build the sweeps'
+configs and rows, draw the figures, time merged vs unmerged inference, and a widget that
+fine-tunes with another rank / targets / learning rate and redraws.
+
+Nothing here runs inside a rank or changes how anything trains; it reads what the runs logged
+(distlab.forgetting writes the eval events, distlab.lora builds the adapters).
+
+    runs = launch_together({"pre": pre, "full": full, "lora": lora})
+    final_eval(runs["full"])           # {"task0": ..., "task1": ...} after the last step
+    eval_curve(runs["full"], "task0")  # the forgetting curve
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import ipywidgets as W
+import plotly.graph_objects as go
+import torch
+
+from .config import RunConfig
+from .dp_lab import COLORS, fmt_bytes, launch_together
+from .launch import new_run_dir, runs_root
+from .lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
+from .run import Run
+from .train import build_model
+
+TARGET_COLORS = {"qv": "#1f5fbf", "attn": "#e8590c", "attn_mlp": "#2b8a3e"}
+RANK_SYMBOLS = {1: "circle", 2: "diamond", 4: "square", 8: "triangle-up", 16: "star",
+                32: "hexagon"}
+
+
+# -- reading the runs ---------------------------------------------------------------------------
+def evals(run: Run, rank: int = 0) -> list[dict]:
+    """The run's "eval" events of one rank, in step order."""
+    return sorted(run.history("eval", rank=rank), key=lambda e: e["step"])
+
+
+def final_eval(run: Run) -> dict:
+    """Held-out loss per task after the last step: {"task0": ..., "task1": ...}."""
+    return evals(run)[-1]["loss"]
+
+
+def start_eval(run: Run) -> dict:
+    """Held-out loss per task before the first step."""
+    return evals(run)[0]["loss"]
+
+
+def eval_curve(run: Run, task: str) -> tuple[list[int], list[float]]:
+    """(steps, held-out loss of `task`) over the run: step 0 is before training."""
+    ev = evals(run)
+    return [e["step"] for e in ev], [e["loss"][task] for e in ev]
+
+
+def steps_to_reach(run: Run, task: str, target: float) -> int | None:
+    """The first evaluated step at which `task`'s held-out loss is <= target (None: never)."""
+    for s, loss in zip(*eval_curve(run, task)):
+        if loss <= target:
+            return s
+    return None
+
+
+def gain_recovered(loss: float, start: float, full: float) -> float:
+    """Share of full fine-tuning's improvement a run reached: (start - loss) / (start - full),
+    losses on the new task; 1 = as good as full fine-tuning, 0 = no better than the start."""
+    return (start - loss) / (start - full)
+
+
+def trainable_of(cfg: RunConfig) -> int:
+    """Trainable values of cfg's model (adapters only under LoRA), counted on the module."""
+    return trainable_parameters(build_model(cfg.replace(init_from="")))
+
+
+def last_memory(run: Run, rank: int = 0) -> dict:
+    """The last step's memory by category (bytes) on one rank."""
+    return max(run.history("step", rank=rank), key=lambda e: e["step"])["memory"]
+
+
+def bytes_per_step(run: Run, rank: int = 0) -> int:
+    """Bytes one rank sent in the last step, every collective kind together."""
+    e = max(run.history("step", rank=rank), key=lambda e: e["step"])
+    return sum(v["bytes_sent"] for v in e["comm"].values())
+
+
+def preset_shapes(c, targets: str) -> list[tuple[int, int]]:
+    """(d_in, d_out) of the Linears a preset adapts in a GPT of GPTConfig `c`, by formula (no
+    model built: works for a 4096-wide GPT too; checked against lora.target_shapes)."""
+    d, h = c.n_embd, c.mlp_ratio * c.n_embd
+    per_layer = {"qv": [(d, d)] * 2, "attn": [(d, d)] * 4,
+                 "attn_mlp": [(d, d)] * 4 + [(d, h), (h, d)]}[targets]
+    return per_layer * c.n_layer
+
+
+def weights_path(label: str = "pretrained") -> str:
+    """A fresh file path under the runs folder for a run's save_final (a new folder each call)."""
+    return os.path.join(new_run_dir(runs_root(), label), "model.pt")
+
+
+# -- sweeps -------------------------------------------------------------------------------------
+def sweep_configs(ft: RunConfig, targets, ranks, lrs, steps=None) -> dict[str, RunConfig]:
+    """LoRA fine-tuning configs over targets x ranks x learning rates (x step counts)."""
+    out = {}
+    for t in targets:
+        for r in ranks:
+            for lr in lrs:
+                for n in (steps or (ft.steps,)):
+                    label = f"{t} r={r} lr={lr:g}" + (f" {n} steps" if n != ft.steps else "")
+                    out[label] = ft.replace(lora_rank=r, lora_targets=t, lr=lr, steps=n,
+                                            eval_every=max(1, n // 10))
+    return out
+
+
+def sweep_rows(runs: dict[str, Run], start: float, full: float) -> list[dict]:
+    """One row per LoRA run: targets, rank, lr, steps, trainable values, final held-out losses,
+    and the share of full fine-tuning's task-1 gain it recovered."""
+    rows = []
+    for label, run in runs.items():
+        c, fin = run.cfg, final_eval(run)
+        rows.append({"run": label, "targets": c.lora_targets, "rank": c.lora_rank, "lr": c.lr,
+                     "steps": c.steps, "trainable": trainable_of(c), "task1": fin["task1"],
+                     "task0": fin["task0"],
+                     "recovered": gain_recovered(fin["task1"], start, full)})
+    return rows
+
+
+# -- figures ------------------------------------------------------------------------------------
+def memory_figure(groups: dict[str, dict], title: str) -> go.Figure:
+    """Grouped bars of bytes per category (params, grads, optim) for each run label."""
+    fig = go.Figure()
+    for i, cat in enumerate(("params", "grads", "optim")):
+        fig.add_bar(name=cat, x=list(groups), y=[g.get(cat, 0) for g in groups.values()],
+                    marker_color=COLORS[i], text=[fmt_bytes(g.get(cat, 0))
+                                                  for g in groups.values()],
+                    textposition="outside")
+    fig.update_layout(title=title, barmode="group", yaxis_title="bytes on rank 0",
+                      height=380, template="plotly_white")
+    return fig
+
+
+def sweep_figure(rows: list[dict], full: float, start: float, full_trainable: int,
+                 floor: float, title: str) -> go.Figure:
+    """Task-1 loss reached vs trainable values (log x): one marker per LoRA run (colour:
+    targets, symbol: rank, lines join the ranks of one targets/lr), full fine-tuning as a star."""
+    fig = go.Figure()
+    keys = sorted({(r["targets"], r["lr"], r["steps"]) for r in rows})
+    for t, lr, n in keys:
+        pts = sorted((r for r in rows if (r["targets"], r["lr"], r["steps"]) == (t, lr, n)),
+                     key=lambda r: r["trainable"])
+        fig.add_scatter(x=[r["trainable"] for r in pts], y=[r["task1"] for r in pts],
+                        mode="lines+markers", name=f"{t}, lr {lr:g}, {n} steps",
+                        line=dict(color=TARGET_COLORS.get(t, "#555"),
+                                  dash="solid" if lr == max(k[1] for k in keys) else "dot"),
+                        marker=dict(size=10, symbol=[RANK_SYMBOLS.get(r["rank"], "circle")
+                                                     for r in pts]),
+                        text=[f"rank {r['rank']}" for r in pts],
+                        hovertemplate="%{text}: %{x:,} trainable, loss %{y:.3f}<extra></extra>")
+    fig.add_scatter(x=[full_trainable], y=[full], mode="markers", name="full fine-tuning",
+                    marker=dict(size=16, symbol="star", color="#000"))
+    fig.add_hline(y=start, line_dash="dot", line_color="#868e96",
+                  annotation_text=f"pre-trained model, before fine-tuning ({start:.2f})")
+    fig.add_hline(y=floor, line_dash="dash", line_color="#555",
+                  annotation_text=f"task-1 loss floor {floor:.3f}",
+                  annotation_position="bottom right")
+    fig.update_layout(title=title, xaxis_title="trainable values (log scale)",
+                      yaxis_title="task-1 held-out loss after fine-tuning", xaxis_type="log",
+                      height=460, template="plotly_white")
+    return fig
+
+
+def curves_figure(runs: dict[str, Run], task: str, title: str,
+                  floor: float | None = None) -> go.Figure:
+    """Held-out loss of `task` over fine-tuning steps, one line per run."""
+    fig = go.Figure()
+    for i, (label, run) in enumerate(runs.items()):
+        x, y = eval_curve(run, task)
+        fig.add_scatter(x=x, y=y, mode="lines+markers", name=label,
+                        line=dict(color=COLORS[i % len(COLORS)]), marker=dict(size=5))
+    if floor is not None:
+        fig.add_hline(y=floor, line_dash="dash", line_color="#555",
+                      annotation_text=f"{task} loss floor {floor:.3f}")
+    fig.update_layout(title=title, xaxis_title="fine-tuning step",
+                      yaxis_title=f"{task} held-out loss", height=380, template="plotly_white")
+    return fig
+
+
+def tradeoff_figure(points: dict[str, dict], title: str) -> go.Figure:
+    """Each run's final (task-1 loss, task-0 loss): learning the new task vs keeping the old."""
+    fig = go.Figure()
+    for i, (label, p) in enumerate(points.items()):
+        fig.add_scatter(x=[p["task1"]], y=[p["task0"]], mode="markers+text", name=label,
+                        text=[label], textposition="top center",
+                        marker=dict(size=12, color=COLORS[i % len(COLORS)]))
+    fig.update_layout(title=title, xaxis_title="task-1 loss (new task; lower = learnt)",
+                      yaxis_title="task-0 loss (old task; lower = kept)", height=420,
+                      template="plotly_white", showlegend=False)
+    return fig
+
+
+# -- merged inference ---------------------------------------------------------------------------
+def _median_forward_s(model, x, repeats: int) -> float:
+    with torch.no_grad():
+        model(x)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def merge_check(cfg: RunConfig, state: dict, x: torch.Tensor, repeats: int = 50) -> dict:
+    """Load a LoRA run's final state into its model; compare outputs and median forward time
+    unmerged, merged, and of a plain model (no adapters) loaded with merged_state_dict."""
+    torch.set_num_threads(1)  # the ranks' setting: one thread, so times compare like for like
+    model = build_model(cfg.replace(init_from=""))
+    model.load_state_dict(state)
+    plain = build_model(cfg.replace(init_from="", lora_rank=0))
+    plain.load_state_dict(merged_state_dict(model))
+    with torch.no_grad():
+        unmerged_out = model(x)
+    t_unmerged = _median_forward_s(model, x, repeats)
+    merge_lora(model)
+    with torch.no_grad():
+        merged_out = model(x)
+        plain_out = plain(x)
+    t_merged = _median_forward_s(model, x, repeats)
+    t_plain = _median_forward_s(plain, x, repeats)
+    unmerge_lora(model)
+    return {"max_diff_merged": (merged_out - unmerged_out).abs().max().item(),
+            "max_diff_plain": (plain_out - unmerged_out).abs().max().item(),
+            "unmerged_s": t_unmerged, "merged_s": t_merged, "plain_s": t_plain}
+
+
+# -- the widget ---------------------------------------------------------------------------------
+class LoRAExplorer:
+    """Rank, targets and learning rate; Run fine-tunes `ft` (a config with init_from and
+    lora settings) with them in one launch and redraws task-1 and task-0 held-out loss beside
+    the reference runs given (e.g. full fine-tuning). An invalid combination is refused with
+    RunConfig's message in the status line."""
+
+    def __init__(self, ft: RunConfig, references: dict[str, Run], ranks=(1, 2, 4, 8, 16),
+                 targets=("qv", "attn", "attn_mlp"), lrs=(1e-3, 3e-3, 1e-2)):
+        self.ft, self.references = ft, references
+        self.rank = W.Dropdown(options=list(ranks), value=ft.lora_rank if ft.lora_rank in ranks
+                               else ranks[0], description="rank")
+        self.targets = W.Dropdown(options=list(targets), value=ft.lora_targets
+                                  if ft.lora_targets in targets else targets[0],
+                                  description="targets")
+        self.lr = W.Dropdown(options=list(lrs), value=ft.lr if ft.lr in lrs else lrs[0],
+                             description="lr")
+        self.button = W.Button(description="Run", button_style="primary")
+        self.status = W.HTML()
+        self.fig = go.FigureWidget()
+        self.fig.update_layout(height=340, template="plotly_white",
+                               xaxis_title="fine-tuning step", yaxis_title="held-out loss")
+        self.button.on_click(lambda _b: self._safe_run())
+        self.last: dict | None = None
+        self.widget = W.VBox([W.HBox([self.rank, self.targets, self.lr, self.button]),
+                              self.status, self.fig])
+
+    def config(self) -> RunConfig:
+        return self.ft.replace(lora_rank=self.rank.value, lora_targets=self.targets.value,
+                               lr=self.lr.value)
+
+    def run(self, **values) -> dict:
+        """Set the knobs (rank=, targets=, lr=), fine-tune, redraw; returns {"config", "run",
+        "trainable", "task0", "task1"} (final held-out losses)."""
+        for k, w in (("rank", self.rank), ("targets", self.targets), ("lr", self.lr)):
+            if k in values:
+                w.value = values[k]
+        cfg = self.config()
+        self.status.value = (f"fine-tuning: rank {cfg.lora_rank}, {cfg.lora_targets}, "
+                             f"lr {cfg.lr:g} ...")
+        run = launch_together({"explorer": cfg}, name="lora-explorer")["explorer"]
+        label = f"LoRA r={cfg.lora_rank} {cfg.lora_targets} lr={cfg.lr:g}"
+        with self.fig.batch_update():
+            self.fig.data = ()
+            for i, (name, r) in enumerate({**self.references, label: run}.items()):
+                for task, dash in (("task1", "solid"), ("task0", "dot")):
+                    x, y = eval_curve(r, task)
+                    self.fig.add_scatter(x=x, y=y, mode="lines", name=f"{name}: {task}",
+                                         line=dict(color=COLORS[i % len(COLORS)], dash=dash,
+                                                   width=4 if r is run else 2))
+        fin, n = final_eval(run), trainable_of(cfg)
+        self.status.value = (f"{label}: {n:,} trainable values; held-out loss task 1 "
+                             f"{fin['task1']:.3f}, task 0 {fin['task0']:.3f}")
+        self.last = {"config": cfg, "run": run, "trainable": n, **fin}
+        return self.last
+
+    def _safe_run(self):
+        try:
+            self.run()
+        except Exception as e:  # shown in the status line, not raised into the event loop
+            self.status.value = f"<b style='color:#c00'>{type(e).__name__}</b>: {e}"
+
+    def _ipython_display_(self):
+        from IPython.display import display
+        display(self.widget)

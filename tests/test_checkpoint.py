@@ -293,6 +293,9 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
     t0 = time.time()
     with pytest.raises(CheckpointError, match="n_head: saved 2, now 4"):
         resume(refs["ddp"]["root"], n_head=4)
+    # the latest checkpoint of a finished run has all its steps done: nothing would train
+    with pytest.raises(CheckpointError, match=r"steps done and the run asks for steps="):
+        resume(refs["ddp"]["root"])
     assert time.time() - t0 < 5
 
 

@@ -706,6 +706,10 @@ def resume(source, block: bool = False, **changes):
                          **changes})
     meta = verify(path)
     check_compatible(meta, new, path)
+    if meta["steps_done"] >= new.steps:  # nothing would train: say so instead of a no-op run
+        raise CheckpointError(f"{path} has {meta['steps_done']} steps done and the run asks for "
+                              f"steps={new.steps}; pass steps=N with N > {meta['steps_done']} "
+                              "to train on")
     return launch(new, block=block)
 
 

@@ -215,7 +215,7 @@ CELLS = [
         pre, full, scratch = (runs[k] for k in ("pre-training (task 0)", "full fine-tuning",
                                                  "from scratch (task 1)"))
         curves_figure({"pre-training": pre}, "task0", "pre-training: task-0 held-out loss",
-                      floors["task0"]).show()
+                      floors["task0"], xaxis="pre-training step").show()
         curves_figure({"fine-tuned from task 0": full, "from scratch": scratch}, "task1",
                       "task 1: fine-tuning vs training from scratch", floors["task1"]).show()
         ft_end, sc_end = final_eval(full)["task1"], final_eval(scratch)["task1"]

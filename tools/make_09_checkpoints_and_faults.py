@@ -355,7 +355,8 @@ CELLS = [
             try:
                 attempt()
             except CheckpointError as e:
-                messages.append(str(e).replace(WORK, "…")[:300])
+                msg = str(e).replace(WORK, "…")
+                messages.append(msg if len(msg) <= 300 else msg[:300] + " …")
         for m in messages:
             print("CheckpointError:", m, "\\n")
         assert len(messages) == 3 and "CRC-32" in messages[0]

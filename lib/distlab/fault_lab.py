@@ -105,13 +105,16 @@ def steps_losses(run: Run) -> tuple[list[int], list[float]]:
 
 def drill_figure(reference: Run, first: Run, resumed: Run, title: str) -> go.Figure:
     """The uninterrupted run's loss, the interrupted run's up to where it stopped, and the
-    resumed run's from its checkpoint on: the last retraces the first exactly."""
+    resumed run's from its checkpoint on: the last retraces the first exactly (open rings
+    around its points keep it visible on top of the other two)."""
     fig = go.Figure()
     for i, (label, run, width, dash) in enumerate((
             ("uninterrupted", reference, 6, None), ("interrupted", first, 3, None),
             ("resumed from the checkpoint", resumed, 2, "dot"))):
         x, y = steps_losses(run)
-        fig.add_scatter(x=x, y=y, mode="lines+markers", name=label, marker=dict(size=5),
+        marker = (dict(size=11, symbol="circle-open", line=dict(width=2.5)) if run is resumed
+                  else dict(size=5))
+        fig.add_scatter(x=x, y=y, mode="lines+markers", name=label, marker=marker,
                         line=dict(color=COLORS[i], width=width, dash=dash))
     start = resumed.history("resume")[0]["steps_done"]
     fig.add_vline(x=start - 0.5, line_dash="dash", line_color="#555",
@@ -181,6 +184,8 @@ def save_cost_figure(cost: dict[str, dict[int, dict]]) -> go.Figure:
             fig.add_bar(x=x, y=[v[key] for v in ranks.values()], name=label, row=1, col=col,
                         marker_color=COLORS[i % len(COLORS)], showlegend=col == 1,
                         legendgroup=label)
+    fig.update_yaxes(title_text="bytes per save", row=1, col=1)
+    fig.update_yaxes(title_text="seconds per save", row=1, col=2)
     fig.update_layout(barmode="group", height=360, template="plotly_white",
                       title="What one checkpoint costs each rank")
     return fig

@@ -29,8 +29,10 @@ from .run import Run
 from .train import build_model
 
 TARGET_COLORS = {"qv": "#1f5fbf", "attn": "#e8590c", "attn_mlp": "#2b8a3e"}
-RANK_SYMBOLS = {1: "circle", 2: "diamond", 4: "square", 8: "triangle-up", 16: "star",
+# no "star": that marks full fine-tuning in sweep_figure
+RANK_SYMBOLS = {1: "circle", 2: "diamond", 4: "square", 8: "triangle-up", 16: "pentagon",
                 32: "hexagon"}
+KiB = 1024
 
 
 # -- reading the runs ---------------------------------------------------------------------------
@@ -131,11 +133,11 @@ def memory_figure(groups: dict[str, dict], title: str) -> go.Figure:
     """Grouped bars of bytes per category (params, grads, optim) for each run label."""
     fig = go.Figure()
     for i, cat in enumerate(("params", "grads", "optim")):
-        fig.add_bar(name=cat, x=list(groups), y=[g.get(cat, 0) for g in groups.values()],
+        fig.add_bar(name=cat, x=list(groups), y=[g.get(cat, 0) / KiB for g in groups.values()],
                     marker_color=COLORS[i], text=[fmt_bytes(g.get(cat, 0))
                                                   for g in groups.values()],
                     textposition="outside")
-    fig.update_layout(title=title, barmode="group", yaxis_title="bytes on rank 0",
+    fig.update_layout(title=title, barmode="group", yaxis_title="KiB on rank 0",
                       height=380, template="plotly_white")
     return fig
 
@@ -143,20 +145,29 @@ def memory_figure(groups: dict[str, dict], title: str) -> go.Figure:
 def sweep_figure(rows: list[dict], full: float, start: float, full_trainable: int,
                  floor: float, title: str) -> go.Figure:
     """Task-1 loss reached vs trainable values (log x): one marker per LoRA run (colour:
-    targets, symbol: rank, lines join the ranks of one targets/lr), full fine-tuning as a star."""
+    targets, symbol and label: rank, lines join the ranks of one targets/lr; open markers: a
+    longer run), full fine-tuning as a star."""
     fig = go.Figure()
     keys = sorted({(r["targets"], r["lr"], r["steps"]) for r in rows})
+    base_steps = min(k[2] for k in keys)
     for t, lr, n in keys:
         pts = sorted((r for r in rows if (r["targets"], r["lr"], r["steps"]) == (t, lr, n)),
                      key=lambda r: r["trainable"])
         fig.add_scatter(x=[r["trainable"] for r in pts], y=[r["task1"] for r in pts],
-                        mode="lines+markers", name=f"{t}, lr {lr:g}, {n} steps",
+                        mode="lines+markers+text", name=f"{t}, lr {lr:g}, {n} steps",
                         line=dict(color=TARGET_COLORS.get(t, "#555"),
                                   dash="solid" if lr == max(k[1] for k in keys) else "dot"),
-                        marker=dict(size=10, symbol=[RANK_SYMBOLS.get(r["rank"], "circle")
-                                                     for r in pts]),
-                        text=[f"rank {r['rank']}" for r in pts],
-                        hovertemplate="%{text}: %{x:,} trainable, loss %{y:.3f}<extra></extra>")
+                        marker=dict(size=10, symbol=[
+                            RANK_SYMBOLS.get(r["rank"], "circle")
+                            + ("-open" if n != base_steps else "") for r in pts]),
+                        # a line's end labels lean inwards, clear of the next line's
+                        text=[f"r={r['rank']}" for r in pts],
+                        textposition=["top center" if len(pts) == 1 else "top right" if j == 0
+                                      else "top left" if j == len(pts) - 1 else "top center"
+                                      for j in range(len(pts))],
+                        textfont=dict(size=10, color=TARGET_COLORS.get(t, "#555")),
+                        hovertemplate="%{text}: %{x:,} trainable, loss %{y:.3f}"
+                                      "<extra></extra>")
     fig.add_scatter(x=[full_trainable], y=[full], mode="markers", name="full fine-tuning",
                     marker=dict(size=16, symbol="star", color="#000"))
     fig.add_hline(y=start, line_dash="dot", line_color="#868e96",
@@ -165,36 +176,55 @@ def sweep_figure(rows: list[dict], full: float, start: float, full_trainable: in
                   annotation_text=f"task-1 loss floor {floor:.3f}",
                   annotation_position="bottom right")
     fig.update_layout(title=title, xaxis_title="trainable values (log scale)",
-                      yaxis_title="task-1 held-out loss after fine-tuning", xaxis_type="log",
+                      yaxis_title="task-1 held-out loss after fine-tuning (nats)", xaxis_type="log",
                       height=460, template="plotly_white")
     return fig
 
 
-def curves_figure(runs: dict[str, Run], task: str, title: str,
-                  floor: float | None = None) -> go.Figure:
-    """Held-out loss of `task` over fine-tuning steps, one line per run."""
+def curves_figure(runs: dict[str, Run], task: str, title: str, floor: float | None = None,
+                  xaxis: str = "fine-tuning step") -> go.Figure:
+    """Held-out loss of `task` over the steps, one line per run; the floor's label goes under
+    its line, where no loss can be, with room made for it below."""
     fig = go.Figure()
+    ys = []
     for i, (label, run) in enumerate(runs.items()):
         x, y = eval_curve(run, task)
+        ys += y
         fig.add_scatter(x=x, y=y, mode="lines+markers", name=label,
                         line=dict(color=COLORS[i % len(COLORS)]), marker=dict(size=5))
     if floor is not None:
         fig.add_hline(y=floor, line_dash="dash", line_color="#555",
-                      annotation_text=f"{task} loss floor {floor:.3f}")
-    fig.update_layout(title=title, xaxis_title="fine-tuning step",
-                      yaxis_title=f"{task} held-out loss", height=380, template="plotly_white")
+                      annotation_text=f"{task.replace('task', 'task-')} loss floor {floor:.3f}",
+                      annotation_position="bottom right")
+        span = max(ys + [floor]) - min(ys + [floor])
+        fig.update_yaxes(range=[min(ys + [floor]) - 0.12 * span, max(ys) + 0.05 * span])
+    fig.update_layout(title=title, xaxis_title=xaxis,
+                      yaxis_title=f"{task.replace('task', 'task-')} held-out loss (nats)",
+                      height=380, template="plotly_white")
     return fig
 
 
 def tradeoff_figure(points: dict[str, dict], title: str) -> go.Figure:
-    """Each run's final (task-1 loss, task-0 loss): learning the new task vs keeping the old."""
+    """Each run's final (task-1 loss, task-0 loss): learning the new task vs keeping the old.
+    One colour per family (the label's first word: full, replay, EWC, LoRA); from left to right
+    the labels go above and below their points in turn, so close neighbours do not overprint,
+    and the axes leave room for them."""
     fig = go.Figure()
-    for i, (label, p) in enumerate(points.items()):
+    families = list(dict.fromkeys(label.split()[0] for label in points))
+    for j, label in enumerate(sorted(points, key=lambda k: points[k]["task1"])):
+        p = points[label]
         fig.add_scatter(x=[p["task1"]], y=[p["task0"]], mode="markers+text", name=label,
-                        text=[label], textposition="top center",
-                        marker=dict(size=12, color=COLORS[i % len(COLORS)]))
-    fig.update_layout(title=title, xaxis_title="task-1 loss (new task; lower = learnt)",
-                      yaxis_title="task-0 loss (old task; lower = kept)", height=420,
+                        text=[label], textposition="top center" if j % 2 == 0 else
+                        "bottom center", cliponaxis=False,
+                        marker=dict(size=12, color=COLORS[families.index(label.split()[0])
+                                                          % len(COLORS)]))
+    xs = [p["task1"] for p in points.values()]
+    ys = [p["task0"] for p in points.values()]
+    xpad, ypad = 0.15 * max(max(xs) - min(xs), 0.1), 0.15 * max(max(ys) - min(ys), 0.1)
+    fig.update_xaxes(range=[min(xs) - xpad, max(xs) + xpad])
+    fig.update_yaxes(range=[min(ys) - ypad, max(ys) + ypad])
+    fig.update_layout(title=title, xaxis_title="task-1 loss (new task; lower = learnt), nats",
+                      yaxis_title="task-0 loss (old task; lower = kept), nats", height=420,
                       template="plotly_white", showlegend=False)
     return fig
 
@@ -254,8 +284,9 @@ class LoRAExplorer:
         self.button = W.Button(description="Run", button_style="primary")
         self.status = W.HTML()
         self.fig = go.FigureWidget()
-        self.fig.update_layout(height=340, template="plotly_white",
-                               xaxis_title="fine-tuning step", yaxis_title="held-out loss")
+        self.fig.update_layout(height=340, template="plotly_white", margin=dict(t=30),
+                               xaxis_title="fine-tuning step",
+                               yaxis_title="held-out loss (nats)")
         self.button.on_click(lambda _b: self._safe_run())
         self.last: dict | None = None
         self.widget = W.VBox([W.HBox([self.rank, self.targets, self.lr, self.button]),

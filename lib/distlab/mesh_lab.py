@@ -233,7 +233,8 @@ def traffic_heatmap(fig, cfg: RunConfig, step_events, row=None, col=None, colorb
                     y=[f"rank {i}" for i in range(n)], text=text, texttemplate="%{text}",
                     colorscale="Blues", colorbar=dict(title="KiB/step", len=0.8, x=colorbar_x),
                     hovertemplate="%{y} → %{x}: %{z:.1f} KiB per step<extra></extra>", **kw)
-    fig.update_yaxes(autorange="reversed", **kw)
+    fig.update_xaxes(title_text="receiver", **kw)
+    fig.update_yaxes(title_text="sender", autorange="reversed", **kw)
     return fig
 
 
@@ -356,11 +357,16 @@ class MeshExplorer:
         self.button = W.Button(description="Run", button_style="primary")
         self.status = W.HTML()
         self.table = W.HTML()
+        # the heatmap's colour bar sits in the gap between the subplots, clear of the loss
+        # plot's tick labels and axis title
         self.fig = go.FigureWidget(make_subplots(
-            rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.14,
+            rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.24,
             subplot_titles=("bytes sent per step (KiB), sender → receiver", "loss")))
-        self.fig.update_layout(height=420, template="plotly_white")
+        self.fig.update_layout(height=460, template="plotly_white", margin=dict(t=60, b=90),
+                               legend=dict(orientation="h", x=1, xanchor="right", y=-0.2,
+                                           yanchor="top"))
         self.fig.update_xaxes(title_text="step", row=1, col=2)
+        self.fig.update_yaxes(title_text="loss (nats)", row=1, col=2)
         for w in (self.world, self.microbatches, self.schedule):
             w.observe(lambda _c: self._refresh_layouts(), names="value")
         self._refresh_layouts()
@@ -406,7 +412,8 @@ class MeshExplorer:
         self.table.value = _html_table(GROUP_HEADER[:5], [r[:5] for r in group_table_rows(rows)])
         with self.fig.batch_update():
             self.fig.data = ()
-            traffic_heatmap(self.fig, cfg, run.history("step"), row=1, col=1, colorbar_x=0.47)
+            traffic_heatmap(self.fig, cfg, run.history("step"), row=1, col=1,
+                            colorbar_x=self.fig.layout.xaxis.domain[1] + 0.01)
             for i, (label, ls) in enumerate((("single", ref.losses()),
                                              (f"3d {cfg.dp_degree}×{cfg.tp}×{cfg.pp}",
                                               run.losses()))):

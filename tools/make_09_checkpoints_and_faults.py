@@ -61,13 +61,13 @@ CELLS = [
     code("imports", """
         import shutil
 
-        from distlab import CheckpointError, RunConfig, RunError, launch, resume
+        from distlab import CheckpointError, RunConfig, launch, resume
         from distlab.checkpoint import (check_compatible, latest_checkpoint, list_checkpoints,
                                         load_full, read_meta, verify)
         from distlab.dp_lab import fmt_bytes, launch_together, table, worst_param_diff
-        from distlab.fault_lab import (alive, attempts, contents_rows, drill_figure, file_rows,
-                                       final_checkpoint, max_abs_diff, overhead_row, save_cost,
-                                       save_cost_figure, torchrun, wait_for_steps)
+        from distlab.fault_lab import (alive, attempts, contents_rows, drill_figure, failed_run,
+                                       file_rows, final_checkpoint, max_abs_diff, overhead_row,
+                                       save_cost, save_cost_figure, torchrun, wait_for_steps)
         from distlab.launch import new_run_dir, runs_root
 
         # AdamW in fp32, 2 ranks: the drills' runs. Bitwise claims hold for AdamW too at the
@@ -159,11 +159,7 @@ CELLS = [
         launches the same config from the latest complete checkpoint.
     """),
     code("kill", """
-        first = launch(BASE.replace(fault="kill", fault_rank=1, fault_step=KILL_STEP))
-        try:
-            first.wait(timeout=300)
-        except RunError as e:
-            err = e
+        first, err = failed_run(BASE.replace(fault="kill", fault_rank=1, fault_step=KILL_STEP))
         print(f"RunError: rank {err.rank}, step {err.step}: {err.message}")
         detect_s = first.ended - first.history("fault")[0]["time"]
         print(f"the caller knew {detect_s:.2f} s after the kill; ranks alive: {alive(first.pids)}")
@@ -191,11 +187,8 @@ CELLS = [
         temporary that the scan for "latest" ignores, and the previous checkpoint is untouched.
     """),
     code("torn", """
-        torn = launch(BASE.replace(fault="kill_in_save", fault_rank=0, fault_step=SAVE_FAULT_STEP))
-        try:
-            torn.wait(timeout=300)
-        except RunError as e:
-            torn_err = e
+        torn, torn_err = failed_run(BASE.replace(fault="kill_in_save", fault_rank=0,
+                                                 fault_step=SAVE_FAULT_STEP))
         root = os.path.join(torn.dir, "checkpoints")
         tmp = os.path.join(root, f".step_{SAVE_FAULT_STEP + 1:06d}.tmp")
         prev = latest_checkpoint(root)

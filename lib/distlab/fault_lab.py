@@ -25,7 +25,8 @@ from .checkpoint import checkpoint_root, latest_checkpoint, load_full
 from .config import RunConfig
 from .dp_lab import COLORS
 from .events import LogTail, rank_log_path
-from .run import Run
+from .launch import launch
+from .run import Run, RunError
 
 
 # -- torchrun ----------------------------------------------------------------------------------
@@ -70,6 +71,18 @@ def attempts(run_dir: str, rank: int = 0) -> list[list[dict]]:
 def final_checkpoint(run: Run) -> dict:
     """The latest complete checkpoint of a run, read whole (distlab.checkpoint.load_full)."""
     return load_full(latest_checkpoint(checkpoint_root(run.cfg, run.dir)))
+
+
+def failed_run(cfg: RunConfig, timeout_s: float = 300.0) -> tuple[Run, RunError]:
+    """Launch a drill that must fail (an injected fault) and return the run with its RunError.
+    A run that finishes instead is itself a failed drill: AssertionError."""
+    run = launch(cfg)
+    try:
+        run.wait(timeout=timeout_s)
+    except RunError as e:
+        return run, e
+    raise AssertionError(f"fault={cfg.fault!r} at step {cfg.fault_step}: the run finished "
+                         "without the failure the drill injects")
 
 
 def wait_for_steps(run: Run, n: int, timeout_s: float = 120.0) -> Run:

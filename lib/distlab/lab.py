@@ -116,6 +116,23 @@ def _failed_where(error, run: Run) -> str:
 
 
 # -- the dashboard -----------------------------------------------------------------------------
+class Explorer:
+    """What every notebook's explorer widget shares. A subclass builds `self.widget` (with a
+    Run button whose click calls `_safe_run`) and `self.status` (a W.HTML line), and defines
+    `run(**values)`, which notebooks also call directly so nbval exercises it."""
+
+    def _safe_run(self):
+        try:
+            self.run()
+        except Exception as e:  # noqa: BLE001 - shown in the status line: an exception raised
+            # in a click handler would only reach the kernel's log, not the user
+            self.status.value = (f"<b style='color:#c00'>{html.escape(type(e).__name__)}</b>: "
+                                 f"{html.escape(str(e))}")
+
+    def _ipython_display_(self):
+        display(self.widget)
+
+
 class LiveDashboard:
     """Loss of every watched run (overlaid), and memory and bytes per rank of the latest one.
 

@@ -23,6 +23,7 @@ import torch
 
 from .config import RunConfig
 from .dp_lab import COLORS, fmt_bytes, launch_together
+from .lab import Explorer
 from .launch import new_run_dir, runs_root
 from .lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
 from .run import Run
@@ -265,7 +266,7 @@ def merge_check(cfg: RunConfig, state: dict, x: torch.Tensor, repeats: int = 50)
 
 
 # -- the widget ---------------------------------------------------------------------------------
-class LoRAExplorer:
+class LoRAExplorer(Explorer):
     """Rank, targets and learning rate; Run fine-tunes `ft` (a config with init_from and
     lora settings) with them in one launch and redraws task-1 and task-0 held-out loss beside
     the reference runs given (e.g. full fine-tuning). An invalid combination is refused with
@@ -320,13 +321,3 @@ class LoRAExplorer:
                              f"{fin['task1']:.3f}, task 0 {fin['task0']:.3f}")
         self.last = {"config": cfg, "run": run, "trainable": n, **fin}
         return self.last
-
-    def _safe_run(self):
-        try:
-            self.run()
-        except Exception as e:  # shown in the status line, not raised into the event loop
-            self.status.value = f"<b style='color:#c00'>{type(e).__name__}</b>: {e}"
-
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget)

@@ -34,6 +34,7 @@ from plotly.subplots import make_subplots
 
 from .config import RunConfig
 from .dp_lab import COLORS, launch_together, worst_param_diff
+from .lab import Explorer
 from .models import GPT, GPTConfig
 from .parallel.mesh import KINDS, coords, layout
 from .parallel.pipeline import stage_blocks
@@ -337,7 +338,7 @@ def describe_row(r) -> str:
 
 
 # -- the widget ----------------------------------------------------------------------------------
-class MeshExplorer:
+class MeshExplorer(Explorer):
     """World size, a dp × tp × pp layout (only those valid for the world size), micro-batches
     and schedule; Run trains the real `3d` on that mesh (one launch, `base`'s other settings)
     and redraws the bytes-per-group table, the rank × rank traffic heatmap and the loss beside
@@ -427,17 +428,6 @@ class MeshExplorer:
         self.last = {"config": cfg, "run": run, "rows": rows, "param_diff": param_diff,
                      "loss_diff": loss_diff}
         return self.last
-
-    def _safe_run(self):
-        try:
-            self.run()
-        except Exception as e:  # shown in the status line, not raised into the event loop
-            self.status.value = (f"<b style='color:#c00'>{html.escape(type(e).__name__)}</b>: "
-                                 f"{html.escape(str(e))}")
-
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget)
 
 
 def _html_table(header, rows) -> str:

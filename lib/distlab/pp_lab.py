@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 
 from .config import RunConfig
 from .dp_lab import launch_together
+from .lab import Explorer
 from .parallel.pipeline import bubble_formula, simulate, make_schedule
 from .run import Run
 
@@ -140,7 +141,7 @@ def bubble_curve(rows: list[dict], title: str) -> go.Figure:
 
 
 # -- the widget ---------------------------------------------------------------------------------
-class PipelineExplorer:
+class PipelineExplorer(Explorer):
     """Schedule, micro-batches and virtual stages; Run trains the real `pp` pipeline (one
     launch, `base`'s other settings) and redraws the Gantt chart of its last step. An invalid
     combination is refused with RunConfig's message in the status line."""
@@ -188,13 +189,3 @@ class PipelineExplorer:
                              f"{row['total']:.3f} of total, {row['ideal']:.3f} of ideal time")
         self.last = {"config": cfg, "run": run, "pipelines": pipes, **row}
         return self.last
-
-    def _safe_run(self):
-        try:
-            self.run()
-        except Exception as e:  # shown in the status line, not raised into the event loop
-            self.status.value = f"<b style='color:#c00'>{type(e).__name__}</b>: {e}"
-
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget)

@@ -263,7 +263,7 @@ def test_lora_under_every_strategy_matches_single(pretrained, parallel):
     ref = pretrained["single"]["state"]
     for name, run in out.items():
         for rank in run["ranks"]:
-            state = {k.removeprefix("module."): v for k, v in rank["state"].items()}
+            state = rank["state"]
             assert state.keys() == ref.keys(), name
             for k, v in state.items():
                 if "lora" in k:

@@ -36,7 +36,7 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
                     wall_timeout_s: float | None = None) -> dict[str, Run]:
     """Train every config in turn in ONE launch and return {name: Run}, each Run holding only
     its own config's events (finished, nothing left running) plus `states`: each rank's final
-    state_dict (torch DDP's "module." prefix removed). All configs must need the same number of
+    state_dict (under single's names: Strategy.full_state_dict). All configs must need the same number of
     processes; the launch uses the largest timeout_s and the first config's threads_per_rank.
     A failing config raises RunError, like Run.wait()."""
     cfgs = dict(cfgs)
@@ -59,8 +59,7 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
         run = Run(run_dir, cfg=cfg)
         run.events = events[i]
         run.status = "done"
-        run.states = [{k.removeprefix("module."): v for k, v in results[r][i]["state"].items()}
-                      for r in range(world)]
+        run.states = [results[r][i]["state"] for r in range(world)]
         runs[label] = run
     return runs
 

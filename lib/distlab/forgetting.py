@@ -85,7 +85,7 @@ def save_final(path: str, strategy, model, comm) -> None:
     on (a next config of the same launch may start from it)."""
     from .lora import merged_state_dict
 
-    state = {k.removeprefix("module."): v for k, v in strategy.full_state_dict(model).items()}
+    state = strategy.full_state_dict(model)
     if comm.rank == 0:
         state = merged_state_dict(getattr(model, "module", model), state)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

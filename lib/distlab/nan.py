@@ -47,15 +47,16 @@ class NonFiniteError(FloatingPointError):
                          f"{module!r} ({detail})")
 
 
-def _tensors(x):
+def tensors_in(x):
+    """The tensors in a module's inputs or outputs (nested tuples, lists and dicts)."""
     if torch.is_tensor(x):
         yield x
     elif isinstance(x, (tuple, list)):
         for v in x:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(x, dict):
         for v in x.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def _local(t):
@@ -107,18 +108,18 @@ class NanDetector:
 
     def _forward_hook(self, name, m):
         def hook(module, inputs, output):
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if _bad(t):
                     self.report("forward", name, f"{type(m).__name__} output: {_describe(t)}")
         return hook
 
     def _backward_hook(self, name, m):
         def hook(module, grad_input, grad_output):
-            for t in _tensors(grad_output):
+            for t in tensors_in(grad_output):
                 if _bad(t):
                     self.report("backward", name, f"{type(m).__name__}: the gradient arriving "
                                 f"at its output: {_describe(t)}")
-            for t in _tensors(grad_input):
+            for t in tensors_in(grad_input):
                 if _bad(t):
                     self.report("backward", name, f"{type(m).__name__}: the gradient it passed "
                                 f"to its input: {_describe(t)}")

@@ -6,6 +6,7 @@ notebook grows by megabytes; the repository's notebooks must stay stripped.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -15,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +44,16 @@ class LabServer:
     def api(self, path: str, method: str = "GET"):
         """Call the JupyterLab server this fixture started on 127.0.0.1 (its REST API: status,
         kernels). Loopback only: nothing is fetched from outside the machine."""
-        assert self.url.startswith("http://127.0.0.1:"), self.url
-        req = urllib.request.Request(f"{self.url}{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=5) as r:
+        port = int(self.url.removeprefix("http://127.0.0.1:"))  # ValueError if not loopback
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            conn.request(method, path, headers={"Authorization": f"token {self.token}"})
+            r = conn.getresponse()
             body = r.read()
+        finally:
+            conn.close()
+        if r.status >= 400:  # an OSError, as a refused connection is: _wait_ready retries
+            raise ConnectionError(f"{method} {path}: HTTP {r.status}")
         return json.loads(body) if body else None
 
     def notebook_url(self, rel: str) -> str:

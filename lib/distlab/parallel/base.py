@@ -58,6 +58,16 @@ class Strategy:
         only accumulate locally; communication waits for the last micro-batch."""
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def _hooks_paused(self):
+        """no_sync for strategies that communicate from gradient hooks (ddp, zero*): the hooks
+        read self._sync and only let gradients accumulate while it is False."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def forward_backward(self, model, x, y, scale_loss):
         """Own the step's forward and backward over all its micro-batches (a pipeline
         schedule). Return the loss to log (None on a rank that has none, e.g. a pipeline's
@@ -91,8 +101,9 @@ class Strategy:
 
     def full_state_dict(self, model) -> dict:
         """The whole model's weights under the names `single` uses (what equivalence tests
-        compare). Strategies that shard parameters gather them; a collective for those."""
-        return model.state_dict()
+        compare). Strategies that shard parameters gather them; a collective for those. A
+        wrapper's prefix (torch DDP's "module.") is dropped."""
+        return {k.removeprefix("module."): v for k, v in model.state_dict().items()}
 
     def step_info(self) -> dict:
         """Extra fields for this step's event (bucket timeline, staleness, ...)."""

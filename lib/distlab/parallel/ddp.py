@@ -44,7 +44,6 @@ backward on this rank:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -147,14 +146,7 @@ class DDP(Strategy):
         return Bucket(index, params, buffer, views)
 
     def no_sync(self, model):
-        @contextlib.contextmanager
-        def local_accumulation():
-            self._sync = False
-            try:
-                yield
-            finally:
-                self._sync = True
-        return local_accumulation()
+        return self._hooks_paused()
 
     # -- during backward -------------------------------------------------------------------
     def _after_forward(self, module, inputs, output):

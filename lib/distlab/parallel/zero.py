@@ -89,7 +89,6 @@ compute needed them) and the seconds the compute was blocked waiting for them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -98,6 +97,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Pending
+from ..nan import tensors_in
 from .base import Strategy
 from .data import broadcast_buffers, read_batch
 from .syncbn import attach_comm
@@ -165,17 +165,6 @@ class Unit:
     def piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's entries of a (P,) flat tensor."""
         return flat[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
-
-
-def _tensors(x):
-    if torch.is_tensor(x):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from _tensors(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
 
 
 def _in_backward() -> bool:
@@ -305,14 +294,7 @@ class ZeRO(Strategy):
         return read_batch(self, data, step)
 
     def no_sync(self, model):
-        @contextlib.contextmanager
-        def local_accumulation():
-            self._sync = False
-            try:
-                yield
-            finally:
-                self._sync = True
-        return local_accumulation()
+        return self._hooks_paused()
 
     # -- bookkeeping of transient buffers ---------------------------------------------------
     def _track(self, kind: str, nbytes: int):
@@ -406,7 +388,7 @@ class ZeRO(Strategy):
 
     def _post_forward(self, u: Unit, module, args, output):
         if torch.is_grad_enabled():  # backward reaches u through its outputs' gradients
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(functools.partial(self._pre_backward, u))
 
@@ -418,7 +400,7 @@ class ZeRO(Strategy):
             self._current = None
         self._order_done = True
         if self._order and torch.is_grad_enabled() and any(t.requires_grad
-                                                           for t in _tensors(output)):
+                                                           for t in tensors_in(output)):
             self._prefetch(self._order[-1], "backward")  # backward starts with the last unit
 
     def _pre_backward(self, u: Unit, grad):

@@ -17,7 +17,7 @@ bucket is one collective with its own latency, which costs most when ranks outnu
 Prints the median step time of each strategy, the ratio ddp / ddp-torch (target: at most
 1.15), the per-repeat ratios, the bytes per rank per step of each (they must be equal), and
 ddp's overlap fraction (the part of its communication time hidden under backward; see
-distlab.parallel.ddp). `allreduce` (every gradient all-reduced after backward, no buckets, no
+distlab.parallel.data_parallel.ddp). `allreduce` (every gradient all-reduced after backward, no buckets, no
 overlap) runs alongside as the baseline both improve on.
 
 Runs go to a temporary DISTLAB_RUNS folder, removed at the end.

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab import RunConfig
-from distlab.data import make_data
+from distlab.dataset import make_data
 from distlab.estimate import MiB, gpt_activation_bytes
 from distlab.memory import ActivationMeter, PeakMemoryTracker
 from distlab.train import build_model, build_optimizer

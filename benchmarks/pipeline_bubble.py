@@ -11,7 +11,7 @@ and per backward (per chunk, interleaved), so stage costs are equal and dominate
 (~1-2 ms) and scheduling noise, and the idle the ranks see is the schedule's own.
 
 Measured bubble: each step event's e["pipeline"]["bubble"] = 1 - (forward + backward time) /
-step time, per rank (distlab.parallel.pipeline.timeline); the first step of each training is
+step time, per rank (distlab.parallel.pipeline.pp.timeline); the first step of each training is
 dropped (warm-up), and the figure is the median over the remaining steps of all ranks.
 "spread" is max - min of the per-rank medians (in gpipe, 1f1b and interleaved every rank idles
 alike; in naive too).
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         from distlab import RunConfig, run_ranks
-        from distlab.parallel.pipeline import FORMULA_CONVENTION, bubble_formula
+        from distlab.parallel.pipeline.pp import FORMULA_CONVENTION, bubble_formula
 
         bench = importlib.import_module("pipeline_bubble")
         print(f"pp: GPT 8 layers n_embd 32, batch 8 x seq 16; {args.steps} steps per config "

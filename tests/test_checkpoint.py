@@ -25,7 +25,7 @@ from distlab.checkpoint import (Checkpointer, _crc32_file, check_compatible, lat
                                 list_checkpoints, load_full, read_meta, verify)
 from distlab.comm import Comm
 from distlab.events import LogTail, rank_log_path
-from distlab.fault_lab import attempts, torchrun
+from distlab.lab.checkpoints_and_faults import attempts, torchrun
 from distlab.parallel import make_strategy
 from distlab.precision import make_loss_scaler
 from distlab.train import build_model, build_optimizer, train_with_state

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from distlab import run_ranks
-from distlab.collectives import compare_allreduce, show_collectives, summarize
+from distlab.lab.collectives import compare_allreduce, show_collectives, summarize
 from distlab.comm import (LINKS, Link, fit_alpha_beta, naive_allreduce_bytes,
                           naive_allreduce_time, ring_allreduce_bytes, ring_allreduce_time)
 

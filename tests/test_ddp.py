@@ -23,8 +23,8 @@ from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPT, GPTConfig
-from distlab.parallel.compression import TopK, topk_bytes_per_rank, topk_count
-from distlab.parallel.ddp import MiB, assign_buckets, overlap_fraction
+from distlab.parallel.data_parallel.compression import TopK, topk_bytes_per_rank, topk_count
+from distlab.parallel.data_parallel.ddp import MiB, assign_buckets, overlap_fraction
 from distlab.train import train_with_state
 
 ATOL = 1e-5

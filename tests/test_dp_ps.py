@@ -24,7 +24,8 @@ import torch
 from distlab import Run, RunConfig, run_ranks
 from distlab.launch import new_run_dir, runs_root
 from distlab.models import GPTConfig, gpt_param_count
-from distlab.stragglers import split_configs, summarize_events
+from distlab.lab.stragglers import summarize_events
+from distlab.lab.runs import split_configs
 from distlab.train import train_with_state
 
 ATOL = 1e-5

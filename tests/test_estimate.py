@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from distlab import RunConfig
-from distlab.data import make_data
+from distlab.dataset import make_data
 from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, GiB, MIXED_ADAM, gpt_activation_bytes,
                               gpt_param_tensors, gpt_params, gpt_params_of,
                               korthikanti_layer_activation_bytes, narayanan_params,
@@ -242,11 +242,11 @@ def test_activation_estimate_scope():
 
 
 def test_zero_run_estimate_equals_what_zero_ranks_measure(tmp_path):
-    """ZeRO-1/2/3 written here (distlab.parallel.zero), 2 ranks, one launch: each rank's
+    """ZeRO-1/2/3 written here (distlab.parallel.zero.zero), 2 ranks, one launch: each rank's
     logged model-state bytes equal run_model_state_bytes at every step (zero1: one flat
     buffer; zero2/3: one per unit; n_embd 33 and vocab 63 make every buffer odd-sized, so
     each one pads)."""
-    pytest.importorskip("distlab.parallel.zero")
+    pytest.importorskip("distlab.parallel.zero.zero")
     from distlab import Run, run_ranks
     from distlab.train import train_with_state
 

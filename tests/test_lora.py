@@ -22,13 +22,13 @@ import torch
 
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
-from distlab.data import MarkovData
+from distlab.dataset import MarkovData
 from distlab.events import step_events_per_run
 from distlab.lora import (LoRALinear, TARGETS, inject_lora, lora_layer_count,
                           lora_parameter_count, merge_lora, merged_state_dict, target_shapes,
                           trainable_parameters, unmerge_lora)
 from distlab.models import GPT, GPTConfig
-from distlab.parallel.zero import padded_size
+from distlab.parallel.zero.zero import padded_size
 from distlab.run import Run
 from distlab.train import build_model, train_with_state
 

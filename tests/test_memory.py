@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distlab import Run, RunConfig, run_ranks
-from distlab.data import make_data
+from distlab.dataset import make_data
 from distlab.memory import (PEAK_LABEL, ActivationMeter, PeakMemoryTracker, count_saved,
                             model_state_bytes)
 from distlab.train import build_model, build_optimizer, train_with_state

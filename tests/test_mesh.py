@@ -25,7 +25,7 @@ import torch
 
 from distlab import RunConfig, run_ranks
 from distlab.parallel.mesh import coords, layout, mesh_ranks, rank_of, table
-from distlab.parallel.tensor import plan_table
+from distlab.parallel.tensor.tp import plan_table
 from distlab.train import train_with_state
 
 ATOL = 1e-5
@@ -128,11 +128,11 @@ def test_3d_bytes_per_group(runs):
 
 
 def test_group_table_matches_formula(runs):
-    """distlab.mesh_lab's bytes-per-group table (what 07_3d_parallelism shows) from this run:
+    """distlab.lab.parallelism_3d's bytes-per-group table (what 07_3d_parallelism shows) from this run:
     every group's bytes per step, summed over its members, equal mesh_lab.predicted_bytes (the
     formulas above, with Ψ_r counted from the model's shapes), from the first step on (setup
     traffic is not booked to a step); the traffic matrix puts every byte in one cell."""
-    from distlab.mesh_lab import group_rows, measured_bytes, traffic_matrix
+    from distlab.lab.parallelism_3d import group_rows, measured_bytes, traffic_matrix
 
     _, _, events = runs
     flat = [e for evs in events for e in evs]

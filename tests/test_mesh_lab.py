@@ -1,4 +1,4 @@
-"""The numbers distlab.mesh_lab computes for the 3D notebook, without launching anything: the
+"""The numbers distlab.lab.parallelism_3d computes for the 3D notebook, without launching anything: the
 valid layouts of a world size, the parameters a rank holds, the bytes-per-group formula, the
 traffic matrix's attribution, the α-β placement and the planner's per-layout ranking.
 (The same formulas against a real world-8 `3d` run: tests/test_mesh.py,
@@ -11,12 +11,12 @@ import torch
 
 from distlab import RunConfig
 from distlab.comm import LINKS
-from distlab.mesh_lab import (best_per_layout, group_rows, layout_rank, measured_bytes,
+from distlab.lab.parallelism_3d import (best_per_layout, group_rows, layout_rank, measured_bytes,
                               mesh_config, messages_per_step, placement_seconds, predicted_bytes,
                               rank_numel, traffic_matrix, valid_layouts, zero1_optim_rows)
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.mesh import KINDS
-from distlab.parallel.tensor import plan_table
+from distlab.parallel.tensor.tp import plan_table
 from distlab.plan import GPT3_175B, IB_HDR, Cluster, plan
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=2, global_batch=16, seq_len=16, n_layer=4,

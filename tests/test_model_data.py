@@ -3,7 +3,7 @@ import math
 import numpy as np
 import torch
 
-from distlab.data import MarkovData
+from distlab.dataset import MarkovData
 from distlab.models import GPT, GPTConfig, gpt_param_count
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
-from distlab.parallel.pipeline import (bubble_formula, in_flight, make_schedule,
+from distlab.parallel.pipeline.pp import (bubble_formula, in_flight, make_schedule,
                                        p2p_bytes_per_step, simulate)
 from distlab.train import train_with_state
 

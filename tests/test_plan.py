@@ -13,7 +13,6 @@ Assumptions throughout (each test names its own on top):
     the pipeline bubble and exposed communication come on top of it.
 """
 
-import math
 
 import pytest
 

@@ -20,7 +20,7 @@ import torch
 
 from distlab import Run, RunConfig, run_ranks
 from distlab.recompute import apply_checkpointing, checkpointing_of
-from distlab.data import make_data
+from distlab.dataset import make_data
 from distlab.estimate import gpt_activation_bytes, run_model_state_bytes
 from distlab.memory import ActivationMeter, PeakMemoryTracker
 from distlab.models import GPT, GPTConfig

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from distlab import RunConfig
-from distlab.scaling import (BASE, RULES, loss_at_samples, lr_schedule, scaled_config, scaled_lr,
+from distlab.lab.scaling import (BASE, RULES, loss_at_samples, lr_schedule, scaled_config, scaled_lr,
                              scaling_configs, scaling_experiment, summary)
 
 

@@ -12,7 +12,7 @@ Tolerances (measured on this machine, torch 2.13 CPU):
   ranks) and BatchNorm divides by sqrt(var + eps), which amplifies rounding where a channel's
   variance over the batch is small (its backward carries 1/std and 1/std³). We feared that
   would need a looser tolerance than the GPT's; in practice, with the sums taken in float64
-  (distlab.parallel.syncbn), it agrees about as well as the GPT (~1e-7), so the GPT's 1e-5
+  (distlab.parallel.data_parallel.syncbn), it agrees about as well as the GPT (~1e-7), so the GPT's 1e-5
   (test_equivalence) holds with a margin of ~30x. Plain per-rank BatchNorm misses `single` by
   0.26 (world 2, 4 rows per rank) and ~10 (world 4, 2 rows per rank): four orders and more
   above the tolerance. Where small batches do bite is the single-layer comparison with 2 rows
@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from distlab import RunConfig, RunError, launch, run_ranks
-from distlab.data import ClusterData, FiniteDataset, MarkovData, make_data
+from distlab.dataset import ClusterData, FiniteDataset, MarkovData, make_data
 from distlab.models.bnnet import BNNet, build_bnnet
-from distlab.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from distlab.parallel.data_parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from distlab.sampler import DistributedSampler, ShardReader, batches_per_rank, shard_reader
 from distlab.train import build_model, train_with_state
 

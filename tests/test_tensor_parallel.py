@@ -24,12 +24,11 @@ t = tp degree, L = layers, all modeled as the ring moves them (distlab.comm):
 
 
 import pytest
-import torch
 
 from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.models import GPT, GPTConfig
-from distlab.parallel.tensor import plan_table, tp_plan
+from distlab.parallel.tensor.tp import plan_table, tp_plan
 from distlab.train import train_with_state
 
 ATOL = 1e-5

@@ -47,8 +47,8 @@ from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPT, GPTConfig
-from distlab.parallel.reference import chain_broadcast_bytes
-from distlab.parallel.zero import padded_size
+from distlab.parallel.zero.zero_torch import chain_broadcast_bytes
+from distlab.parallel.zero.zero import padded_size
 from distlab.train import train_with_state
 
 ATOL = 1e-5

@@ -5,10 +5,10 @@
     run.wait().losses()
 """
 
-from .checkpoint import CheckpointError, resume
-from .config import RunConfig
-from .launch import launch, run_ranks
-from .run import Run, RunError
+from distlab.checkpoint import CheckpointError, resume
+from distlab.config import RunConfig
+from distlab.launch import launch, run_ranks
+from distlab.run import Run, RunError
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError"]
 __version__ = "0.1.0"

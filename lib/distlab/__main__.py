@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from .config import RunConfig
+from distlab.config import RunConfig
 
 
 def parse_config(argv) -> tuple[RunConfig, str | None]:
@@ -37,9 +37,9 @@ def parse_config(argv) -> tuple[RunConfig, str | None]:
 
 
 def main(argv=None) -> int:
-    from .launch import launch, new_run_dir, rank_body, runs_root
-    from .run import Run, RunError
-    from .train import train_rank
+    from distlab.launch import launch, rank_body, runs_root
+    from distlab.run import RunError
+    from distlab.train import train_rank
 
     fields, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun

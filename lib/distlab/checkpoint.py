@@ -32,7 +32,7 @@ folder, found by scanning.
 Saving: with checkpoint_every = k, after steps k-1, 2k-1, ... (0-based) and after the last
 step, so a finished run can be extended (resume with a larger `steps`); keep_last complete
 checkpoints stay. Resuming: the loop starts at steps_done. Data is a pure function of
-(seed, step) (distlab.data) and a finite dataset's sampler position is a function of the step
+(seed, step) (distlab.dataset) and a finite dataset's sampler position is a function of the step
 (distlab.sampler), so the step is the data position.
 
 What a resumed run may change is MAY_CHANGE (world size, steps, launch and logging knobs);
@@ -72,7 +72,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import CHECKPOINT_STRATEGIES, RunConfig
+from distlab.config import CHECKPOINT_STRATEGIES, RunConfig
 
 META, STATE, RNG_DIR, DCP_DIR = "meta.json", "state.pt", "rng", "dcp"
 FORMAT_VERSION = 1
@@ -697,7 +697,7 @@ def resume(source, block: bool = False, **changes):
     fields to change (those in MAY_CHANGE, e.g. world_size=2, steps=200). The checkpoint is
     checked here first (files, CRCs, config), so a bad one fails before any process starts.
     New checkpoints go on into the same folder; the injected fault is not repeated."""
-    from .launch import launch
+    from distlab.launch import launch
 
     path, cfg, root = _locate(source)
     label = cfg.name or f"{cfg.strategy}-w{cfg.world_size}"

@@ -70,7 +70,7 @@ class RunConfig:
     track_peak: bool = False  # memory["peak"] per step: aten-allocated bytes (~20% step time)
     offload: bool = False  # zero*: optimizer state lives on the CPU
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
-    # model parallelism (distlab.parallel.tensor / pipeline / mesh)
+    # model parallelism (distlab.parallel.tensor.tp / pipeline / mesh)
     tp: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallelism in the tensor-parallel regions' LayerNorm/dropout
     pp: int = 1  # pipeline stages (ranks)
@@ -90,7 +90,7 @@ class RunConfig:
     n_head: int = 4
     mlp_ratio: int = 4
     vocab_size: int = 64
-    # data: a Markov chain made on the machine (distlab.data)
+    # data: a Markov chain made on the machine (distlab.dataset)
     successors: int = 3  # next-token choices per token; sets how low the loss can go
     dataset_size: int = 0  # 0: fresh rows every step; >0: a finite set read by a distributed sampler
     drop_last: bool = True  # sampler: drop the tail that does not divide among ranks
@@ -261,7 +261,7 @@ class RunConfig:
             raise ValueError(f"{', '.join(uses_gpt)}: fine-tuning is written for the GPT "
                              f"(model='gpt'), not model={self.model!r}")
         if self.lora_rank:
-            from .lora import TARGETS
+            from distlab.lora import TARGETS
             if not self.lora_alpha > 0:
                 raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0")
             if self.lora_targets not in TARGETS:

@@ -36,7 +36,7 @@ Sources, and what each formula here reproduces (tests/test_estimate.py checks ev
   exactly (separate q/k/v/o, any MLP width, untied head, learned positions).
 
   This project's runs (fp32): run_model_state_bytes() (single, allreduce, ddp, ddp-torch;
-  zero1/2/3 with distlab.parallel.zero's padded flat buffers) and gpt_activation_bytes() (our
+  zero1/2/3 with distlab.parallel.zero.zero's padded flat buffers) and gpt_activation_bytes() (our
   GPT, checkpointing none/selective/full) are derived for our model and loop, and equal what
   the ranks measure (Strategy.state_bytes, ActivationMeter) byte for byte.
 
@@ -223,7 +223,7 @@ def _shard(numel: int, n: int) -> int:
 
 
 def _gpt_unit_numels(cfg) -> list[int]:
-    """numel of each unit distlab.parallel.zero gathers at a time in our GPT (zero2/zero3):
+    """numel of each unit distlab.parallel.zero.zero gathers at a time in our GPT (zero2/zero3):
     "tok_emb+pos_emb", each block "blocks.i", "ln_f+head"."""
     numels = _gpt_param_numels(cfg)
     per_block = (len(numels) - 5) // cfg.n_layer
@@ -247,7 +247,7 @@ def run_model_state_bytes(cfg, rank: int = 0, partition: str | None = None) -> d
         stage 1  params 4ΣP_u   grads 4ΣP_u   optim 8ΣS_u + 4 per buffer (AdamW)
         stage 2  params 4ΣP_u   grads 4ΣS_u   optim 8ΣS_u + 4 per buffer
         stage 3  params 4ΣS_u   grads 4ΣS_u   optim 8ΣS_u + 4 per buffer
-    The buffers (`partition`) are distlab.parallel.zero's unless named: "flat" (one buffer of
+    The buffers (`partition`) are distlab.parallel.zero.zero's unless named: "flat" (one buffer of
     all Ψ: zero1's), "units" (one per gathered unit: tok_emb+pos_emb, each block, ln_f+head:
     zero2's and zero3's), "per-param" (one per parameter tensor: DeepSpeed ZeRO-3's, FSDP1's).
     With cfg.offload the optimizer bytes are reported under "optim_offloaded" (optim 0), as

@@ -5,7 +5,7 @@ state dict that `save_final` wrote). Whatever the tasks share is already learnt;
 task 1's loss asks the network to keep task 0's behaviour, so the weights task 0 needed drift
 wherever task 1's gradient pushes them, and task-0 loss climbs back up: catastrophic forgetting
 (McCloskey & Cohen 1989; French 1999). Here task k >= 1 is task 0's Markov chain with half its
-rows redrawn (distlab.data.MarkovData), so the tasks share half their structure and conflict on
+rows redrawn (distlab.dataset.MarkovData), so the tasks share half their structure and conflict on
 the other half.
 
 What this module adds to the one training loop (distlab.train), all opt-in by RunConfig:
@@ -43,7 +43,7 @@ import os
 import numpy as np
 import torch
 
-from .data import MarkovData
+from distlab.dataset import MarkovData
 
 # Held-out evaluation: EVAL_BATCHES batches of EVAL_ROWS rows per task.
 EVAL_BATCHES, EVAL_ROWS = 4, 16
@@ -83,7 +83,7 @@ def save_final(path: str, strategy, model, comm) -> None:
     writes it, adapters merged (distlab.lora.merged_state_dict), so init_from can load it into
     a model without adapters. A barrier makes the file visible to every rank before any goes
     on (a next config of the same launch may start from it)."""
-    from .lora import merged_state_dict
+    from distlab.lora import merged_state_dict
 
     state = strategy.full_state_dict(model)
     if comm.rank == 0:

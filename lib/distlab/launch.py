@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -35,8 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .config import RunConfig
-from .events import EventLog, rank_log_path
+from distlab.config import RunConfig
+from distlab.events import EventLog, rank_log_path
 
 RUNS_ENV = "DISTLAB_RUNS"
 
@@ -173,8 +172,8 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
 def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None):
     """Start a training run of `cfg` and return its `Run` handle at once (or, with block=True,
     after it finished; failures then raise RunError)."""
-    from .run import Run
-    from .train import train_rank
+    from distlab.run import Run
+    from distlab.train import train_rank
 
     run_dir = run_dir or new_run_dir(runs_root(cfg.runs_root),
                                      cfg.name or f"{cfg.strategy}-w{cfg.world_size}")
@@ -193,7 +192,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, backend="auto", de
     """Run fn(rank, world, device, log, *args) on `world` ranks and return the list of their
     return values (rank order). For demos and tests of collectives; fn must be importable and
     return tensors, numbers, strings, lists or dicts (loaded back with weights_only=True)."""
-    from .run import Run
+    from distlab.run import Run
 
     run_dir = run_dir or new_run_dir(runs_root(), f"{fn.__name__}-w{world}")
     procs, store = start_ranks(fn, world, args, run_dir, backend=backend, device=device,

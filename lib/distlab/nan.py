@@ -166,7 +166,7 @@ def default_fault_module(model: nn.Module) -> str:
 def poison(model: nn.Module, name: str = "", value: float = float("nan")) -> str:
     """Write `value` into the first entry of module `name`'s weight (the "nan" fault drill).
     Returns the module's name."""
-    from .precision import find_module
+    from distlab.precision import find_module
 
     name = name or default_fault_module(model)
     full, module = find_module(model, name)

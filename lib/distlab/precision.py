@@ -276,9 +276,9 @@ def rounding_demo(w: float = 1.0, update: float = 1e-3, steps: int = 100) -> dic
 def tiny_gpt_gradients(seed: int = 0, **cfg_changes) -> dict:
     """{name: fp32 gradient} of one step of distlab's default tiny GPT (RunConfig()) on the
     first global batch of its data, computed in float32."""
-    from .config import RunConfig
-    from .data import make_data
-    from .models import GPT, GPTConfig
+    from distlab.config import RunConfig
+    from distlab.dataset import make_data
+    from distlab.models import GPT, GPTConfig
 
     cfg = RunConfig(seed=seed, **cfg_changes)
     torch.manual_seed(cfg.seed)
@@ -341,7 +341,7 @@ def skip_together_drill(rank: int, world: int, device, log, bad_rank: int = 1) -
     that rank would skip its step, and the ranks' parameters would drift apart; with the flag
     all-reduced through the Comm, every rank skips and backs off together.
     Run it with `run_ranks(skip_together_drill, 2)`."""
-    from .comm import Comm
+    from distlab.comm import Comm
 
     comm = Comm()
     shard = torch.full((4,), 1024.0 * (rank + 1), device=device)

@@ -78,7 +78,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from .memory import count_saved
+from distlab.memory import count_saved
 
 MODES = ("none", "full", "selective")
 # Module names checkpointed per block: our GPT's blocks are `blocks.0`, `blocks.1`, ...

@@ -20,8 +20,8 @@ import threading
 import time
 import weakref
 
-from .config import RunConfig
-from .events import LogTail, rank_log_path
+from distlab.config import RunConfig
+from distlab.events import LogTail, rank_log_path
 
 POLL_S = 0.1
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports

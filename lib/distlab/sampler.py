@@ -95,7 +95,7 @@ class ShardReader:
 def shard_reader(cfg, data, rank: int, world: int) -> ShardReader:
     """The reader a data-parallel rank uses when cfg.dataset_size > 0: a FiniteDataset of
     dataset_size rows from `data`, cfg.local_batch rows per step, cfg.extra "epochs" (1)."""
-    from .data import FiniteDataset
+    from distlab.dataset import FiniteDataset
 
     sampler = DistributedSampler(cfg.dataset_size, world, rank, cfg.seed, cfg.drop_last)
     return ShardReader(FiniteDataset(data, cfg.dataset_size), sampler,

@@ -23,17 +23,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checkpoint import Checkpointer
-from .comm import Comm
-from .config import RunConfig
-from .data import make_data
-from .forgetting import FineTuning, load_init_from
-from .lora import inject_lora
-from .memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
-from .models import GPT, GPTConfig
-from .nan import NanDetector, poison
-from .parallel import make_strategy
-from .precision import apply_fp32_modules, finish_step, make_loss_scaler, resolve_loss_scale
+from distlab.checkpoint import Checkpointer
+from distlab.comm import Comm
+from distlab.config import RunConfig
+from distlab.dataset import make_data
+from distlab.forgetting import FineTuning, load_init_from
+from distlab.lora import inject_lora
+from distlab.memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
+from distlab.models import GPT, GPTConfig
+from distlab.nan import NanDetector, poison
+from distlab.parallel import make_strategy
+from distlab.precision import apply_fp32_modules, finish_step, make_loss_scaler, resolve_loss_scale
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,7 +72,7 @@ def inject_fault(cfg: RunConfig, rank: int, step: int, log, model=None):
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
     if cfg.model == "bnnet":
-        from .models.bnnet import build_bnnet
+        from distlab.models.bnnet import build_bnnet
         return build_bnnet(cfg)
     model = GPT(GPTConfig.from_run(cfg))
     if cfg.init_from:  # pre-trained weights, before adapters and wrapping (distlab.forgetting)
@@ -80,7 +80,7 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
     if cfg.lora_rank:  # adapters on the named Linears, everything else frozen (distlab.lora)
         inject_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha)
     if cfg.checkpointing != "none":  # per block, by name, from outside (distlab.recompute)
-        from .recompute import apply_checkpointing
+        from distlab.recompute import apply_checkpointing
         apply_checkpointing(model, cfg.checkpointing)
     return model
 

@@ -2,10 +2,10 @@
 
     x (features) → Linear → BatchNorm1d → ReLU → Linear → BatchNorm1d → ReLU → Linear → logits
 
-It classifies the Gaussian clusters of distlab.data.ClusterData. Like the GPT, forward(x,
+It classifies the Gaussian clusters of distlab.dataset.ClusterData. Like the GPT, forward(x,
 targets) returns the mean loss over this rank's rows. BatchNorm is the one layer whose output
 for a row depends on the other rows of the batch, which is why data parallelism changes what it
-computes unless its statistics are synchronised (distlab.parallel.syncbn).
+computes unless its statistics are synchronised (distlab.parallel.data_parallel.syncbn).
 
 The Linear layers in front of BatchNorm have no bias: BatchNorm subtracts the mean, so a bias
 there would be cancelled (BatchNorm's own β takes its place).
@@ -39,11 +39,11 @@ def build_bnnet(cfg) -> nn.Module:
     """The BatchNorm net for a RunConfig: inputs and classes from its ClusterData (cfg.extra
     "features", "classes"), hidden width cfg.n_embd, cfg.extra "hidden_layers" (2) hidden
     layers. With cfg.sync_bn its BatchNorm layers are distlab's SyncBatchNorm."""
-    from ..data import cluster_data
+    from distlab.dataset import cluster_data
 
     data = cluster_data(cfg)
     model = BNNet(data.features, data.classes, cfg.n_embd, cfg.extra.get("hidden_layers", 2))
     if cfg.sync_bn:
-        from ..parallel.syncbn import convert_sync_batchnorm
+        from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
         model = convert_sync_batchnorm(model)
     return model

@@ -6,25 +6,25 @@ Strategies are imported when first used, so a notebook that needs one does not i
 
 import importlib
 
-from .base import Strategy
+from distlab.parallel.base import Strategy
 
 _REGISTRY = {
-    "single": "distlab.parallel.data:Single",
-    "allreduce": "distlab.parallel.data:AllReduceDP",
-    "dp": "distlab.parallel.dp:DataParallel",
-    "ps-sync": "distlab.parallel.ps:SyncParameterServer",
-    "ps-async": "distlab.parallel.ps:AsyncParameterServer",
-    "ddp": "distlab.parallel.ddp:DDP",
-    "ddp-torch": "distlab.parallel.ddp_torch:TorchDDP",
-    "zero1": "distlab.parallel.zero:ZeRO1",
-    "zero2": "distlab.parallel.zero:ZeRO2",
-    "zero3": "distlab.parallel.zero:ZeRO3",
-    "zero1-torch": "distlab.parallel.reference:TorchZeRO1",
-    "fsdp-torch": "distlab.parallel.reference:TorchFSDP",
-    "tp": "distlab.parallel.tensor:TensorParallel",
-    "tp-torch": "distlab.parallel.tp_torch:TorchTP",
-    "pp": "distlab.parallel.pipeline:PipelineParallel",
-    "pp-torch": "distlab.parallel.pp_torch:TorchPP",
+    "single": "distlab.parallel.data_parallel.allreduce:Single",
+    "allreduce": "distlab.parallel.data_parallel.allreduce:AllReduceDP",
+    "dp": "distlab.parallel.data_parallel.dp:DataParallel",
+    "ps-sync": "distlab.parallel.data_parallel.ps:SyncParameterServer",
+    "ps-async": "distlab.parallel.data_parallel.ps:AsyncParameterServer",
+    "ddp": "distlab.parallel.data_parallel.ddp:DDP",
+    "ddp-torch": "distlab.parallel.data_parallel.ddp_torch:TorchDDP",
+    "zero1": "distlab.parallel.zero.zero:ZeRO1",
+    "zero2": "distlab.parallel.zero.zero:ZeRO2",
+    "zero3": "distlab.parallel.zero.zero:ZeRO3",
+    "zero1-torch": "distlab.parallel.zero.zero_torch:TorchZeRO1",
+    "fsdp-torch": "distlab.parallel.zero.zero_torch:TorchFSDP",
+    "tp": "distlab.parallel.tensor.tp:TensorParallel",
+    "tp-torch": "distlab.parallel.tensor.tp_torch:TorchTP",
+    "pp": "distlab.parallel.pipeline.pp:PipelineParallel",
+    "pp-torch": "distlab.parallel.pipeline.pp_torch:TorchPP",
     "3d": "distlab.parallel.mesh:ThreeD",
 }
 

@@ -96,7 +96,7 @@ class Strategy:
     def state_bytes(self, model, optimizer) -> dict:
         """Bytes of parameters, gradients and optimizer state this rank holds, measured after
         optimizer_step. Sharding strategies (ZeRO, FSDP) count their local shards instead."""
-        from ..memory import model_state_bytes
+        from distlab.memory import model_state_bytes
         return model_state_bytes(model, optimizer)
 
     def full_state_dict(self, model) -> dict:

@@ -29,11 +29,10 @@ sequence-sharded activations), grad_clip (a norm over three kinds of groups), da
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-from ..comm import Comm
-from .base import Strategy
+from distlab.comm import Comm
+from distlab.parallel.base import Strategy
 
 KINDS = ("tp", "dp", "pp")
 # what each group carries in `3d`
@@ -107,7 +106,7 @@ def mesh_ranks(rank, world, device, log, dims, cfg_dicts=()):
     out = {**mesh.describe(), "world": {k: dist.get_world_size(g) for k, g in mesh.groups.items()},
            "group_rank": {k: dist.get_rank(g) for k, g in mesh.groups.items()}}
     if cfg_dicts:
-        from ..train import train_with_state
+        from distlab.train import train_with_state
         out["runs"] = train_with_state(rank, world, device, log, list(cfg_dicts))
     return out
 
@@ -120,9 +119,9 @@ class ThreeD(Strategy):
         super().__init__(cfg, comm)
         if cfg.sp or cfg.grad_clip or cfg.dataset_size:
             raise ValueError("3d supports neither sp=True, grad_clip nor dataset_size")
-        from .pipeline import PipelineParallel
-        from .tensor import TensorParallel
-        from .zero import ZeRO1
+        from distlab.parallel.pipeline.pp import PipelineParallel
+        from distlab.parallel.tensor.tp import TensorParallel
+        from distlab.parallel.zero.zero import ZeRO1
         self.mesh = Mesh(cfg.dp_degree, cfg.tp, cfg.pp)
         c = self.mesh.comms
         self.tp_s = TensorParallel(cfg, c["tp"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 
-from .config import PS_STRATEGIES, RunConfig
+from distlab.config import PS_STRATEGIES, RunConfig
 
 
 def straggler_configs(base: RunConfig, workers: int = 2, delay_s: float = 0.3,
@@ -41,20 +41,6 @@ def straggler_configs(base: RunConfig, workers: int = 2, delay_s: float = 0.3,
             backup_workers=backup_workers)),
         "ps-async": slow(base.replace(strategy="ps-async", world_size=workers + 1)),
     }
-
-
-def split_configs(events: list[dict], n_configs: int) -> list[list[dict]]:
-    """Events of a launch that trained several configs in turn (distlab.train.train_with_state),
-    one list per config: each rank's events are cut at its "start" events."""
-    out: list[list[dict]] = [[] for _ in range(n_configs)]
-    index: dict[int, int] = {}
-    for e in sorted(events, key=lambda e: (e["rank"], e["time"])):
-        if e["kind"] == "start":
-            index[e["rank"]] = index.get(e["rank"], -1) + 1
-        i = index.get(e["rank"], -1)
-        if 0 <= i < n_configs:
-            out[i].append(e)
-    return out
 
 
 def summarize_events(events: list[dict], cfg: RunConfig) -> dict:
@@ -111,7 +97,7 @@ def summarize(run) -> dict:
 def compare(cfgs: dict[str, RunConfig]) -> list[dict]:
     """Launch each config in turn (one launch each: their world sizes differ), wait, and
     summarize. Runs one at a time, so they do not share the cores."""
-    from .launch import launch
+    from distlab.launch import launch
     rows = []
     for name, cfg in cfgs.items():
         run = launch(cfg.replace(name=cfg.name or name.replace(" ", "")), block=True)
@@ -119,7 +105,7 @@ def compare(cfgs: dict[str, RunConfig]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def summary_text(rows: list[dict]) -> str:
     """The comparison as text (a notebook may prefer pandas.DataFrame(rows))."""
     cols = [("name", "{}"), ("world_size", "{}"), ("grads_per_update", "{}"),
             ("update_s", "{:.3f}"), ("worker_step_s", "{:.3f}"),

@@ -1,6 +1,6 @@
 """torch's own DistributedDataParallel, the reference `ddp` is checked against.
 
-The same idea as distlab.parallel.ddp, in C++: torch's Reducer buckets the gradients
+The same idea as distlab.parallel.data_parallel.ddp, in C++: torch's Reducer buckets the gradients
 (bucket_cap_mb = RunConfig.bucket_mb), launches each bucket's all-reduce from autograd hooks
 while backward runs, and waits for all of them before backward returns. So `reduce_gradients`
 has nothing left to do.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Strategy
-from .data import read_batch
-from .syncbn import attach_comm
+from distlab.parallel.base import Strategy
+from distlab.parallel.data_parallel.allreduce import read_batch
+from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
 def booked_allreduce_hook(strategy: "TorchDDP", bucket):

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import Strategy
+from distlab.parallel.base import Strategy
 
 # The convention each textbook formula uses (see bubble_formula).
 FORMULA_CONVENTION = {"naive": "total", "gpipe": "total", "1f1b": "total",

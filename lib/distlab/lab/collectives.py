@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from distlab.comm import Comm
 
 ALGORITHMS = ("torch", "ring", "naive")
 KIND = {"torch": "all_reduce", "ring": "all_reduce.ring", "naive": "all_reduce.naive"}
@@ -147,14 +147,8 @@ def alpha_beta_points(summary) -> list[dict]:
 def fit_loopback(summary) -> tuple[float, float]:
     """α (s per message) and β (bytes/s) of this machine's loopback: distlab.comm.fit_alpha_beta
     (least squares on seconds) over the ring and naive points of `summary`."""
-    from .comm import fit_alpha_beta
+    from distlab.comm import fit_alpha_beta
     pts = alpha_beta_points(summary)
     return fit_alpha_beta([p["bytes"] for p in pts], [p["seconds"] for p in pts],
                           [p["messages"] for p in pts])
 
-
-def markdown_table(header, rows) -> str:
-    """A Markdown table (display it with IPython.display.Markdown)."""
-    def row(cells):
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-    return "\n".join([row(header), "|" + "---|" * len(header)] + [row(r) for r in rows])

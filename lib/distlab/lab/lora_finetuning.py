@@ -21,19 +21,19 @@ import ipywidgets as W
 import plotly.graph_objects as go
 import torch
 
-from .config import RunConfig
-from .dp_lab import COLORS, fmt_bytes, launch_together
-from .lab import Explorer
-from .launch import new_run_dir, runs_root
-from .lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
-from .run import Run
-from .train import build_model
+from distlab.config import RunConfig
+from distlab.lab.common import KiB, RUN_COLORS as COLORS, fmt_bytes
+from distlab.lab.runs import launch_together
+from distlab.lab.panel import Explorer
+from distlab.launch import new_run_dir, runs_root
+from distlab.lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
+from distlab.run import Run
+from distlab.train import build_model
 
 TARGET_COLORS = {"qv": "#1f5fbf", "attn": "#e8590c", "attn_mlp": "#2b8a3e"}
 # no "star": that marks full fine-tuning in sweep_figure
 RANK_SYMBOLS = {1: "circle", 2: "diamond", 4: "square", 8: "triangle-up", 16: "pentagon",
                 32: "hexagon"}
-KiB = 1024
 
 
 # -- reading the runs ---------------------------------------------------------------------------

@@ -32,13 +32,14 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .config import RunConfig
-from .dp_lab import COLORS, launch_together, worst_param_diff
-from .lab import Explorer
-from .models import GPT, GPTConfig
-from .parallel.mesh import KINDS, coords, layout
-from .parallel.pipeline import stage_blocks
-from .parallel.tensor import plan_table
+from distlab.config import RunConfig
+from distlab.lab.common import RUN_COLORS as COLORS, html_table
+from distlab.lab.runs import launch_together, worst_param_diff
+from distlab.lab.panel import Explorer
+from distlab.models import GPT, GPTConfig
+from distlab.parallel.mesh import KINDS, coords, layout
+from distlab.parallel.pipeline.pp import stage_blocks
+from distlab.parallel.tensor.tp import plan_table
 
 FP32 = 4
 SOURCES = {"tp": "Shoeybi et al. 2019 (Megatron-LM), f/g all-reduces; ring bus bytes",
@@ -318,7 +319,7 @@ def layout_sweep(cases: dict, cluster, named=(), mfu: float = 0.5) -> list[dict]
     """cases {label: (Model, global batch)}: per case the planner's fastest row ("best", None
     when nothing fits) and, for each (dp, tp, pp) in `named`, (its rank among distinct
     layouts, its best row) from layout_rank."""
-    from .plan import plan
+    from distlab.plan import plan
 
     out = []
     for label, (model, batch) in cases.items():
@@ -410,7 +411,7 @@ class MeshExplorer(Explorer):
         ref = self.reference
         param_diff = max(worst_param_diff(s, ref.states[0]) for s in run.states)
         loss_diff = max(abs(a - b) for a, b in zip(run.losses(), ref.losses()))
-        self.table.value = _html_table(GROUP_HEADER[:5], [r[:5] for r in group_table_rows(rows)])
+        self.table.value = html_table(GROUP_HEADER[:5], [r[:5] for r in group_table_rows(rows)])
         with self.fig.batch_update():
             self.fig.data = ()
             traffic_heatmap(self.fig, cfg, run.history("step"), row=1, col=1,
@@ -429,11 +430,3 @@ class MeshExplorer(Explorer):
                      "loss_diff": loss_diff}
         return self.last
 
-
-def _html_table(header, rows) -> str:
-    """A small HTML table for a widget (Markdown does not render inside W.HTML)."""
-    def cell(tag, v):
-        return f"<{tag} style='padding:2px 8px'>{html.escape(str(v))}</{tag}>"
-    head = "".join(cell("th", h) for h in header)
-    body = "".join("<tr>" + "".join(cell("td", v) for v in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"

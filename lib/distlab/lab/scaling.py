@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from .config import RunConfig
+from distlab.config import RunConfig
 
 RULES = ("none", "linear", "sqrt")
 
@@ -79,7 +79,7 @@ def scaling_configs(base: RunConfig = BASE, batches=BATCHES, rules=RULES,
 
 def scaling_rank(rank: int, world: int, device, log, cfg_dicts: list) -> list[list[float]]:
     """Rank body: train each config in turn; this rank's loss per step for each."""
-    from .train import train
+    from distlab.train import train
 
     out = []
     for d in cfg_dicts:
@@ -100,8 +100,8 @@ def scaling_experiment(base: RunConfig = BASE, batches=BATCHES, rules=RULES, war
 
     `base` may be any strategy: with a data-parallel one every config runs on its
     world_size ranks and the loss is the mean over ranks (the global batch's)."""
-    from .data import make_data
-    from .launch import run_ranks
+    from distlab.dataset import make_data
+    from distlab.launch import run_ranks
 
     grid = scaling_configs(base, batches, rules, warmups)
     per_rank = run_ranks(scaling_rank, base.processes, [c.to_dict() for _, c in grid],

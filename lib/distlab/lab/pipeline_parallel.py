@@ -3,7 +3,7 @@ rank from a `pp` step's recorded events, the ideal timeline of a schedule, the m
 of a run, and a widget that re-runs the real pipeline and redraws its chart.
 
 Nothing here runs inside a rank; it reads what the runs logged (e["pipeline"], written by
-distlab.parallel.pipeline.PipelineParallel.step_info).
+distlab.parallel.pipeline.pp.PipelineParallel.step_info).
 
     runs = launch_together({"gpipe": cfg})
     gantt(runs["gpipe"], step=-1).show()      # forward / backward / send / recv / idle per rank
@@ -17,11 +17,11 @@ import statistics
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from .config import RunConfig
-from .dp_lab import launch_together
-from .lab import Explorer
-from .parallel.pipeline import bubble_formula, simulate, make_schedule
-from .run import Run
+from distlab.config import RunConfig
+from distlab.lab.runs import launch_together
+from distlab.lab.panel import Explorer
+from distlab.parallel.pipeline.pp import bubble_formula, simulate, make_schedule
+from distlab.run import Run
 
 OP_COLORS = {"F": "#1f5fbf", "B": "#2b8a3e", "send": "#e8590c", "recv": "#c2255c",
              "idle": "#dee2e6"}

@@ -44,8 +44,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..memory import model_state_bytes
-from .base import Strategy
+from distlab.memory import model_state_bytes
+from distlab.parallel.base import Strategy
 
 
 def _flat(tensors) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from .base import Strategy
+from distlab.parallel.base import Strategy
 
 GATHER_MODES = ("logits", "loss")
 KINDS = ("broadcast", "scatter", "gather", "grad_scatter", "reduce_add")
@@ -425,7 +425,7 @@ def gil_cost(cfg, block: bool = True) -> dict:
     """Run `cfg` (strategy "dp") twice, replicas in threads and one after another, and compare
     the forward's wall time: threads win only where kernels (which release the GIL) dominate
     the Python between them. Returns both summaries and the ratio sequential / threaded."""
-    from ..launch import launch
+    from distlab.launch import launch
     threaded = launch(cfg.replace(extra={**cfg.extra, "dp_threads": True}), block=block)
     sequential = launch(cfg.replace(extra={**cfg.extra, "dp_threads": False}), block=block)
     a, b = dp_summary(threaded), dp_summary(sequential)

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import Strategy
-from .pipeline import rank_stages, split_model, stage_blocks, stage_forward
+from distlab.parallel.base import Strategy
+from distlab.parallel.pipeline.pp import rank_stages, split_model, stage_blocks, stage_forward
 
 
 class _Stage(nn.Module):

@@ -17,8 +17,8 @@ import ipywidgets as W
 import plotly.graph_objects as go
 import torch
 
-from .config import RunConfig
-from .dp_lab import COLORS
+from distlab.config import RunConfig
+from distlab.lab.common import RUN_COLORS as COLORS
 
 FP32 = 4
 
@@ -86,8 +86,8 @@ def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
     gradient arrived last (backward), and the next leaf module to start."""
     import warnings
 
-    from .models import GPT, GPTConfig
-    from .parallel.tensor import TensorParallel
+    from distlab.models import GPT, GPTConfig
+    from distlab.parallel.tensor.tp import TensorParallel
 
     torch.manual_seed(0)
     rec = _Recorder()
@@ -141,7 +141,7 @@ def bytes_figure(rows: list[tuple[str, str, float, float]], title: str) -> go.Fi
 def tp_panel(**defaults):
     """A lab.ControlPanel with two knobs added: the tp degree (world_size follows it, since
     every rank of `tp` / `tp-torch` is a tensor-parallel rank) and sp."""
-    from .lab import ControlPanel
+    from distlab.lab.panel import ControlPanel
 
     tp = W.Dropdown(options=[2, 4], value=defaults.get("tp", 2), description="tp")
     sp = W.Checkbox(value=defaults.get("sp", False), description="sequence parallel (sp)")

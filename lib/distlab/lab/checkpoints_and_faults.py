@@ -21,12 +21,12 @@ import plotly.graph_objects as go
 import psutil
 from plotly.subplots import make_subplots
 
-from .checkpoint import checkpoint_root, latest_checkpoint, load_full
-from .config import RunConfig
-from .dp_lab import COLORS
-from .events import LogTail, rank_log_path
-from .launch import launch
-from .run import Run, RunError
+from distlab.checkpoint import checkpoint_root, latest_checkpoint, load_full
+from distlab.config import RunConfig
+from distlab.lab.common import RUN_COLORS as COLORS
+from distlab.events import LogTail, rank_log_path
+from distlab.launch import launch
+from distlab.run import Run, RunError
 
 
 # -- torchrun ----------------------------------------------------------------------------------

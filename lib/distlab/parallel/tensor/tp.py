@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import Strategy
+from distlab.parallel.base import Strategy
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
          "reduce_scatter": "sp.reduce_scatter", "grads": "sp.grad_all_reduce",

@@ -34,24 +34,18 @@ import plotly.graph_objects as go
 from IPython.display import display
 from plotly.subplots import make_subplots
 
-from .config import ALLREDUCE_ALGORITHMS, PRECISIONS, STRATEGIES, RunConfig
-from .launch import launch
-from .run import Run
+from distlab.config import ALLREDUCE_ALGORITHMS, PRECISIONS, STRATEGIES, RunConfig
+from distlab.lab.common import MEMORY_CATEGORIES, MEMORY_COLORS, MiB, RUN_COLORS
+from distlab.launch import launch
+from distlab.run import Run
 
-MiB = 2**20
 # At most four redraws a second: each redraw sends every trace's data to the browser again
 # (plotly 7 has no streaming API), and a faster rate only adds traffic, not information.
 POLL_S = 0.25
 WORLD_SIZES = (1, 2, 4)
-# Memory categories as the ranks log them (distlab.memory), with the names the figure shows.
-MEMORY_CATEGORIES = (("params", "parameters"), ("grads", "gradients"),
-                     ("optim", "optimizer state"), ("activations", "activations"),
-                     ("comm_buffers", "comm buffers"))
-MEMORY_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756")
 FLOOR_COLOR = "#555555"
 PEAK_COLOR = "#222222"
 PEAK_NAME = "peak in the step"  # memory["peak"] (RunConfig.track_peak), drawn beside the bars
-RUN_COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00")
 
 
 # -- reading a run -----------------------------------------------------------------------------

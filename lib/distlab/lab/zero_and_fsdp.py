@@ -4,7 +4,7 @@ the figures that draw them, and a widget that runs one strategy and plots its me
 next to the estimate.
 
 Nothing here runs inside a rank or changes how anything trains: the ranks are
-distlab.parallel.zero (zero1/zero2/zero3) and distlab.parallel.reference (zero1-torch,
+distlab.parallel.zero.zero (zero1/zero2/zero3) and distlab.parallel.zero.zero_torch (zero1-torch,
 fsdp-torch); the formulas are distlab.estimate's and distlab.comm's.
 
     explorer = MemoryExplorer(RunConfig(steps=3, n_layer=2, n_embd=32, n_head=2))
@@ -25,15 +25,15 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from . import lab
-from .comm import ring_allreduce_bytes
-from .config import RunConfig
-from .estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, estimate_run,
+from distlab.lab import common, panel as lab
+from distlab.lab.common import KiB
+from distlab.comm import ring_allreduce_bytes
+from distlab.config import RunConfig
+from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, estimate_run,
                        gpt_activation_bytes, gpt_params_of, zero_model_states)
-from .launch import launch
-from .run import Run
+from distlab.launch import launch
+from distlab.run import Run
 
-KiB = 1024
 # The strategies the notebook compares, as "stages": DDP keeps everything on every rank.
 STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1-torch": 1, "fsdp-torch": 3}
 EXPLORER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp-torch")
@@ -42,8 +42,8 @@ MODEL_STATES = ("params", "grads", "optim")
 HOST_CATEGORIES = (("params_offloaded", "parameters (host)"),
                    ("grads_offloaded", "gradients (host)"),
                    ("optim_offloaded", "optimizer state (host)"))
-ALL_CATEGORIES = lab.MEMORY_CATEGORIES + HOST_CATEGORIES
-COLORS = dict(zip([k for k, _ in lab.MEMORY_CATEGORIES], lab.MEMORY_COLORS))
+ALL_CATEGORIES = common.MEMORY_CATEGORIES + HOST_CATEGORIES
+COLORS = dict(zip([k for k, _ in common.MEMORY_CATEGORIES], common.MEMORY_COLORS))
 COLORS.update(params_offloaded=COLORS["params"], grads_offloaded=COLORS["grads"],
               optim_offloaded=COLORS["optim"])
 KIND_COLORS = {"all_reduce": "#4c78a8", "reduce_scatter": "#f58518", "all_gather": "#54a24b",
@@ -87,14 +87,14 @@ def total(mem: dict, keys=None) -> int:
 # -- estimates --------------------------------------------------------------------------------
 def fsdp2_model_state_bytes(cfg: RunConfig, rank: int = 0) -> dict:
     """Model-state bytes rank `rank` of an `fsdp-torch` run of cfg's GPT holds: what
-    distlab.parallel.reference logs from the DTensors' local shards.
+    distlab.parallel.zero.zero_torch logs from the DTensors' local shards.
 
     FSDP2 shards every parameter on dim 0 as torch.chunk does: chunks of ceil(rows/N) rows,
     rank r gets chunk r (an empty one past the last row), unpadded. fp32, 4 bytes a value.
     AdamW keeps exp_avg and exp_avg_sq of the local shard (8 bytes a value) and a 4-byte `step`
     counter for every parameter tensor on every rank (each rank steps every tensor's shard).
     cfg.offload (CPUOffloadPolicy): the same bytes, all three under "*_offloaded"."""
-    from .models import GPT, GPTConfig
+    from distlab.models import GPT, GPTConfig
 
     n = cfg.world_size
     with torch.device("meta"):
@@ -138,7 +138,7 @@ def estimate_memory(cfg: RunConfig, rank: int = 0) -> tuple[dict, str]:
 def comm_formula(strategy: str, n: int, model_bytes: float) -> dict:
     """Bytes each rank sends per step by collective kind, by formula, for a model of
     `model_bytes` bytes (4Ψ in fp32) on n ranks, one micro-batch (Rajbhandari et al. 2020,
-    Section 7; distlab.parallel.zero's docstring):
+    Section 7; distlab.parallel.zero.zero's docstring):
 
         ddp          all-reduce            2(N-1)/N · 4Ψ
         zero1/zero2  reduce-scatter         (N-1)/N · 4Ψ   + all-gather (N-1)/N · 4Ψ
@@ -228,7 +228,7 @@ def equivalence_figure(curves: dict[str, list[float]], ref: str, tol: float,
         "loss per step", f"|loss − {ref}'s loss| per step"))
     base = curves[ref]
     for i, (label, y) in enumerate(curves.items()):
-        color = lab.RUN_COLORS[i % len(lab.RUN_COLORS)]
+        color = common.RUN_COLORS[i % len(common.RUN_COLORS)]
         fig.add_scatter(x=list(range(len(y))), y=y, mode="lines", name=label, legendgroup=label,
                         line=dict(color=color, width=max(1.2, 5 - 0.6 * i)), row=1, col=1)
         if label != ref:
@@ -281,7 +281,7 @@ def comm_figure(measured: dict[str, dict], formula: dict[str, dict], model_bytes
     for i, (s, d) in enumerate(points.items()):  # ddp, zero1, zero2 coincide: nested circles
         fig.add_scatter(x=list(d), y=[v / model_bytes for v in d.values()], mode="markers",
                         name=f"{s}, measured",
-                        marker=dict(size=(15, 11, 7, 11)[i % 4], color=lab.RUN_COLORS[i],
+                        marker=dict(size=(15, 11, 7, 11)[i % 4], color=common.RUN_COLORS[i],
                                     symbol="square" if s == "zero3" else "circle"),
                         row=1, col=2)
     for s in names:
@@ -311,10 +311,10 @@ def reduction_figure(mixes: dict[str, BytesPerParam], measured: dict[str, tuple[
             ys = [zero_model_states(1.0, n, 0, bpp).device / zero_model_states(1.0, n, s, bpp).device
                   for n in ns]
             fig.add_scatter(x=ns, y=ys, mode="lines", name=f"{STAGES[s]}, {mix_name}",
-                            line=dict(color=lab.MEMORY_COLORS[s - 1], dash=dashes[j % 3]))
+                            line=dict(color=common.MEMORY_COLORS[s - 1], dash=dashes[j % 3]))
     for i, (label, (n, ratio)) in enumerate(measured.items()):
         fig.add_scatter(x=[n], y=[ratio], mode="markers", name=label,
-                        marker=dict(size=12, symbol="star", color=lab.MEMORY_COLORS[i % 3],
+                        marker=dict(size=12, symbol="star", color=common.MEMORY_COLORS[i % 3],
                                     line=dict(color="#000", width=1)))
     for y in (4, 8):
         fig.add_hline(y=y, line_dash="dot", line_color="#999", annotation_text=f"{y}×",
@@ -336,7 +336,7 @@ class MemoryExplorer:
     world_size, offload, or any RunConfig field) and returns the Run at once; `wait()` blocks
     until the drawing thread has drawn the finished run and raises the run's error if it
     failed. After that, `measured` (one memory dict per rank) and `estimate` hold what the
-    figure shows. As in distlab.lab: the thread only sets widget state, under a lock, inside
+    figure shows. As in distlab.lab.panel: the thread only sets widget state, under a lock, inside
     batch_update(), at most every `poll_s`."""
 
     def __init__(self, base: RunConfig, strategies=EXPLORER_STRATEGIES, worlds=(2, 4),

@@ -69,7 +69,7 @@ def _default_comm():
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    from ..comm import Comm
+    from distlab.comm import Comm
     return Comm()
 
 

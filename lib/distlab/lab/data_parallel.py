@@ -1,96 +1,18 @@
-"""Caller-side helpers of the data-parallelism notebook (workbook/02_data_parallel): run several
-configs in one launch, and the figures and tables that notebook draws from the runs' events.
+"""Companion of workbook/02_data_parallel: the figures and tables that notebook draws from the
+runs' events (its runs are launched with distlab.lab.runs.launch_together).
 
 Nothing here runs inside a rank or changes how anything trains; it reads what the runs logged.
-
-    runs = launch_together({"single": cfg, "dp": cfg.replace(strategy="dp", world_size=4)})
-    runs["dp"].history("step")        # a Run per config, as if each had been launched alone
-    runs["dp"].states[0]              # and each rank's final parameters
-
-Why `launch_together`: bringing up ranks costs seconds (1.4 / 2.0 / 3.4 s for 1 / 2 / 4 ranks
-on a 2-core machine), far more than a short run of a small model, so configs with the same
-number of processes train one after another in one launch (distlab.train.train_with_state), and
-the launch's event log is cut back into one Run per config (distlab.stragglers.split_configs).
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
-from IPython.display import Markdown, display
 from plotly.subplots import make_subplots
 
-from .collectives import markdown_table
-from .config import RunConfig
-from .launch import new_run_dir, run_ranks, runs_root
-from .parallel.dp import KINDS as DP_KINDS
-from .run import Run
-from .stragglers import split_configs
-
-MiB = 2**20
-COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00",
-          "#868e96")
-
-
-# -- running ------------------------------------------------------------------------------------
-def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
-                    wall_timeout_s: float | None = None) -> dict[str, Run]:
-    """Train every config in turn in ONE launch and return {name: Run}, each Run holding only
-    its own config's events (finished, nothing left running) plus `states`: each rank's final
-    state_dict (under single's names: Strategy.full_state_dict). All configs must need the same number of
-    processes; the launch uses the largest timeout_s and the first config's threads_per_rank.
-    A failing config raises RunError, like Run.wait()."""
-    cfgs = dict(cfgs)
-    worlds = {c.processes for c in cfgs.values()}
-    if len(worlds) != 1:
-        raise ValueError(f"launch_together needs configs with the same number of processes; "
-                         f"got {sorted(worlds)} for {list(cfgs)}")
-    (world,) = worlds
-    from .train import train_with_state
-
-    first = next(iter(cfgs.values()))
-    run_dir = new_run_dir(runs_root(first.runs_root), f"{name}-w{world}")
-    results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
-                        timeout_s=max(c.timeout_s for c in cfgs.values()),
-                        threads=first.threads_per_rank, run_dir=run_dir,
-                        wall_timeout_s=wall_timeout_s)
-    events = split_configs(Run.load(run_dir).events, len(cfgs))
-    runs = {}
-    for i, (label, cfg) in enumerate(cfgs.items()):
-        run = Run(run_dir, cfg=cfg)
-        run.events = events[i]
-        run.status = "done"
-        run.states = [results[r][i]["state"] for r in range(world)]
-        runs[label] = run
-    return runs
-
-
-def worst_param_diff(a: dict, b: dict) -> float:
-    """Largest |a - b| over every entry of two state_dicts with the same keys (buffers too)."""
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
-
-
-def bytes_per_step(run: Run, kind: str, field: str = "bytes_sent", rank: int = 0) -> list:
-    """One rank's bytes of one collective kind, step by step (0 where it did not use it)."""
-    return [e.get("comm", {}).get(kind, {}).get(field, 0)
-            for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
-
-
-def max_step_loss_diff(a: list[float], b: list[float]) -> float:
-    """Largest per-step difference of two loss curves of the same length."""
-    if len(a) != len(b):
-        raise ValueError(f"loss curves of different lengths: {len(a)} and {len(b)}")
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
-# -- tables -------------------------------------------------------------------------------------
-def table(header, rows):
-    """Show a Markdown table under the cell."""
-    display(Markdown(markdown_table(header, rows)))
-
-
-def fmt_bytes(b: float) -> str:
-    return f"{b:,.0f} B" if b < 10 * 1024 else f"{b / 1024:,.1f} KiB" if b < MiB else \
-        f"{b / MiB:,.2f} MiB"
+from distlab.config import RunConfig
+from distlab.lab.common import RUN_COLORS as COLORS, fmt_bytes
+from distlab.parallel.data_parallel.dp import KINDS as DP_KINDS
+from distlab.run import Run
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -221,10 +143,10 @@ def grouped_bars(groups: dict[str, dict[str, float]], title: str, yaxis: str,
 def bucket_plan(cfg: RunConfig) -> list[dict]:
     """The buckets of `ddp` for cfg's GPT, in launch order: {"tensors": parameter names,
     "bytes": gradient bytes}. The gradients in reverse registration order, cut by
-    distlab.parallel.ddp.assign_buckets at cfg.bucket_mb, as DDP.wrap does (built here on the
+    distlab.parallel.data_parallel.ddp.assign_buckets at cfg.bucket_mb, as DDP.wrap does (built here on the
     caller's side, without a process group)."""
-    from .models import GPT, GPTConfig
-    from .parallel.ddp import MiB as DDP_MiB, assign_buckets
+    from distlab.models import GPT, GPTConfig
+    from distlab.parallel.data_parallel.ddp import MiB as DDP_MiB, assign_buckets
 
     model = GPT(GPTConfig.from_run(cfg))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
@@ -274,7 +196,7 @@ def ps_ring_figure(measured: dict[str, tuple[float, float]], P: float, N: int,
 
 def scaling_figure(curves: list[dict]) -> go.Figure:
     """Loss against step (left) and against samples seen (right) for each run of
-    distlab.scaling.scaling_experiment: one colour per (batch, rule), dotted with warm-up."""
+    distlab.lab.scaling.scaling_experiment: one colour per (batch, rule), dotted with warm-up."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
                         subplot_titles=("loss vs step", "loss vs samples seen"))
     keys = sorted({(c["batch"], c["rule"]) for c in curves})

@@ -44,9 +44,9 @@ import re
 
 import torch
 
-from ..sampler import shard_reader, uneven_inputs_report
-from .base import Strategy
-from .syncbn import attach_comm
+from distlab.sampler import shard_reader, uneven_inputs_report
+from distlab.parallel.base import Strategy
+from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
 def read_batch(strategy, data, step: int):

@@ -20,31 +20,15 @@ import statistics
 
 import plotly.graph_objects as go
 import torch
-from IPython.display import Markdown, display
 from plotly.subplots import make_subplots
 
-from .collectives import markdown_table
-from .config import RunConfig
-from .dp_lab import launch_together  # noqa: F401  (re-exported: one launch, many configs)
-from .run import Run
+from distlab.config import RunConfig
+from distlab.lab.common import MEMORY_COLORS as COLORS, MiB
+from distlab.run import Run
 
-MiB = 2**20
-CATEGORIES = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer state"),
-              ("activations", "activations"), ("comm_buffers", "comm buffers"))
-COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#222222")
 
 
 # -- reading runs --------------------------------------------------------------------------------
-def table(header, rows):
-    """Show a Markdown table under the cell."""
-    display(Markdown(markdown_table(header, rows)))
-
-
-def mib(b) -> str:
-    """Bytes as MiB (2^20), 3 decimals."""
-    return "—" if b is None else f"{b / MiB:,.3f}"
-
-
 def steps_of(run: Run, rank: int = 0) -> list[dict]:
     return sorted(run.history("step", rank=rank), key=lambda e: e["step"])
 
@@ -104,10 +88,10 @@ def forward_breakdown(cfg: RunConfig, rank: int = 0, watched=WATCHED) -> dict:
         output_dtypes    {module: dtype of its output} for the `watched` modules
         param_dtypes     {dtype: parameters}; grad_dtypes the same for their gradients
     """
-    from .data import make_data
-    from .memory import ActivationMeter
-    from .precision import apply_fp32_modules, param_dtypes
-    from .train import autocast, build_model
+    from distlab.dataset import make_data
+    from distlab.memory import ActivationMeter
+    from distlab.precision import apply_fp32_modules, param_dtypes
+    from distlab.train import autocast, build_model
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
@@ -189,7 +173,7 @@ def replay_scalers(grads: list[torch.Tensor], lr: float = 0.1, **scaler_kw) -> d
     `found = unscale_(grads); step unless found; update(found)`. Returns, per scaler
     ("distlab", "torch"): the scale each step used, whether the step was skipped (p unchanged),
     the scale after the last step and the final p."""
-    from .precision import DynamicLossScaler
+    from distlab.precision import DynamicLossScaler
 
     out = {}
     for kind in ("distlab", "torch"):

@@ -1,4 +1,4 @@
-"""torch's own ZeRO-1 and FSDP2: the references `zero1` and `zero3` (distlab.parallel.zero) are
+"""torch's own ZeRO-1 and FSDP2: the references `zero1` and `zero3` (distlab.parallel.zero.zero) are
 checked against.
 
 `zero1-torch`: torch.distributed.optim.ZeroRedundancyOptimizer over torch's DDP model. DDP
@@ -40,9 +40,9 @@ import contextlib
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from .base import Strategy
-from .ddp_torch import TorchDDP
-from .zero import find_units
+from distlab.parallel.base import Strategy
+from distlab.parallel.data_parallel.ddp_torch import TorchDDP
+from distlab.parallel.zero.zero import find_units
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -23,7 +23,7 @@ no_sync (gradient accumulation): the hooks do nothing, gradients add up in .grad
 micro-batch's backward launches the buckets: one all-reduce per bucket per optimizer step.
 
 compress="topk": each bucket sends its top-k entries with error feedback instead, as an
-all-gather of values and indices (distlab.parallel.compression); every rank then averages the
+all-gather of values and indices (distlab.parallel.data_parallel.compression); every rank then averages the
 same sparse sum.
 
 The timeline, `step_info()["ddp"]`, in seconds from the start of the (last micro-batch's)
@@ -49,11 +49,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Pending
-from .data import broadcast_buffers, read_batch
-from .syncbn import attach_comm
-from .base import Strategy
-from .compression import TopK
+from distlab.comm import Pending
+from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
+from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.parallel.base import Strategy
+from distlab.parallel.data_parallel.compression import TopK
 
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 """`tp-torch`: the same Megatron split done by torch's DTensor tensor parallelism, the
-reference `tp` (distlab.parallel.tensor) is checked against.
+reference `tp` (distlab.parallel.tensor.tp) is checked against.
 
 `parallelize_module` on a 1-D CPU mesh of tp ranks with ColwiseParallel (q, k, v, mlp.fc) and
 RowwiseParallel (attn.o, mlp.proj); with sp=True also SequenceParallel on the LayerNorms and
@@ -10,7 +10,7 @@ torch's collectives do not go through distlab.comm, so their bytes are not count
 
 from __future__ import annotations
 
-from .base import Strategy
+from distlab.parallel.base import Strategy
 
 
 def torch_tp_plan(n_layer: int, sp: bool = False) -> dict:

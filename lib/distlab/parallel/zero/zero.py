@@ -96,11 +96,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..comm import Pending
-from ..nan import tensors_in
-from .base import Strategy
-from .data import broadcast_buffers, read_batch
-from .syncbn import attach_comm
+from distlab.comm import Pending
+from distlab.nan import tensors_in
+from distlab.parallel.base import Strategy
+from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
+from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
 # -- units -------------------------------------------------------------------------------------

@@ -1,0 +1,20 @@
+"""The workbook layer: what only the notebooks use. The runtime (the rest of distlab) never
+imports it, and it is the only part that needs the [lab] extra (plotly, ipywidgets, anywidget).
+
+    common.py           units, palettes and tables every companion shares
+    panel.py            the live dashboard, the control panel and the explorers' base (00)
+    runs.py             several configs in one launch; comparing what they trained
+    <notebook>.py       each notebook's companion, named after it: collectives (01),
+                        data_parallel, stragglers and scaling (02), memory_and_precision (03),
+                        zero_and_fsdp (04), tensor_parallel (05), pipeline_parallel (06),
+                        parallelism_3d (07), lora_finetuning (08), checkpoints_and_faults (09)
+
+`from distlab import lab` gives the panel's API: lab.watch(run), lab.ControlPanel(), ...
+"""
+
+from distlab.lab.common import MEMORY_CATEGORIES, MiB
+from distlab.lab.panel import (ControlPanel, Explorer, LiveDashboard, bytes_sent, dashboard_for,
+                               describe, loss_curve, step_events, watch)
+
+__all__ = ["ControlPanel", "Explorer", "LiveDashboard", "MEMORY_CATEGORIES", "MiB", "bytes_sent",
+           "dashboard_for", "describe", "loss_curve", "step_events", "watch"]

@@ -1,0 +1,55 @@
+"""What every notebook companion shares: units, palettes and tables.
+
+Units are binary (KiB = 2^10 bytes, MiB = 2^20), as torch's and the kernel's memory counters are;
+the estimator's decimal GB (10^9, the papers' unit) lives in distlab.estimate.
+"""
+
+from __future__ import annotations
+
+import html
+
+KiB = 2**10
+MiB = 2**20
+
+# One colour per run or configuration, in the order they are drawn (the last is a neutral grey).
+RUN_COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00",
+              "#868e96")
+# Memory categories as the ranks log them (distlab.memory), with the names the figures show.
+MEMORY_CATEGORIES = (("params", "parameters"), ("grads", "gradients"),
+                     ("optim", "optimizer state"), ("activations", "activations"),
+                     ("comm_buffers", "comm buffers"))
+# One colour per memory category above, then two for extra series (autocast casts, peak).
+MEMORY_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#222222")
+
+
+def markdown_table(header, rows) -> str:
+    """A Markdown table (display it with IPython.display.Markdown, or call table())."""
+    def row(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    return "\n".join([row(header), "|" + "---|" * len(header)] + [row(r) for r in rows])
+
+
+def table(header, rows):
+    """Show a Markdown table under the cell."""
+    from IPython.display import Markdown, display
+    display(Markdown(markdown_table(header, rows)))
+
+
+def html_table(header, rows) -> str:
+    """A small HTML table for a widget (Markdown does not render inside ipywidgets.HTML)."""
+    def cell(tag, v):
+        return f"<{tag} style='padding:2px 8px'>{html.escape(str(v))}</{tag}>"
+    head = "".join(cell("th", h) for h in header)
+    body = "".join("<tr>" + "".join(cell("td", v) for v in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def fmt_bytes(b: float) -> str:
+    """Bytes in the unit that reads best: B below 10 KiB, then KiB, then MiB."""
+    return f"{b:,.0f} B" if b < 10 * 1024 else f"{b / 1024:,.1f} KiB" if b < MiB else \
+        f"{b / MiB:,.2f} MiB"
+
+
+def mib(b) -> str:
+    """Bytes as MiB (2^20), 3 decimals; an em dash for None."""
+    return "—" if b is None else f"{b / MiB:,.3f}"

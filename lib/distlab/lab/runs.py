@@ -1,0 +1,81 @@
+"""Running several configs as one launch, and comparing what they trained.
+
+Bringing up ranks costs seconds (1.4 / 2.0 / 3.4 s for 1 / 2 / 4 ranks measured on a 2-core
+machine; benchmarks/launch_latency.py prints this machine's), far more than a short run of a small model, so configs
+with the same number of processes train one after another in one launch
+(distlab.train.train_with_state), and the launch's event log is cut back into one Run per config.
+
+    runs = launch_together({"single": cfg, "dp": cfg.replace(strategy="dp", world_size=4)})
+    runs["dp"].history("step")        # a Run per config, as if each had been launched alone
+    runs["dp"].states[0]              # and each rank's final parameters
+"""
+
+from __future__ import annotations
+
+from distlab.config import RunConfig
+from distlab.launch import new_run_dir, run_ranks, runs_root
+from distlab.run import Run
+
+
+def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
+                    wall_timeout_s: float | None = None) -> dict[str, Run]:
+    """Train every config in turn in ONE launch and return {name: Run}, each Run holding only
+    its own config's events (finished, nothing left running) plus `states`: each rank's final
+    state_dict (under single's names: Strategy.full_state_dict). All configs must need the same number of
+    processes; the launch uses the largest timeout_s and the first config's threads_per_rank.
+    A failing config raises RunError, like Run.wait()."""
+    cfgs = dict(cfgs)
+    worlds = {c.processes for c in cfgs.values()}
+    if len(worlds) != 1:
+        raise ValueError(f"launch_together needs configs with the same number of processes; "
+                         f"got {sorted(worlds)} for {list(cfgs)}")
+    (world,) = worlds
+    from distlab.train import train_with_state
+
+    first = next(iter(cfgs.values()))
+    run_dir = new_run_dir(runs_root(first.runs_root), f"{name}-w{world}")
+    results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
+                        timeout_s=max(c.timeout_s for c in cfgs.values()),
+                        threads=first.threads_per_rank, run_dir=run_dir,
+                        wall_timeout_s=wall_timeout_s)
+    events = split_configs(Run.load(run_dir).events, len(cfgs))
+    runs = {}
+    for i, (label, cfg) in enumerate(cfgs.items()):
+        run = Run(run_dir, cfg=cfg)
+        run.events = events[i]
+        run.status = "done"
+        run.states = [results[r][i]["state"] for r in range(world)]
+        runs[label] = run
+    return runs
+
+
+def split_configs(events: list[dict], n_configs: int) -> list[list[dict]]:
+    """Events of a launch that trained several configs in turn (distlab.train.train_with_state),
+    one list per config: each rank's events are cut at its "start" events."""
+    out: list[list[dict]] = [[] for _ in range(n_configs)]
+    index: dict[int, int] = {}
+    for e in sorted(events, key=lambda e: (e["rank"], e["time"])):
+        if e["kind"] == "start":
+            index[e["rank"]] = index.get(e["rank"], -1) + 1
+        i = index.get(e["rank"], -1)
+        if 0 <= i < n_configs:
+            out[i].append(e)
+    return out
+
+
+def worst_param_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over every entry of two state_dicts with the same keys (buffers too)."""
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def bytes_per_step(run: Run, kind: str, field: str = "bytes_sent", rank: int = 0) -> list:
+    """One rank's bytes of one collective kind, step by step (0 where it did not use it)."""
+    return [e.get("comm", {}).get(kind, {}).get(field, 0)
+            for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
+
+
+def max_step_loss_diff(a: list[float], b: list[float]) -> float:
+    """Largest per-step difference of two loss curves of the same length."""
+    if len(a) != len(b):
+        raise ValueError(f"loss curves of different lengths: {len(a)} and {len(b)}")
+    return max(abs(x - y) for x, y in zip(a, b))

@@ -21,7 +21,8 @@ import torch
 from test_process_safety import assert_all_gone, wait_for_step
 
 from distlab import CheckpointError, RunConfig, RunError, launch, resume, run_ranks
-from distlab.checkpoint import (Checkpointer, _crc32_file, check_compatible, latest_checkpoint,
+from distlab.checkpoint.store import crc32_file
+from distlab.checkpoint import (Checkpointer, check_compatible, latest_checkpoint,
                                 list_checkpoints, load_full, read_meta, verify)
 from distlab.comm import Comm
 from distlab.events import LogTail, rank_log_path
@@ -268,7 +269,7 @@ def test_only_tensors_load_weights_only(ddp_ckpt):
     torch.save({"model": {}, "optimizer": NotATensor()}, state)
     meta = read_meta(ddp_ckpt)
     # size and CRC agree with the new file: only the loader can refuse it
-    meta["files"]["state.pt"].update(bytes=os.path.getsize(state), crc32=_crc32_file(state))
+    meta["files"]["state.pt"].update(bytes=os.path.getsize(state), crc32=crc32_file(state))
     with open(os.path.join(ddp_ckpt, "meta.json"), "w") as f:
         json.dump(meta, f)
     with pytest.raises(CheckpointError, match=r"state\.pt cannot be read by "

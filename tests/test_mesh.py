@@ -2,7 +2,7 @@
 (tp x pp x ZeRO-1 over dp) follows `single` step for step, moving the bytes the formulas say.
 
 Launches (2): one `single` run (world 1) and ONE world-8 launch (dp=tp=pp=2) that builds a Mesh
-and returns its groups, then trains `3d` (mesh.mesh_ranks).
+and returns its groups, then trains `3d` (distlab.lab.parallelism_3d.mesh_ranks).
 
 Tolerance: atol=1e-5 on every (gathered) parameter after 20 SGD steps in float32, and on the
 loss. 3d computes `single`'s sums split into tp partial sums, m micro-batch means and dp
@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from distlab import RunConfig, run_ranks
-from distlab.parallel.mesh import coords, layout, mesh_ranks, rank_of, table
+from distlab.lab.parallelism_3d import mesh_ranks
+from distlab.parallel.mesh import coords, layout, rank_of, table
 from distlab.parallel.tensor.tp import plan_table
 from distlab.train import train_with_state
 
@@ -129,7 +130,7 @@ def test_3d_bytes_per_group(runs):
 
 def test_group_table_matches_formula(runs):
     """distlab.lab.parallelism_3d's bytes-per-group table (what 07_3d_parallelism shows) from this run:
-    every group's bytes per step, summed over its members, equal mesh_lab.predicted_bytes (the
+    every group's bytes per step, summed over its members, equal lab.parallelism_3d.predicted_bytes (the
     formulas above, with Ψ_r counted from the model's shapes), from the first step on (setup
     traffic is not booked to a step); the traffic matrix puts every byte in one cell."""
     from distlab.lab.parallelism_3d import group_rows, measured_bytes, traffic_matrix

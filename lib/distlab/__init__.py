@@ -5,7 +5,8 @@
     run.wait().losses()
 """
 
-from distlab.checkpoint import CheckpointError, resume
+from distlab.checkpoint import CheckpointError
+from distlab.resume import resume
 from distlab.config import RunConfig
 from distlab.launch import launch, run_ranks
 from distlab.run import Run, RunError

@@ -11,16 +11,11 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 
-# Each strategy names how the one training loop is parallelised (see distlab.parallel).
-STRATEGIES = ("single", "allreduce", "dp", "ps-sync", "ps-async", "ddp", "ddp-torch",
-              "zero1", "zero2", "zero3", "zero1-torch", "fsdp-torch",
-              "tp", "tp-torch", "pp", "pp-torch", "3d")
-# Model-parallel strategies: tp and pp split the model (3d: dp x tp x pp on one mesh, parallel/mesh.py).
-TP_STRATEGIES = ("tp", "tp-torch")
-PP_STRATEGIES = ("pp", "pp-torch")
+# Each strategy names how the one training loop is parallelised. What a strategy supports, its
+# data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
+from distlab.parallel import FEATURES, STRATEGIES, strategies, strategy_class
+
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
-# Parameter-server strategies spend rank 0 on the server; the other ranks are workers.
-PS_STRATEGIES = ("ps-sync", "ps-async")
 MODELS = ("gpt", "bnnet")
 COMPRESSIONS = ("none", "topk")
 LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
@@ -30,16 +25,9 @@ OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-# Fine-tuning (distlab.lora, distlab.forgetting): strategies each feature is written for.
-LORA_STRATEGIES = ("single", "allreduce", "ddp", "ddp-torch", "zero1", "zero2", "zero3")
-EWC_STRATEGIES = ("single", "allreduce", "ddp", "ddp-torch")
-EVAL_STRATEGIES = LORA_STRATEGIES
 # Injected faults, for the drills that prove the launcher's process safety.
 FAULTS = ("none", "raise", "stall", "kill", "nan",  # nan: a NaN in one weight (distlab.nan)
           "kill_in_save")  # SIGKILL halfway through writing a checkpoint (distlab.checkpoint)
-# Training checkpoints (distlab.checkpoint): one file from rank 0, or a shard from every rank.
-CHECKPOINT_STRATEGIES = ("single", "allreduce", "ddp", "ddp-torch", "zero1-torch",  # full
-                         "zero1", "zero2", "zero3", "fsdp-torch")  # sharded
 
 
 @dataclass
@@ -155,31 +143,12 @@ class RunConfig:
         _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
         if not self.loss_scale_init > 0:
             raise ValueError(f"loss_scale_init={self.loss_scale_init} must be > 0")
-        scaled = self.loss_scale == "dynamic" or (self.loss_scale == "auto"
-                                                  and self.precision == "fp16")
-        if self.strategy in PS_STRATEGIES and (scaled or self.grad_clip):
-            raise ValueError(f"{self.strategy}: the server applies each update as gradients "
-                             "arrive, so loss scaling and grad_clip (which act between the "
-                             "gradient reduction and the step) do not apply; set grad_clip=0 "
-                             "and loss_scale='none'")
         for name in ("world_size", "steps", "global_batch", "grad_accum", "seq_len", "n_layer",
                      "n_embd", "n_head", "mlp_ratio", "successors"):
             _positive_int(name, getattr(self, name))
         _positive_int("vocab_size", self.vocab_size, minimum=2)
-        if self.strategy == "single" and self.world_size != 1:
-            raise ValueError(f"world_size={self.world_size}: strategy 'single' runs one process; "
-                             "set world_size=1 or pick a parallel strategy "
-                             f"({', '.join(s for s in STRATEGIES if s != 'single')})")
-        if self.strategy in PS_STRATEGIES:
-            if self.world_size < 2 + self.backup_workers:
-                raise ValueError(f"world_size={self.world_size}: {self.strategy} needs rank 0 "
-                                 f"as the server plus at least {1 + self.backup_workers} "
-                                 "worker(s) (backup_workers included)")
-            if self.straggler_rank == 0:
-                raise ValueError("straggler_rank=0 is the parameter server, which does not "
-                                 "train; pick a worker rank (1 or more)")
-        if self.backup_workers and self.strategy != "ps-sync":
-            raise ValueError(f"backup_workers={self.backup_workers} needs strategy 'ps-sync'")
+        strategy_class(self.strategy).check_config(self)
+        self._check_features()
         dp = self.dp_degree
         if self.global_batch % dp:
             raise ValueError(f"global_batch={self.global_batch} does not divide among "
@@ -198,12 +167,6 @@ class RunConfig:
             raise ValueError("join=True with sync_bn=True: a rank out of data cannot shadow "
                              "SyncBatchNorm's all-reduces in the forward (nor can torch's Join); "
                              "use drop_last=True or equal batches instead")
-        if self.join and self.strategy != "allreduce":
-            raise ValueError(f"join=True is written for strategy 'allreduce' (got "
-                             f"{self.strategy!r})")
-        if self.dataset_size and self.strategy not in ("single", "allreduce", "ddp", "ddp-torch"):
-            raise ValueError(f"dataset_size={self.dataset_size}: a finite dataset is read by "
-                             "'single', 'allreduce', 'ddp' and 'ddp-torch' only")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:
@@ -236,8 +199,8 @@ class RunConfig:
                 raise ValueError("fault='kill_in_save' fires while a checkpoint is written: "
                                  "set checkpoint_every > 0")
             return
-        if self.strategy not in CHECKPOINT_STRATEGIES:
-            raise ValueError(f"checkpointing is written for {', '.join(CHECKPOINT_STRATEGIES)} "
+        if strategy_class(self.strategy).checkpoint_layout is None:
+            raise ValueError(f"checkpointing is written for {', '.join(strategies('checkpoint'))} "
                              f"(got strategy={self.strategy!r}): set checkpoint_every=0 and "
                              "resume_from=''")
         if self.compress != "none":
@@ -270,9 +233,6 @@ class RunConfig:
                 except re.error as e:
                     raise ValueError(f"lora_targets={self.lora_targets!r} is neither a preset "
                                      f"({', '.join(TARGETS)}) nor a regex: {e}") from None
-            if self.strategy not in LORA_STRATEGIES:
-                raise ValueError(f"lora_rank={self.lora_rank}: LoRA runs under "
-                                 f"{', '.join(LORA_STRATEGIES)} (got {self.strategy!r})")
         if not 0 <= self.replay < 1:
             raise ValueError(f"replay={self.replay} must be in [0, 1) (a fraction of each batch)")
         if self.ewc_lambda < 0:
@@ -286,32 +246,42 @@ class RunConfig:
             if not self.init_from:
                 raise ValueError("ewc_lambda > 0 anchors the weights a run starts from: set "
                                  "init_from to the task-0 model's state dict")
-            if self.strategy not in EWC_STRATEGIES:
-                raise ValueError(f"ewc_lambda: written for {', '.join(EWC_STRATEGIES)}, whose "
-                                 f"every rank holds whole gradients (got {self.strategy!r})")
             if self.loss_scale == "dynamic" or self.precision == "fp16":
                 raise ValueError("ewc_lambda adds its gradient after the reduction, where "
                                  "loss-scaled gradients would need it scaled too; use "
                                  "fp32/bf16 without loss scaling")
-        if self.eval_every and self.strategy not in EVAL_STRATEGIES:
-            raise ValueError(f"eval_every: every rank evaluates the whole model, written for "
-                             f"{', '.join(EVAL_STRATEGIES)} (got {self.strategy!r})")
+
+    def _features_asked(self) -> dict[str, bool]:
+        """Which of the optional features (distlab.parallel.base.FEATURES) this config asks for."""
+        return {"finite_data": self.dataset_size > 0, "join": self.join,
+                "lora": self.lora_rank > 0, "ewc": self.ewc_lambda > 0,
+                "eval": self.eval_every > 0, "offload": self.offload,
+                "grad_clip": self.grad_clip > 0, "loss_scaling": self.loss_scale == "dynamic"
+                or (self.loss_scale == "auto" and self.precision == "fp16"),
+                "sp": self.sp, "backup_workers": self.backup_workers > 0}
+
+    def _check_features(self):
+        """Every feature asked for must be one the strategy declares it supports."""
+        cls = strategy_class(self.strategy)
+        for feature, asked in self._features_asked().items():
+            if asked and feature not in cls.supports:
+                raise ValueError(f"{FEATURES[feature]}: strategy {self.strategy!r} does not "
+                                 f"support it; strategies that do: "
+                                 f"{', '.join(strategies(supporting=feature)) or 'none'}")
 
     def _check_model_parallel(self):
-        tp = self.tp if self.strategy in TP_STRATEGIES + ("3d",) else 1
-        pp = self.pp if self.strategy in PP_STRATEGIES + ("3d",) else 1
-        if (self.tp > 1 or self.sp) and tp == 1:
-            raise ValueError(f"tp={self.tp}, sp={self.sp}: tensor parallelism needs strategy "
-                             "'tp', 'tp-torch' or '3d'")
+        degrees = strategy_class(self.strategy).degrees
+        tp = self.tp if "tp" in degrees else 1
+        pp = self.pp if "pp" in degrees else 1
+        if self.tp > 1 and tp == 1:
+            raise ValueError(f"tp={self.tp}: tensor parallelism needs a strategy that splits "
+                             f"the model by tp: {', '.join(_with_degree('tp'))}")
         if self.pp > 1 and pp == 1:
-            raise ValueError(f"pp={self.pp}: pipeline parallelism needs strategy 'pp', "
-                             "'pp-torch' or '3d'")
-        if self.strategy in TP_STRATEGIES + PP_STRATEGIES and self.world_size != tp * pp:
+            raise ValueError(f"pp={self.pp}: pipeline parallelism needs a strategy that splits "
+                             f"the model into stages: {', '.join(_with_degree('pp'))}")
+        if degrees and degrees != {"tp", "pp"} and self.world_size != tp * pp:
             raise ValueError(f"world_size={self.world_size}: strategy {self.strategy!r} uses "
                              f"tp x pp = {tp * pp} ranks")
-        if self.strategy == "3d" and self.world_size % (tp * pp):
-            raise ValueError(f"world_size={self.world_size} is not a multiple of "
-                             f"tp x pp = {tp * pp} (3d: world = dp x tp x pp)")
         if self.n_head % tp or self.n_embd % tp:
             raise ValueError(f"n_head={self.n_head} and n_embd={self.n_embd} must divide by "
                              f"tp={tp} (each rank holds whole heads)")
@@ -326,20 +296,14 @@ class RunConfig:
 
     @property
     def dp_degree(self) -> int:
-        """How many ranks split one global batch: the workers (not the parameter server, not
-        the backup workers, whose gradients are extra); for model parallelism world/(tp·pp)."""
-        if self.strategy in PS_STRATEGIES:
-            return self.world_size - 1 - self.backup_workers
-        if self.strategy in TP_STRATEGIES + PP_STRATEGIES + ("3d",):
-            tp = self.tp if self.strategy != "pp" and self.strategy != "pp-torch" else 1
-            pp = self.pp if self.strategy != "tp" and self.strategy != "tp-torch" else 1
-            return self.world_size // (tp * pp)
-        return self.world_size
+        """How many ranks split one global batch (the strategy's dp_degree: the workers of a
+        parameter server, world/(tp·pp) under model parallelism, else the world)."""
+        return strategy_class(self.strategy).dp_degree(self)
 
     @property
     def processes(self) -> int:
-        """Processes to launch: `dp` runs its replicas as threads of one process."""
-        return 1 if self.strategy == "dp" else self.world_size
+        """Processes to launch (`dp` runs its replicas as threads of one process)."""
+        return strategy_class(self.strategy).processes(self)
 
     @property
     def local_batch(self) -> int:
@@ -372,6 +336,10 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+def _with_degree(degree: str) -> list[str]:
+    return [s for s in STRATEGIES if degree in strategy_class(s).degrees]
 
 
 def _choice(name, value, choices):

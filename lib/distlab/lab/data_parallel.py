@@ -6,6 +6,8 @@ Nothing here runs inside a rank or changes how anything trains; it reads what th
 
 from __future__ import annotations
 
+import statistics
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -216,3 +218,41 @@ def scaling_figure(curves: list[dict]) -> go.Figure:
                       title="tiny GPT, SGD: batch sizes × lr rules (solid: no warm-up, dotted: "
                             "warm-up); diverged runs leave the plot", margin=dict(t=90))
     return fig
+
+
+# -- strategy dp: read its run's events, and measure the threads' (GIL's) cost -----------------
+def dp_summary(run) -> dict:
+    """Medians over a dp run's steps (skipping the first, which warms up): bytes per replica,
+    replica 0's share, seconds per phase, forward wall vs the replicas' own forward times."""
+    steps = [e["dp"] for e in run.history("step") if "dp" in e][1:] or \
+        [e["dp"] for e in run.history("step") if "dp" in e]
+    if not steps:
+        raise ValueError("no dp step events in this run")
+    n = steps[0]["replicas"]
+    med = statistics.median
+    out = {"replicas": n, "threads": steps[0]["threads"],
+           "intra_op_threads": steps[0]["intra_op_threads"], "gather": steps[0]["gather"],
+           "bytes_sent": [med(s["bytes_sent"][i] for s in steps) for i in range(n)],
+           "bytes_recv": [med(s["bytes_recv"][i] for s in steps) for i in range(n)],
+           "replica_forward_s": [med(s["replica_forward_s"][i] for s in steps) for i in range(n)],
+           "replica_cpu_s": [med(s["replica_cpu_s"][i] for s in steps) for i in range(n)],
+           "replica0_only_s": med(s["replica0_only_s"] for s in steps),
+           "step_s": med(e["step_s"] for e in run.history("step")[1:] or run.history("step"))}
+    phases = sorted({k for s in steps for k in s["seconds"]})
+    out["seconds"] = {k: med(s["seconds"].get(k, 0.0) for s in steps) for k in phases}
+    moved = [a + b for a, b in zip(out["bytes_sent"], out["bytes_recv"])]
+    out["replica0_factor"] = moved[0] / moved[1] if n > 1 and moved[1] else None
+    return out
+
+
+def gil_cost(cfg, block: bool = True) -> dict:
+    """Run `cfg` (strategy "dp") twice, replicas in threads and one after another, and compare
+    the forward's wall time: threads win only where kernels (which release the GIL) dominate
+    the Python between them. Returns both summaries and the ratio sequential / threaded."""
+    from distlab.launch import launch
+    threaded = launch(cfg.replace(extra={**cfg.extra, "dp_threads": True}), block=block)
+    sequential = launch(cfg.replace(extra={**cfg.extra, "dp_threads": False}), block=block)
+    a, b = dp_summary(threaded), dp_summary(sequential)
+    fa, fb = a["seconds"]["forward_wall_s"], b["seconds"]["forward_wall_s"]
+    return {"threaded": a, "sequential": b, "forward_threaded_s": fa, "forward_sequential_s": fb,
+            "speedup": fb / fa if fa else None, "runs": (threaded, sequential)}

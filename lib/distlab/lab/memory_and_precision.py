@@ -7,7 +7,7 @@ Nothing here changes how anything trains: the runs are distlab.train's; these fu
 their events, or (forward_breakdown, replay_scalers) run one forward/backward or a scaler on
 gradients in this process to show what a run does inside.
 
-    runs = launch_together({"fp32": cfg, "bf16": cfg.replace(precision="bf16")})  # dp_lab's
+    runs = launch_together({"fp32": cfg, "bf16": cfg.replace(precision="bf16")})  # distlab.lab.runs'
     last_memory(runs["bf16"])              # the last step's memory dict of rank 0
     forward_breakdown(cfg)                 # saved bytes by dtype, autocast's weight copies
     replay_scalers(gradient_sequence())    # DynamicLossScaler and GradScaler, step by step

@@ -30,6 +30,7 @@ import math
 import ipywidgets as W
 import plotly.graph_objects as go
 import torch
+import torch.distributed as dist
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
@@ -37,7 +38,7 @@ from distlab.lab.common import RUN_COLORS as COLORS, html_table
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lab.panel import Explorer
 from distlab.models import GPT, GPTConfig
-from distlab.parallel.mesh import KINDS, coords, layout
+from distlab.parallel.mesh import KINDS, Mesh, coords, layout
 from distlab.parallel.pipeline.pp import stage_blocks
 from distlab.parallel.tensor.tp import plan_table
 
@@ -430,3 +431,14 @@ class MeshExplorer(Explorer):
                      "loss_diff": loss_diff}
         return self.last
 
+
+def mesh_ranks(rank, world, device, log, dims, cfg_dicts=()):
+    """Rank function (run_ranks): build Mesh(*dims), return its view from this rank and, if
+    configs are given, distlab.train.train_with_state(cfg_dicts) on the same launch."""
+    mesh = Mesh(*dims)
+    out = {**mesh.describe(), "world": {k: dist.get_world_size(g) for k, g in mesh.groups.items()},
+           "group_rank": {k: dist.get_rank(g) for k, g in mesh.groups.items()}}
+    if cfg_dicts:
+        from distlab.train import train_with_state
+        out["runs"] = train_with_state(rank, world, device, log, list(cfg_dicts))
+    return out

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import statistics
 
-from distlab.config import PS_STRATEGIES, RunConfig
+from distlab.config import RunConfig
+from distlab.parallel import strategy_class
 
 
 def straggler_configs(base: RunConfig, workers: int = 2, delay_s: float = 0.3,
@@ -51,8 +52,9 @@ def summarize_events(events: list[dict], cfg: RunConfig) -> dict:
     workers = [e for e in steps if e.get("role") != "server"]
     straggler = cfg.straggler_rank
     row = {"strategy": cfg.strategy, "world_size": cfg.world_size, "workers":
-           cfg.world_size - 1 if cfg.strategy in PS_STRATEGIES else cfg.processes,
-           "grads_per_update": 1 if cfg.strategy == "ps-async" else cfg.dp_degree,
+           cfg.processes - strategy_class(cfg.strategy).servers,
+           "grads_per_update": 1 if getattr(strategy_class(cfg.strategy), "ASYNC", False)
+           else cfg.dp_degree,
            "backup_workers": cfg.backup_workers, "straggler_rank": straggler,
            "delay_s": cfg.straggler_delay_s if straggler >= 0 else 0.0}
     if server:

@@ -1,14 +1,23 @@
 """Strategies: each changes how the one training loop's model is wrapped, how gradients are
 reduced and how the optimizer steps. None owns a copy of the loop (see distlab.train).
 
-Strategies are imported when first used, so a notebook that needs one does not import all.
+REGISTRY is the one list of strategies: a name and where its class lives. Everything else a
+strategy is (its data-parallel degree, what it supports, its config checks, its checkpoint
+state) the class declares (distlab.parallel.base.Strategy); RunConfig and the checkpoints read it
+from there. Adding a strategy is one file and one line here.
+
+Classes are imported when first asked for, so a run imports only the strategy it uses.
 """
 
+from __future__ import annotations
+
+import functools
 import importlib
 
-from distlab.parallel.base import Strategy
+from distlab.parallel.base import FEATURES, Strategy
 
-_REGISTRY = {
+REGISTRY = {
+    # data parallel (parallel/data_parallel/)
     "single": "distlab.parallel.data_parallel.allreduce:Single",
     "allreduce": "distlab.parallel.data_parallel.allreduce:AllReduceDP",
     "dp": "distlab.parallel.data_parallel.dp:DataParallel",
@@ -16,22 +25,50 @@ _REGISTRY = {
     "ps-async": "distlab.parallel.data_parallel.ps:AsyncParameterServer",
     "ddp": "distlab.parallel.data_parallel.ddp:DDP",
     "ddp-torch": "distlab.parallel.data_parallel.ddp_torch:TorchDDP",
+    # ZeRO and FSDP (parallel/zero/)
     "zero1": "distlab.parallel.zero.zero:ZeRO1",
     "zero2": "distlab.parallel.zero.zero:ZeRO2",
     "zero3": "distlab.parallel.zero.zero:ZeRO3",
     "zero1-torch": "distlab.parallel.zero.zero_torch:TorchZeRO1",
     "fsdp-torch": "distlab.parallel.zero.zero_torch:TorchFSDP",
+    # tensor and pipeline parallel (parallel/tensor/, parallel/pipeline/), and the 3D mesh
     "tp": "distlab.parallel.tensor.tp:TensorParallel",
     "tp-torch": "distlab.parallel.tensor.tp_torch:TorchTP",
     "pp": "distlab.parallel.pipeline.pp:PipelineParallel",
     "pp-torch": "distlab.parallel.pipeline.pp_torch:TorchPP",
     "3d": "distlab.parallel.mesh:ThreeD",
 }
+STRATEGIES = tuple(REGISTRY)
+
+
+@functools.cache
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered under `name` (imports its module)."""
+    if name not in REGISTRY:
+        raise ValueError(f"strategy={name!r} is not one of: {', '.join(map(repr, REGISTRY))}")
+    module, attr = REGISTRY[name].split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if cls.name != name:
+        raise TypeError(f"REGISTRY[{name!r}] is {cls.__qualname__}, which declares "
+                        f"name={cls.name!r}")
+    return cls
+
+
+def strategies(supporting: str | None = None) -> tuple[str, ...]:
+    """Strategy names, in registry order; with `supporting`, those that declare that feature
+    (one of FEATURES, or "checkpoint": those with a checkpoint layout)."""
+    if supporting is None:
+        return STRATEGIES
+    if supporting != "checkpoint" and supporting not in FEATURES:
+        raise ValueError(f"feature {supporting!r} is not one of: {', '.join(FEATURES)}, checkpoint")
+    if supporting == "checkpoint":
+        return tuple(s for s in STRATEGIES if strategy_class(s).checkpoint_layout is not None)
+    return tuple(s for s in STRATEGIES if supporting in strategy_class(s).supports)
 
 
 def make_strategy(cfg, comm) -> Strategy:
-    module, name = _REGISTRY[cfg.strategy].split(":")
-    return getattr(importlib.import_module(module), name)(cfg, comm)
+    return strategy_class(cfg.strategy)(cfg, comm)
 
 
-__all__ = ["Strategy", "make_strategy"]
+__all__ = ["FEATURES", "REGISTRY", "STRATEGIES", "Strategy", "make_strategy", "strategies",
+           "strategy_class"]

@@ -1,4 +1,19 @@
-"""The plug points a strategy may override. The defaults are a plain single-process step.
+"""What a strategy is, and the plug points it may override.
+
+What it is, declared on the class (RunConfig and the checkpoints read these; nothing else
+compares strategy names):
+
+    name                    the RunConfig.strategy value (its line in distlab.parallel.REGISTRY)
+    degrees                 the model-parallel degrees it reads: "tp", "pp" (RunConfig.tp, .pp)
+    supports                optional features it implements (FEATURES below)
+    checkpoint_layout       strategies with the same layout read each other's checkpoints;
+                            None: this strategy does not checkpoint
+    checkpoint_format       "full" (rank 0 writes one copy) or "sharded" (a DCP shard per rank)
+    dp_degree(cfg)          how many ranks split one global batch
+    processes(cfg)          how many processes to launch
+    check_config(cfg)       its own checks of a RunConfig, before any process starts
+
+The defaults are a plain single-process step.
 
 The loop in distlab.train calls, in order:
 
@@ -12,6 +27,10 @@ The loop in distlab.train calls, in order:
                strategy.clip_gradients(model, max_norm) cfg.grad_clip > 0 (after unscaling)
                strategy.optimizer_step(optimizer)       skipped when loss scaling overflowed
                strategy.step_info()                     extra fields for the step event
+    checkpoints (distlab.checkpoint): strategy.checkpoint_state / load_checkpoint_state
+
+Composite strategies (distlab.parallel.mesh's 3d) build their parts on their groups' Comms and
+call the parts' public hooks: after_model_split, attach_gradients, stored_parameters.
 """
 
 from __future__ import annotations
@@ -21,7 +40,45 @@ import contextlib
 import torch
 
 
+# Optional features a strategy declares in `supports`, and the RunConfig setting that asks for it.
+FEATURES = {
+    "finite_data": "dataset_size > 0 (a finite dataset read by a distributed sampler)",
+    "join": "join=True (uneven inputs: ranks out of data shadow the others' collectives)",
+    "lora": "lora_rank > 0 (LoRA adapters)",
+    "ewc": "ewc_lambda > 0 (every rank adds the EWC penalty's gradient to whole gradients)",
+    "eval": "eval_every > 0 (every rank evaluates the whole model)",
+    "offload": "offload=True (optimizer state on the CPU)",
+    "grad_clip": "grad_clip > 0 (clipping to a global norm)",
+    "loss_scaling": "dynamic loss scaling (fp16, or loss_scale='dynamic')",
+    "sp": "sp=True (sequence parallelism)",
+    "backup_workers": "backup_workers > 0",
+}
+
+
 class Strategy:
+    name = ""
+    degrees: frozenset = frozenset()
+    supports: frozenset = frozenset({"grad_clip", "loss_scaling"})
+    checkpoint_layout: str | None = None
+    checkpoint_format = "full"
+    servers = 0  # ranks that serve instead of training (a parameter server: rank 0)
+
+    @classmethod
+    def dp_degree(cls, cfg) -> int:
+        """Ranks that split one global batch: the world over the model-parallel degrees."""
+        tp = cfg.tp if "tp" in cls.degrees else 1
+        pp = cfg.pp if "pp" in cls.degrees else 1
+        return cfg.world_size // (tp * pp)
+
+    @classmethod
+    def processes(cls, cfg) -> int:
+        return cfg.world_size
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise ValueError for a config this strategy cannot run (after RunConfig's own checks,
+        which already refused the features it does not declare)."""
+
     def __init__(self, cfg, comm):
         self.cfg, self.comm = cfg, comm
         self.rank, self.world = comm.rank, comm.world
@@ -108,3 +165,24 @@ class Strategy:
     def step_info(self) -> dict:
         """Extra fields for this step's event (bucket timeline, staleness, ...)."""
         return {}
+
+    # -- training checkpoints (distlab.checkpoint) ----------------------------------------------
+    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
+        """This rank's part of a training checkpoint. "full" format: the whole model's and
+        optimizer's state (the default; rank 0 writes it). "sharded": this rank's shards as
+        tensors DCP writes, and loads into in place (for_load: the tensors to fill). Called on
+        every rank (a strategy may need a collective here)."""
+        module = getattr(model, "module", model)  # torch DDP wraps the model
+        return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
+        """Full format: load `state` (what checkpoint_state returned on rank 0). Sharded: DCP has
+        filled checkpoint_state(for_load=True)'s tensors in place; finish what they feed."""
+        module = getattr(model, "module", model)
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def checkpoint_meta(self, model) -> dict:
+        """What meta.json records about this strategy's layout, to read it without the
+        strategy (distlab.checkpoint.load_full)."""
+        return {"units": []}

@@ -99,26 +99,21 @@ def table(dp: int, tp: int, pp: int) -> list[dict]:
             for kind in KINDS for i, ranks in enumerate(layout(dp, tp, pp)[kind])]
 
 
-def mesh_ranks(rank, world, device, log, dims, cfg_dicts=()):
-    """Rank function (run_ranks): build Mesh(*dims), return its view from this rank and, if
-    configs are given, distlab.train.train_with_state(cfg_dicts) on the same launch."""
-    mesh = Mesh(*dims)
-    out = {**mesh.describe(), "world": {k: dist.get_world_size(g) for k, g in mesh.groups.items()},
-           "group_rank": {k: dist.get_rank(g) for k, g in mesh.groups.items()}}
-    if cfg_dicts:
-        from distlab.train import train_with_state
-        out["runs"] = train_with_state(rank, world, device, log, list(cfg_dicts))
-    return out
-
-
 class ThreeD(Strategy):
     """`3d`: tensor parallel in the tp group, pipeline across the pp group, ZeRO-1 over the
     dp group (see the module docstring)."""
+    name = "3d"
+    degrees = frozenset({"tp", "pp"})
+    supports = frozenset({"loss_scaling"})  # not sp, grad_clip, a finite dataset (docstring)
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.world_size % (cfg.tp * cfg.pp):
+            raise ValueError(f"world_size={cfg.world_size} is not a multiple of "
+                             f"tp x pp = {cfg.tp * cfg.pp} (3d: world = dp x tp x pp)")
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
-        if cfg.sp or cfg.grad_clip or cfg.dataset_size:
-            raise ValueError("3d supports neither sp=True, grad_clip nor dataset_size")
         from distlab.parallel.pipeline.pp import PipelineParallel
         from distlab.parallel.tensor.tp import TensorParallel
         from distlab.parallel.zero.zero import ZeRO1

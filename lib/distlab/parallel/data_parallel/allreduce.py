@@ -101,6 +101,17 @@ def explain_uneven_inputs(strategy, where: str = "in a step's collectives"):
 class Single(Strategy):
     """One process, the whole global batch: the baseline every strategy is checked against.
     A finite dataset is read through the same sampler, at world size 1."""
+    name = "single"
+    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
+    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.world_size != 1:
+            from distlab.parallel import STRATEGIES
+            raise ValueError(f"world_size={cfg.world_size}: strategy 'single' runs one process; "
+                             "set world_size=1 or pick a parallel strategy "
+                             f"({', '.join(s for s in STRATEGIES if s != 'single')})")
 
     def wrap(self, model):
         attach_comm(model, self.comm)  # SyncBatchNorm at world 1: plain BatchNorm's statistics
@@ -111,6 +122,10 @@ class Single(Strategy):
 
 
 class AllReduceDP(Strategy):
+    name = "allreduce"
+    supports = Strategy.supports | {"finite_data", "join", "lora", "ewc", "eval"}
+    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
+
     active: list[int] | None = None  # join: ranks with data this step
     optimizer = None  # remembered at the first step, for a joined rank's shadow steps
 

@@ -105,6 +105,10 @@ class Bucket:
 
 
 class DDP(Strategy):
+    name = "ddp"
+    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
+    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.buckets: list[Bucket] = []

@@ -36,6 +36,10 @@ def booked_allreduce_hook(strategy: "TorchDDP", bucket):
 
 
 class TorchDDP(Strategy):
+    name = "ddp-torch"
+    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
+    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.bucket_bytes: list[int] = []  # this step's buckets, in launch order

@@ -63,6 +63,30 @@ def _unflat_into(flat: torch.Tensor, tensors):
 
 class _ParameterServer(Strategy):
     ASYNC = False
+    servers = 1
+
+    @classmethod
+    def dp_degree(cls, cfg) -> int:
+        """The workers that split a global batch: not the server, not the backup workers
+        (whose gradients are extra)."""
+        return cfg.world_size - 1 - cfg.backup_workers
+
+    @classmethod
+    def check_config(cls, cfg):
+        scaled = cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto"
+                                                 and cfg.precision == "fp16")
+        if scaled or cfg.grad_clip:
+            raise ValueError(f"{cfg.strategy}: the server applies each update as gradients "
+                             "arrive, so loss scaling and grad_clip (which act between the "
+                             "gradient reduction and the step) do not apply; set grad_clip=0 "
+                             "and loss_scale='none'")
+        if cfg.world_size < 2 + cfg.backup_workers:
+            raise ValueError(f"world_size={cfg.world_size}: {cfg.strategy} needs rank 0 "
+                             f"as the server plus at least {1 + cfg.backup_workers} "
+                             "worker(s) (backup_workers included)")
+        if cfg.straggler_rank == 0:
+            raise ValueError("straggler_rank=0 is the parameter server, which does not "
+                             "train; pick a worker rank (1 or more)")
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
@@ -226,10 +250,14 @@ class _ParameterServer(Strategy):
 
 class SyncParameterServer(_ParameterServer):
     """RunConfig(strategy="ps-sync", world_size=1+N+b, backup_workers=b)."""
+    name = "ps-sync"
+    supports = frozenset({"backup_workers"})
 
 
 class AsyncParameterServer(_ParameterServer):
     """RunConfig(strategy="ps-async", world_size=1+W): W workers, every gradient applied."""
+    name = "ps-async"
+    supports = frozenset()
 
     ASYNC = True
 

@@ -179,6 +179,8 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = N
 # -- the strategy ------------------------------------------------------------------------------
 class PipelineParallel(Strategy):
     """`pp`: this rank holds stages rank_stages(rank, pp, v) and runs cfg.schedule."""
+    name = "pp"
+    degrees = frozenset({"pp"})
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

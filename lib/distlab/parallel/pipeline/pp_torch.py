@@ -37,6 +37,9 @@ def _loss(logits, targets):
 
 
 class TorchPP(Strategy):
+    name = "pp-torch"
+    degrees = frozenset({"pp"})
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.p, self.m = cfg.pp, cfg.microbatches

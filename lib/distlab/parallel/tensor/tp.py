@@ -232,6 +232,9 @@ def tp_plan(model, tp: int, sp: bool = False) -> list:
 
 class TensorParallel(Strategy):
     """`tp`: Megatron tensor parallelism over all ranks (tp = world), optional sp."""
+    name = "tp"
+    degrees = frozenset({"tp"})
+    supports = Strategy.supports | {"sp"}
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

@@ -43,6 +43,10 @@ def torch_tp_plan(n_layer: int, sp: bool = False) -> dict:
 
 
 class TorchTP(Strategy):
+    name = "tp-torch"
+    degrees = frozenset({"tp"})
+    supports = Strategy.supports | {"sp"}
+
     def wrap(self, model):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module

@@ -188,6 +188,8 @@ def _storage_bytes(tensors) -> int:
 # -- the strategy ------------------------------------------------------------------------------
 class ZeRO(Strategy):
     """ZeRO stage `stage` (1, 2 or 3); see the module docstring. ZeRO1/ZeRO2/ZeRO3 below."""
+    supports = Strategy.supports | {"lora", "eval", "offload"}
+    checkpoint_format = "sharded"
 
     stage = 0
 
@@ -552,17 +554,69 @@ class ZeRO(Strategy):
         self._peak = dict(self._live)
         return {"zero": info}
 
+    # -- training checkpoints: each unit's flat shard, as DCP's DTensor slice ----------------------
+    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
+        """This rank's shards of each unit's parameters and optimizer state, as DTensor Shard(0)
+        slices of the unit's unpadded flat vector (our shard r is DTensor's chunk r: both cut
+        ceil(n/N) entries per rank), so DCP can re-cut them for another world size; plus what
+        every rank holds whole (LoRA's frozen base, buffers). Views: DCP loads into them."""
+        from distlab.checkpoint.state import (flat_shard, materialize_optimizer_state,
+                                              persistent_buffers)
+        from distlab.checkpoint.store import CheckpointError
+        if for_load:
+            materialize_optimizer_state(optimizer)  # tensors for DCP to fill
+        state = {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        for u in self.units:
+            state[f"model/{u.name}"] = flat_shard(u.master, u.numel, self.rank, self.world)
+            for key, v in optimizer.state.get(u.master, {}).items():
+                if not torch.is_tensor(v):
+                    raise CheckpointError(f"optimizer state {key!r} is {type(v).__name__}, not "
+                                          "a tensor: the sharded format holds tensors only")
+                state[f"optim/{u.name}/{key}"] = (
+                    flat_shard(v, u.numel, self.rank, self.world)
+                    if v.shape == u.master.shape else v)  # AdamW's step: the same everywhere
+        for p in self.frozen:  # not trained (LoRA's base): the same on every rank
+            state[f"frozen/{names[id(p)]}"] = p.detach()
+        for name, b in persistent_buffers(model).items():
+            state[f"buffer/{name}"] = b
+        return state
+
+    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
+        """DCP filled the shards in place: refresh what they feed."""
+        for u in self.units:
+            if u.master is not u.shard:  # offloaded: the CPU master was loaded
+                u.shard.copy_(u.master.detach())
+            if self.stage < 3:  # every rank's full parameters from the loaded shards
+                self.comm.all_gather(u.full, u.shard)
+
+    def checkpoint_meta(self, model) -> dict:
+        """Each unit's parameters (name, shape) in flat order, so load_full can cut the flat
+        vectors back into parameters without this strategy."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        return {"units": [[u.name, [[names[id(p)], list(p.shape)] for p in u.params]]
+                          for u in self.units]}
+
 
 class ZeRO1(ZeRO):
     """P_os: optimizer state sharded; full parameters and gradients on every rank."""
+    name = "zero1"
+    checkpoint_layout = "ZeRO units: the whole model"
+
     stage = 1
 
 
 class ZeRO2(ZeRO):
     """P_os+g: optimizer state and gradients sharded; full parameters on every rank."""
+    name = "zero2"
+    checkpoint_layout = "ZeRO units: one per block"
+
     stage = 2
 
 
 class ZeRO3(ZeRO):
     """P_os+g+p: optimizer state, gradients and parameters sharded."""
+    name = "zero3"
+    checkpoint_layout = "ZeRO units: one per block"
+
     stage = 3

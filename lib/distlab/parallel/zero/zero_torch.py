@@ -75,6 +75,9 @@ def chain_broadcast_bytes(sizes: list[int], rank: int) -> tuple[int, int]:
 
 class TorchZeRO1(TorchDDP):
     """torch DDP + ZeroRedundancyOptimizer (wrap, no_sync, the counting hook: TorchDDP's)."""
+    name = "zero1-torch"
+    supports = Strategy.supports  # not TorchDDP's extras: written and tested for ddp-torch only
+    checkpoint_layout = "ZeroRedundancyOptimizer, consolidated"
 
     def build_optimizer(self, model, make):
         probe = make([torch.nn.Parameter(torch.zeros(1))])  # RunConfig's class and settings
@@ -93,6 +96,12 @@ class TorchZeRO1(TorchDDP):
     def state_bytes(self, model, optimizer) -> dict:
         return local_state_bytes(model, optimizer.optim.state)  # the local optimizer's state
 
+    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
+        """The full format from rank 0: consolidate_state_dict gathers every rank's partition
+        of the optimizer state there first (a collective: every rank calls it)."""
+        optimizer.consolidate_state_dict(to=0)
+        return super().checkpoint_state(model, optimizer) if self.rank == 0 else {}
+
     def step_info(self) -> dict:
         info = super().step_info()
         sent, recv = chain_broadcast_bytes(self.partition_bytes, self.rank)
@@ -103,6 +112,10 @@ class TorchZeRO1(TorchDDP):
 
 class TorchFSDP(Strategy):
     """FSDP2: fully_shard per block, then the root."""
+    name = "fsdp-torch"
+    supports = Strategy.supports | {"offload"}
+    checkpoint_layout = "FSDP2 DTensors"
+    checkpoint_format = "sharded"
 
     def wrap(self, model):
         from torch.distributed.device_mesh import init_device_mesh
@@ -151,6 +164,24 @@ class TorchFSDP(Strategy):
         if self.cfg.offload:  # CPUOffloadPolicy: shards, gradients and the step on the CPU
             return {**{k: 0 for k in b}, **{f"{k}_offloaded": v for k, v in b.items()}}
         return b
+
+    # -- training checkpoints: FSDP2's DTensors as they are ------------------------------------
+    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
+        """FSDP2's DTensor parameters and get_optimizer_state_dict's DTensor state (for_load:
+        torch creates the optimizer state to fill)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from distlab.checkpoint.state import persistent_buffers
+        state = {f"model/{n}": p.detach() for n, p in model.named_parameters()}
+        state.update({f"buffer/{n}": b for n, b in persistent_buffers(model).items()})
+        if optimizer.state or for_load:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        return state
+
+    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
+        if "optim" in state:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+            set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 def _full_tensors(sd: dict):

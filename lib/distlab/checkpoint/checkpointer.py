@@ -1,0 +1,202 @@
+"""Checkpointing inside distlab.train's loop, on one rank: save when due (or when the job got a
+preemption notice), restore at the start. The format on disk is distlab.checkpoint.store's;
+what a rank's state is, its strategy says (Strategy.checkpoint_state / load_checkpoint_state)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab.checkpoint.preemption import PreemptionNotice
+from distlab.checkpoint.state import rng_state, scaler_tensors, set_rng_state
+from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, CheckpointError,
+                                      check_compatible, checkpoint_root, commit, read_meta,
+                                      record, resolve, storage_writer, torch_load, verify,
+                                      write_file)
+
+
+class Checkpointer:
+    """    ckpt = Checkpointer.for_run(cfg, ...)    None when the run neither saves nor resumes
+        start = ckpt.restore()                    steps already done (0: a fresh start)
+        after each step's update:  if ckpt.after_step(step): break    (preempted)
+    """
+
+    def __init__(self, cfg, rank, world, device, strategy, model, optimizer, scaler, log):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.strategy, self.model, self.optimizer, self.scaler = strategy, model, optimizer, scaler
+        self.log, self.comm = log, strategy.comm
+        self.root = checkpoint_root(cfg, os.path.dirname(os.path.abspath(log.path)))
+        self.format = strategy.checkpoint_format
+        self.notice = PreemptionNotice() if cfg.checkpoint_every else None
+
+    @classmethod
+    def for_run(cls, cfg, *args):
+        return cls(cfg, *args) if (cfg.checkpoint_every or cfg.resume_from) else None
+
+    # -- in the loop -----------------------------------------------------------------------
+    def after_step(self, step: int) -> bool:
+        """Save if this step is due (or the job was preempted). True: leave the loop now."""
+        k, last = self.cfg.checkpoint_every, step == self.cfg.steps - 1
+        due = bool(k) and ((step + 1) % k == 0 or last)
+        preempted = self._preempt_agreed()
+        if due or preempted:
+            self.save(step, "preempted" if preempted else "final" if last else "periodic")
+        if preempted:
+            got = self.notice.received
+            self.log.write("preempted", step=step, steps_done=step + 1, notice_here=got is not None,
+                           notice_to_exit_s=None if got is None else time.time() - got)
+        if preempted or last:
+            self.close()
+        return preempted
+
+    def _preempt_agreed(self) -> bool:
+        """Did any rank get the notice? All must agree, or some would save (a collective)
+        while the others run the next step's."""
+        if self.notice is None:
+            return False
+        flag = torch.tensor([float(self.notice.received is not None)], device=self.device)
+        if self.world > 1:
+            self.comm.all_reduce_async(flag, kind="preempt.flag").wait()
+        return bool(flag.item() > 0)
+
+    def close(self):
+        if self.notice is not None:
+            self.notice.close()
+            self.notice = None
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, step: int, reason: str = "periodic") -> str:
+        """Write the state after `step` as <root>/step_<step+1>: every rank its files into a
+        temporary folder, then rank 0 commits it (meta.json, rename). A collective."""
+        t0 = time.perf_counter()
+        steps_done = step + 1
+        name = f"step_{steps_done:06d}"
+        final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".{name}.tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of this step
+            os.makedirs(os.path.join(tmp, RNG_DIR))
+        dist.barrier()
+        kill = (self.cfg.fault == "kill_in_save" and self.rank == self.cfg.fault_rank
+                and step == self.cfg.fault_step
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+        if kill:
+            self.log.write("fault", fault="kill_in_save", step=step)
+        if self.format == "full":
+            files = self._save_full(tmp, kill)
+        else:
+            files = self._save_sharded(tmp, kill)
+        rng_rel = f"{RNG_DIR}/rank{self.rank}.pt"
+        files[rng_rel] = write_file(os.path.join(tmp, rng_rel), rng_state(self.device),
+                                    self.rank, kill_halfway=kill and rng_rel == self._kill_target)
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, files)
+        if self.rank == 0:
+            commit(tmp, final, self.root, self._meta(step, reason, gathered), self.cfg.keep_last)
+        dist.barrier()  # nobody goes on before the checkpoint exists
+        self.log.write("checkpoint", step=step, steps_done=steps_done, reason=reason,
+                       format=self.format, seconds=time.perf_counter() - t0,
+                       bytes=sum(r["bytes"] for r in files.values()),
+                       files={rel: r["bytes"] for rel, r in files.items()}, path=final)
+        return final
+
+    @property
+    def _kill_target(self) -> str:
+        """The file the drill 'kill_in_save' cuts short: the rank's largest."""
+        if self.format == "sharded":
+            return "dcp"
+        return STATE if self.rank == 0 else f"{RNG_DIR}/rank{self.rank}.pt"
+
+    def _save_full(self, tmp: str, kill: bool) -> dict:
+        state = self.strategy.checkpoint_state(self.model, self.optimizer)  # every rank: may gather
+        if self.rank != 0:
+            return {}
+        state["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
+        return {STATE: write_file(os.path.join(tmp, STATE), state, self.rank,
+                                  kill_halfway=kill and self._kill_target == STATE)}
+
+    def _save_sharded(self, tmp: str, kill: bool) -> dict:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self._sharded_state(for_load=False),
+                 storage_writer=storage_writer(os.path.join(tmp, DCP_DIR), kill))
+        mine = glob.glob(os.path.join(tmp, DCP_DIR, f"__{self.rank}_*.distcp"))
+        if self.rank == 0:
+            mine.append(os.path.join(tmp, DCP_DIR, ".metadata"))
+        return {os.path.relpath(f, tmp): record(f, self.rank) for f in mine}
+
+    def _meta(self, step, reason, gathered) -> dict:
+        return {"format_version": FORMAT_VERSION, "format": self.format, "steps_done": step + 1,
+                "step": step, "reason": reason, "world_size": self.world,
+                "strategy": self.cfg.strategy, "layout": self.strategy.checkpoint_layout,
+                "optimizer_state": bool(self.optimizer.state),
+                **self.strategy.checkpoint_meta(self.model),
+                "config": self.cfg.to_dict(), "torch": torch.__version__, "time": time.time(),
+                "files": {k: v for d in gathered for k, v in d.items()}}
+
+    def _sharded_state(self, for_load: bool) -> dict:
+        """What this rank hands DCP: the loss scaler's numbers and its strategy's shards (views
+        that DCP loads into in place)."""
+        state = scaler_tensors(self.scaler) if self.scaler is not None else {}
+        return {**state, **self.strategy.checkpoint_state(self.model, self.optimizer, for_load)}
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load cfg.resume_from into this rank's model, optimizer, loss scaler and RNGs; return
+        the steps it had done (where the loop starts). 0 when there is nothing to resume."""
+        path = resolve(self.cfg.resume_from, self.root)
+        if path is None:
+            return 0
+        t0 = time.perf_counter()
+        meta = read_meta(path)
+        check_compatible(meta, self.cfg, path)
+        rng_file = self._rng_file(meta)
+        verify(path, meta, only=lambda rel, rec: self._reads(rel, rec, rng_file))
+        if meta["format"] == "full":
+            self._load_full(path)
+        else:
+            self._load_sharded(path, meta)
+        set_rng_state(torch_load(os.path.join(path, rng_file)), self.device)
+        dist.barrier()
+        self.comm.take_step_stats()  # loading's traffic (ZeRO's all-gathers) is not a step's
+        self.log.write("resume", path=path, steps_done=meta["steps_done"],
+                       saved_world_size=meta["world_size"], saved_strategy=meta["strategy"],
+                       rng_from=rng_file, seconds=time.perf_counter() - t0)
+        return meta["steps_done"]
+
+    def _rng_file(self, meta) -> str:
+        """This rank's own RNG states; at another world size, those of rank r mod the old N."""
+        return f"{RNG_DIR}/rank{self.rank % meta['world_size']}.pt"
+
+    def _reads(self, rel: str, rec: dict, rng_file: str) -> bool:
+        """The files this rank checks before loading: the ones everyone reads, its RNG file,
+        and the shards of saved ranks r with r mod N = this rank (the work split N ways)."""
+        if rel in (STATE, f"{DCP_DIR}/.metadata", rng_file):
+            return True
+        return rel.startswith(DCP_DIR + "/") and rec["rank"] % self.world == self.rank
+
+    def _load_full(self, path):
+        state = torch_load(os.path.join(path, STATE), map_location=self.device)
+        try:
+            self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{os.path.join(path, STATE)} does not fit this model or "
+                                  f"optimizer: {e}") from None
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _load_sharded(self, path, meta):
+        import torch.distributed.checkpoint as dcp
+        state = self._sharded_state(for_load=meta["optimizer_state"])
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(path, DCP_DIR)))
+        except Exception as e:  # noqa: BLE001 - name the checkpoint in whatever DCP raised
+            raise CheckpointError(f"{os.path.join(path, DCP_DIR)}: DCP could not load it into "
+                                  f"this model: {type(e).__name__}: {str(e)[:800]}") from None
+        if self.scaler is not None:
+            self.scaler.load_state_dict({k.split("/", 1)[1]: v.item() for k, v in state.items()
+                                         if k.startswith("scaler/")})
+        self.strategy.load_checkpoint_state(self.model, self.optimizer, state)

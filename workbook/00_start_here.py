@@ -1,0 +1,236 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Start here
+#
+# This workbook teaches distributed training by running it. Each notebook explains one
+# technique, launches real multi-process training runs of it on this machine (one process
+# per rank, talking through `torch.distributed`), and plots what the run measures while it
+# runs: the loss, the memory each rank holds by category, and the bytes each rank puts on
+# the wire. Every piece of code lives in the `distlab` library; the notebooks only call it.
+# Nothing a notebook says is a claim that its runs do not measure: the checks in these
+# cells are `assert`s on measured values.
+#
+# This notebook shows how to launch a run, read the live dashboard, compare a run on one
+# process with the same run on two, find a run's files, and use the control panel.
+# Coming next: `01_collectives` (all-reduce from send/recv and the α-β cost model), then
+# data parallelism and DDP, ZeRO and FSDP, tensor and sequence parallelism, pipeline
+# schedules, mixed precision, activation checkpointing and LoRA.
+
+# %% tags=["parameters"]
+import os
+
+# CI sets WORKBOOK_QUICK=1: a tiny model and few steps, so the notebook runs in seconds.
+QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
+STEPS = 30 if QUICK else 200
+MODEL = dict(n_layer=2, n_embd=64, n_head=4) if QUICK else {}  # {}: RunConfig's GPT
+
+# %%
+from IPython.display import Markdown, display
+
+from distlab import Run, RunConfig, lab, launch
+from distlab.comm import ring_allreduce_bytes
+
+# %% [markdown]
+# ## Launching a first run
+#
+# A `RunConfig` holds every knob of a run and checks them before any process starts.
+# `launch(cfg)` spawns the ranks and returns a `Run` handle at once; training goes on in
+# the background. `lab.watch(run)` shows a live dashboard under the cell, and
+# `run.wait()` blocks until the run ends (interrupting the kernel stops the run).
+#
+# The first run uses strategy `single`: one process trains on the whole batch. It is the
+# baseline every parallel strategy in this workbook is compared with.
+
+# %%
+cfg = RunConfig(strategy="single", steps=STEPS, **MODEL)
+single = launch(cfg)
+dash = lab.watch(single)
+single.wait()
+
+# %% [markdown]
+# ## Reading the live dashboard
+#
+# **Loss** (top): the mean cross-entropy per token at each step, averaged over ranks. The
+# data is a random Markov chain generated on this machine (`distlab.dataset`): each token can
+# be followed by only a few others, with fixed probabilities. So the best achievable loss
+# is known exactly: the entropy of the chain, drawn as the dashed *loss floor*. An
+# untrained model guesses uniformly and starts near ln(vocabulary size).
+
+# %%
+losses = single.losses()
+floor, start = single.info("loss_floor"), single.info("loss_at_start")
+print(f"loss at step 0: {losses[0]:.3f}   (uniform guess, ln V = {start:.3f})")
+print(f"loss at step {len(losses) - 1}: {losses[-1]:.3f}")
+print(f"loss floor:     {floor:.3f}   (entropy of the chain: no model can do better)")
+print(f"gap to the floor closed: {(losses[0] - losses[-1]) / (losses[0] - floor):.0%}")
+assert len(losses) == STEPS
+# It learned: more than half of the way from where it started to the floor.
+assert losses[-1] - floor < 0.5 * (losses[0] - floor)
+
+# %% [markdown]
+# **Memory** (bottom left): what one rank holds, by category, measured from the tensors
+# themselves at the latest step: parameters, gradients, optimizer state, activations (the
+# tensors autograd saved for the backward pass) and scratch buffers of the collectives.
+# In fp32 each parameter takes 4 bytes; a gradient is a tensor of the same shape; AdamW
+# keeps two more (its first and second moment) plus a step counter per tensor.
+
+# %%
+n_params = single.info("n_params")
+mem = single.history("step")[-1]["memory"]
+for key, name in lab.MEMORY_CATEGORIES:
+    print(f"{name:>16}: {mem[key] / lab.MiB:7.3f} MiB  ({mem[key]:,} bytes)")
+print(f"{n_params:,} parameters × 4 bytes = {4 * n_params:,} bytes")
+assert mem["params"] == 4 * n_params  # fp32 weights
+assert mem["grads"] == mem["params"]  # one fp32 gradient per weight
+adam_counters = mem["optim"] - 2 * mem["params"]  # what is left after the two moments
+print(f"AdamW state = 2 × parameters + {adam_counters} bytes of step counters")
+assert adam_counters >= 0 and adam_counters % 4 == 0
+
+# %% [markdown]
+# **Bytes** (bottom right): how many bytes each rank sent during one step, summed over
+# the collectives it called (hover over a bar for the breakdown). A single process talks
+# to no one, so this run sent nothing.
+
+# %%
+sent_single = [lab.bytes_sent(e) for e in single.history("step")]
+print(f"bytes sent by the single run, all steps: {sum(sent_single)}")
+assert sum(sent_single) == 0
+
+# %% [markdown]
+# ## Ranks and world size
+#
+# A distributed run is `world_size` processes, the *ranks*, each running the same
+# training loop. Strategy `allreduce` is the simplest data parallelism: every rank holds
+# the whole model, takes its own half (with two ranks) of the same global batch, and after
+# the backward pass the ranks average their gradients with an *all-reduce*. The average
+# of the two halves' gradients is the gradient of the whole batch, so the two-rank run
+# should retrace the single run step by step. Same global batch, same seed; only the
+# strategy and the world size change.
+
+# %%
+two = launch(cfg.replace(strategy="allreduce", world_size=2))
+dash2 = lab.watch(single, two)
+two.wait()
+
+# %% [markdown]
+# The two loss curves lie on top of each other. How close is close enough? In fp32 the
+# only difference between the runs is the order of additions (half-batch means averaged
+# across ranks, instead of one mean over the whole batch). Each such rounding is about
+# 1e-7 relative; repeated over the steps of training we measured per-step loss differences
+# of a few 1e-7 to a few 1e-6. We allow `1e-4`: well above rounding, and still far below
+# (the cell checks: at least ten times below) the typical change of the loss from one step
+# to the next, which a rank training on the wrong rows or missing a gradient would show.
+
+# %%
+TOL = 1e-4
+a, b = single.losses(), two.losses()
+diff = max(abs(x - y) for x, y in zip(a, b))
+step_change = sorted(abs(a[t + 1] - a[t]) for t in range(len(a) - 1))[len(a) // 2]
+print(f"largest per-step loss difference, single vs allreduce×2: {diff:.1e}")
+print(f"median change of the loss from one step to the next:     {step_change:.1e}")
+assert len(a) == len(b) == STEPS
+assert diff < TOL
+assert 10 * TOL < step_change  # the tolerance could not hide a real divergence
+
+# %% [markdown]
+# Now the bytes. Gradients are fp32, so one step's gradients are `4 × n_params` bytes.
+# An all-reduce of S bytes done the bandwidth-optimal way (a ring) sends 2(N−1)/N · S
+# bytes from each of the N ranks: S with two ranks. The backend's all-reduce is counted
+# with that formula (`distlab.comm`), one call per gradient tensor.
+
+# %%
+grad_bytes = 4 * two.info("n_params")
+expected = ring_allreduce_bytes(grad_bytes, 2)
+events = two.history("step")
+sent = {lab.bytes_sent(e) for e in events}
+calls = {e["comm"]["all_reduce"]["calls"] for e in events}
+print(f"gradient bytes per step: {grad_bytes:,}")
+print(f"2(N-1)/N × gradient bytes, N = 2: {expected:,.0f}")
+print(f"measured bytes sent per rank per step: {sorted(sent)}, in {sorted(calls)} calls")
+assert len(events) == 2 * STEPS
+assert sent == {expected}
+(n_tensors,) = calls  # every step all-reduces every gradient tensor once
+
+# %%
+mem2 = {e["rank"]: e["memory"] for e in two.history("step") if e["step"] == STEPS - 1}
+for r, m in mem2.items():
+    print(f"rank {r}: " + ", ".join(f"{name} {m[key] / lab.MiB:.3f}"
+                                    for key, name in lab.MEMORY_CATEGORIES) + " (MiB)")
+for m in mem2.values():
+    # Data parallelism copies the model: each rank holds all of it.
+    assert (m["params"], m["grads"], m["optim"]) == (mem["params"], mem["grads"], mem["optim"])
+    # AdamW's step counters: one 4-byte tensor per parameter tensor, i.e. per all-reduce.
+    assert m["optim"] - 2 * m["params"] == 4 * n_tensors == adam_counters
+    # Activations follow the rows a rank holds: half the batch, half the activations,
+    # up to a few KiB saved whatever the batch size (position indices and the like).
+    assert abs(2 * m["activations"] - mem["activations"]) < 0.01 * mem["activations"]
+
+# %% [markdown]
+# ## Where runs are stored
+#
+# Each run gets a folder under `$DISTLAB_RUNS` (or `./runs`): `config.json` (the
+# RunConfig), one event log per rank (`rank<r>.jsonl`, one JSON object per line, flushed
+# as it happens, so a crash loses nothing already written) and `status.json` (how it
+# ended). `Run.load(folder)` reopens a run without starting anything.
+
+# %%
+import json
+
+print(two.dir)
+for name in sorted(os.listdir(two.dir)):
+    print(f"  {name:12} {os.path.getsize(os.path.join(two.dir, name)):8,} bytes")
+with open(os.path.join(two.dir, "rank1.jsonl")) as f:
+    print(json.dumps(json.loads(f.readlines()[1]), indent=1)[:800])  # rank 1's first step
+
+# %%
+again = Run.load(two.dir)
+by_rank_step = lambda run: sorted(run.history("step"), key=lambda e: (e["rank"], e["step"]))
+print(again)
+assert again.status == "done" and again.cfg == two.cfg
+assert again.losses() == two.losses()
+assert by_rank_step(again) == by_rank_step(two)
+
+# %% [markdown]
+# ## The control panel
+#
+# The panel builds a `RunConfig` from its knobs and launches it when you press **Run**;
+# the button returns at once, so the kernel stays free and **Stop** can end the run. Its
+# dashboard keeps every run you start, so you can compare them: try world size 2 or 4
+# (the strategy switches to `allreduce`, since `single` is one process), the `ring` or
+# `naive` all-reduce, `bf16`, or a larger learning rate. A failing rank's traceback is
+# shown under the status line.
+
+# %%
+panel = lab.ControlPanel(steps=STEPS, **MODEL)
+panel.widget
+
+# %% [markdown]
+# ## What the textbook says, what the runs measured
+
+# %%
+rows = [
+    ("loss floor (entropy of the data)", f"{floor:.3f}", f"final loss {losses[-1]:.3f}"),
+    ("parameter bytes, fp32", f"4 × {n_params:,} = {4 * n_params:,}", f"{mem['params']:,}"),
+    ("gradient bytes", "= parameter bytes", f"{mem['grads']:,}"),
+    ("AdamW state", "≈ 2 × parameter bytes", f"{mem['optim']:,}"),
+    ("allreduce×2 vs single, per-step loss", f"equal up to rounding (< {TOL:g})",
+     f"max difference {diff:.1e}"),
+    ("bytes sent per rank per step, N = 2", f"2(N−1)/N × {grad_bytes:,} = {expected:,.0f}",
+     ", ".join(f"{s:,}" for s in sorted(sent))),
+]
+display(Markdown("| quantity | textbook | measured |\n|---|---|---|\n"
+                 + "\n".join(f"| {q} | {t} | {m} |" for q, t, m in rows)))

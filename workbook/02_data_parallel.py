@@ -1,0 +1,809 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Data parallelism: DP, parameter servers, DDP, and what each one costs
+#
+# Data parallelism gives every worker a whole copy of the model and a slice of each
+# batch; the workers then agree on one update. *How* they agree is what this notebook
+# measures, with real runs of the code in `distlab.parallel`:
+#
+# 1. **DP** (`dp`): nn.DataParallel's design, replicas in threads of one process, and the
+#    replica-0 bottleneck and the GIL it brings;
+# 2. **parameter servers** (`ps-sync`, `ps-async`): the server's link carries N times a
+#    worker's bytes, and asynchrony trades waiting for stale gradients;
+# 3. **DDP** written here (`ddp`): gradient buckets all-reduced while backward still runs,
+#    checked against torch's own (`ddp-torch`) and a single process;
+# 4. **gradient accumulation**: k micro-batches, one all-reduce per bucket per step;
+# 5. **data per rank**: the distributed sampler, the uneven-inputs hang and its fixes;
+# 6. **SyncBatchNorm**: statistics of the global batch, not of each rank's few rows;
+# 7. **stragglers**: synchronous steps wait for the slowest worker; backup workers and
+#    asynchrony do not;
+# 8. **gradient compression**: top-k with error feedback;
+# 9. **large batches**: the linear and square-root learning-rate rules with warm-up;
+# 10. a **control panel** to try the strategies, and a closing table: what the
+#     textbook says, what this run measured.
+#
+# Every check is an `assert` on a measured value. Equivalence checks use plain SGD in
+# fp32: runs that differ only in the order of their additions then agree to rounding
+# (`tests/test_ddp.py` documents at most 7.5e-8 per parameter after 20 steps), while
+# AdamW would amplify rounding in near-zero gradients and blur the comparison.
+
+# %% tags=["parameters"]
+import os
+
+# CI sets WORKBOOK_QUICK=1: a tiny GPT and few steps, so the notebook runs in about a minute.
+QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
+STEPS = 20 if QUICK else 100
+# Quick: a 2-layer, 32-wide GPT on 16-token rows, global batch 8.
+# Full: RunConfig's default GPT (4 layers, 128 wide, 64 tokens), global batch 16.
+SMALL_GPT = dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=8)
+GPT = SMALL_GPT if QUICK else dict(global_batch=16)
+WORLD = 4                             # dp replicas and DDP ranks
+ACCUM = 2                             # micro-batches per step in the accumulation run
+BUCKET_MB = 0.02 if QUICK else 0.25   # DDP bucket cap in MiB (torch's default is 25)
+TOPK_RATIO = 0.01                     # top-k compression: fraction of entries sent
+STRAGGLER_STEPS = 6 if QUICK else 15
+DELAY_S = 0.2                         # the straggler's extra sleep per step
+
+# %%
+import statistics
+
+import ipywidgets as W
+
+from distlab import RunConfig, RunError, lab, launch
+from distlab.comm import ring_allreduce_bytes
+from distlab.lab import stragglers
+from distlab.lab.common import fmt_bytes, table
+from distlab.lab.data_parallel import (
+    bucket_plan,
+    bucket_timeline,
+    diff_figure,
+    dp_bottleneck_figure,
+    dp_summary,
+    grouped_bars,
+    loss_figure,
+    ps_ring_figure,
+    scaling_figure,
+    staleness_figure,
+)
+from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
+from distlab.lab.scaling import BASE as SCALING_BASE
+from distlab.lab.scaling import scaling_experiment
+from distlab.lab.scaling import summary as scaling_summary
+from distlab.parallel.data_parallel.compression import topk_bytes_per_rank
+from distlab.sampler import DistributedSampler, batches_per_rank
+
+# Every GPT run: plain SGD (see the introduction), one torch thread per process (4 ranks
+# share this machine's cores; more threads per rank only fight over them).
+BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
+                 **GPT)
+# The BatchNorm net of section 6 on Gaussian clusters: 8 rows per step, 2 per rank at WORLD 4.
+BN = RunConfig(model="bnnet", optimizer="sgd", lr=0.1, steps=STEPS, global_batch=8,
+               n_embd=32, timeout_s=60, threads_per_rank=1)
+# Section 7's four runs, each with N = 2 gradients per update and the last rank slow. They
+# time waiting, not the model: the small GPT in both modes, so the delay dwarfs a step.
+STRAGGLERS = stragglers.straggler_configs(
+    BASE.replace(steps=STRAGGLER_STEPS, **SMALL_GPT), workers=2, delay_s=DELAY_S)
+# Equivalence tolerances. fp32 runs that differ only in the order of their additions
+# differ by ~1e-7 per step; SGD keeps their parameters that close, while a wrong gradient
+# (a missing average, a lost replica or micro-batch) moves them by ~1e-2
+# (tests/test_ddp.py). Parameters after the run: TOL = 1e-5, 100x from each side.
+# The loss can amplify rounding for a while where it falls steeply, then damps it again
+# (the cells print where the largest gap was and the gap at the last step), so per-step
+# losses get LOSS_TOL = 1e-3: still 10x below the median change of the loss from one
+# step to the next, which a real divergence would show (checked in section 3).
+TOL, LOSS_TOL = 1e-5, 1e-3
+
+# %% [markdown]
+# **How the runs are launched.** Bringing up ranks costs seconds (every spawned process
+# imports torch; `benchmarks/launch_latency.py` measures it on your machine), much more
+# than a short run of a small model. So `lab.runs.launch_together` trains several configs
+# that need the same number of processes one after another in **one** launch
+# (`distlab.train.train_with_state`) and hands back one `Run` per config, plus each
+# rank's final parameters for comparisons parameter by parameter. A launch below may
+# therefore also train the runs of a later section; the comment says which.
+
+# %% [markdown]
+# ## 1. DP: one process, replicas in threads
+#
+# `torch.nn.DataParallel` splits each batch across the GPUs of **one process**. Every
+# forward it *replicates* the model from device 0 to the others, *scatters* the batch,
+# runs the replicas in Python threads (`parallel_apply`), *gathers* their outputs on
+# device 0, where the loss is computed; backward scatters the output gradients back and
+# *reduce-adds* every replica's parameter gradients onto device 0, whose optimizer
+# steps. On CPU torch's own class silently runs the module unsplit (it sets
+# `device_ids=[]`), so `distlab.parallel.data_parallel.dp` writes the same cycle out and counts each
+# byte that crosses between replicas:
+#
+# | kind | replica 0 | any other replica |
+# |---|---|---|
+# | broadcast (parameters out) | sends (n−1)·P | receives P |
+# | scatter (input rows out) | sends (n−1)/n·X | receives X/n |
+# | gather (outputs in) | receives (n−1)/n·O | sends O/n |
+# | grad scatter (output gradients out) | sends (n−1)/n·O | receives O/n |
+# | reduce-add (gradients in) | receives (n−1)·P | sends P |
+#
+# P: parameter bytes; X: the global batch's input bytes (int64 token ids); O: its output
+# (logit) bytes. Replica 0 moves exactly n−1 times what any other replica moves, and it
+# alone computes the loss and steps the optimizer. That, with the GIL, is why PyTorch's
+# documentation recommends DistributedDataParallel "even if there is only a single node"
+# (torch.nn.DataParallel docs; Li et al. 2020 compare the two).
+#
+# This launch (one process) trains `dp` with its replicas in threads and one after
+# another, and the `single` baseline that every later section compares with (and
+# section 6's BatchNorm baseline).
+
+# %%
+one = launch_together({
+    "single": BASE,
+    "dp": BASE.replace(strategy="dp", world_size=WORLD),
+    "dp sequential": BASE.replace(strategy="dp", world_size=WORLD,
+                                  extra={"dp_threads": False}),
+    "single bnnet": BN.replace(sync_bn=True),  # section 6: SyncBN at world 1 is BatchNorm
+}, name="one-process")
+single, dp_run = one["single"], one["dp"]
+n_params = single.info("n_params")
+P = 4 * n_params  # fp32 gradient (= parameter) bytes
+dp = dp_summary(dp_run)
+print(f"{n_params:,} parameters, P = {P:,} bytes; dp with {dp['replicas']} replicas, "
+      f"{dp['threads']} Python threads, {dp['intra_op_threads']} torch thread(s)")
+
+# %%
+n = dp["replicas"]
+X = BASE.global_batch * BASE.seq_len * 8                    # int64 token ids
+O = BASE.global_batch * BASE.seq_len * BASE.vocab_size * 4  # fp32 logits
+by_kind = dp_run.history("step")[-1]["dp"]["bytes"]
+expected = {"broadcast": ("sent", (n - 1) * P), "scatter": ("sent", (n - 1) * X // n),
+            "gather": ("recv", (n - 1) * O // n), "grad_scatter": ("sent", (n - 1) * O // n),
+            "reduce_add": ("recv", (n - 1) * P)}
+table(["kind", "replica 0", "formula", "measured", "each other replica (measured)"],
+      [[k, d, f"{v:,}", f"{by_kind[k][d][0]:,}",
+        f"{by_kind[k]['recv' if d == 'sent' else 'sent'][1]:,}"]
+       for k, (d, v) in expected.items()])
+for k, (d, v) in expected.items():
+    assert by_kind[k][d][0] == v, k
+for e in dp_run.history("step"):  # every step: replica 0 moves n-1 times any other's
+    s = e["dp"]
+    for i in range(1, n):
+        assert s["bytes_sent"][0] == (n - 1) * s["bytes_recv"][i]
+        assert s["bytes_recv"][0] == (n - 1) * s["bytes_sent"][i]
+assert dp["replica0_factor"] == n - 1 and dp["replica0_only_s"] > 0
+
+# %% [markdown]
+# The bytes of one step per replica, and the work: each replica's own forward (its
+# thread), and on replica 0 the phases no other replica shares (medians over the steps).
+
+# %%
+dp_bottleneck_figure(dp_run, dp).show()
+moved = [a + b for a, b in zip(dp["bytes_sent"], dp["bytes_recv"])]
+print(f"replica 0 moved {fmt_bytes(moved[0])} per step, each other replica "
+      f"{fmt_bytes(moved[1])}: {moved[0] / moved[1]:.2f}x (n - 1 = {n - 1}); replica 0 "
+      f"also spent {dp['replica0_only_s'] * 1e3:.2f} ms per step on work only it does")
+dp_diff = worst_param_diff(dp_run.states[0], single.states[0])
+dp_loss_diff = max_step_loss_diff(dp_run.losses(), single.losses())
+print(f"dp vs single after {STEPS} steps: worst parameter difference {dp_diff:.1e}, "
+      f"per-step loss {dp_loss_diff:.1e}")
+assert dp_diff <= TOL and dp_loss_diff <= LOSS_TOL  # the same update as one process
+
+# %% [markdown]
+# **Threads and the GIL.** Tensor kernels release Python's global interpreter lock, but the
+# Python between them (module calls, hooks, the autograd bookkeeping) holds it, so the
+# replica threads overlap only inside kernels. With replicas run one after another
+# instead (`extra={"dp_threads": False}`), each replica's forward is its own cost; in
+# threads, the time it waits for the lock and for a core adds to its wall time.
+
+# %%
+seq = dp_summary(one["dp sequential"])
+fw_thr, fw_seq = dp["seconds"]["forward_wall_s"], seq["seconds"]["forward_wall_s"]
+rep_thr, rep_seq = (statistics.median(s["replica_forward_s"]) for s in (dp, seq))
+cpu_thr, cpu_seq = (statistics.median(s["replica_cpu_s"]) for s in (dp, seq))
+table(["replicas run", "forward, all replicas (wall)", "one replica's forward (wall)",
+       "one replica's forward (its CPU time)", "step"],
+      [[name, f"{s['seconds']['forward_wall_s'] * 1e3:.2f} ms", f"{r * 1e3:.2f} ms",
+        f"{c * 1e3:.2f} ms", f"{s['step_s'] * 1e3:.1f} ms"]
+       for name, s, r, c in (("in 4 threads", dp, rep_thr, cpu_thr),
+                             ("one after another", seq, rep_seq, cpu_seq))])
+grouped_bars({"threads": {"forward of all replicas": fw_thr * 1e3,
+                          "one replica's forward": rep_thr * 1e3},
+              "one after another": {"forward of all replicas": fw_seq * 1e3,
+                                    "one replica's forward": rep_seq * 1e3}},
+             "dp forward: replicas in threads vs one after another (medians)", "ms").show()
+gil_speedup = fw_seq / fw_thr
+verdict = (f"{gil_speedup:.2f}x faster" if gil_speedup >= 1
+           else f"{1 / gil_speedup:.2f}x slower")
+print(f"the replicas' forward in threads was {verdict} than one after another "
+      f"({dp['intra_op_threads']} torch thread per replica, {os.cpu_count()} cores)")
+# in threads, a replica's forward waits for the GIL and for a core: it takes longer
+assert rep_thr > rep_seq
+
+# %% [markdown]
+# ## 2. Parameter servers: sync and async
+#
+# A parameter server (Dean et al. 2012, "Large Scale Distributed Deep Networks") holds
+# the master weights; workers push gradients to it and pull weights back. `ps-sync`
+# (synchronous SGD through a server; Chen et al. 2016, "Revisiting Distributed
+# Synchronous SGD") averages N workers' gradients per update: with N equal slices of the
+# global batch it takes exactly `single`'s step. `ps-async` (Dean et al.'s Downpour SGD)
+# applies each gradient the moment it arrives and answers that worker alone: nobody
+# waits, but a gradient computed on weights of version v lands on version v + s. The
+# server records s, the **staleness**, for every update.
+#
+# Rank 0 is the server; ranks 1..N the workers. This launch (3 processes: N = 2) also
+# trains section 7's ps runs with a straggler.
+
+# %%
+ps = launch_together({
+    "ps-sync": BASE.replace(strategy="ps-sync", world_size=3),
+    "ps-async": BASE.replace(strategy="ps-async", world_size=3),
+    "straggler ps-sync": STRAGGLERS["ps-sync"],    # section 7
+    "straggler ps-async": STRAGGLERS["ps-async"],  # section 7
+}, name="ps")
+ps_sync, ps_async = ps["ps-sync"], ps["ps-async"]
+N_PS = ps_sync.cfg.dp_degree
+server_ev = [e for e in ps_sync.history("step") if e.get("role") == "server"]
+worker_ev = [e for e in ps_sync.history("step") if e.get("role") != "server"]
+ps_measured = {"server (rank 0)": (statistics.median(e["bytes_out"] for e in server_ev),
+                                   statistics.median(e["bytes_in"] for e in server_ev))}
+for w in range(1, N_PS + 1):
+    mine = [e["comm"] for e in worker_ev if e["rank"] == w]
+    ps_measured[f"worker {w}"] = (statistics.median(c["ps.push"]["bytes_sent"] for c in mine),
+                                  statistics.median(c["ps.pull"]["bytes_recv"] for c in mine))
+table(["node", "sent per update", "received per update", "formula"],
+      [[k, f"{s:,.0f}", f"{r:,.0f}", f"N·P = {N_PS * P:,}" if k.startswith("server")
+        else f"P = {P:,}"] for k, (s, r) in ps_measured.items()])
+ps_ring_figure(ps_measured, P, N_PS).show()
+print(f"a ring all-reduce rank at N = {N_PS} would send 2(N-1)/N·P = "
+      f"{ring_allreduce_bytes(P, N_PS):,.0f} (measured for DDP in section 3)")
+for e in server_ev:  # N gradients in, N copies of the weights out, every update
+    assert e["grads_used"] == N_PS and e["bytes_in"] == e["bytes_out"] == N_PS * P
+for e in worker_ev:  # one gradient out, the weights back (plus a 24-byte control message)
+    assert e["comm"]["ps.push"]["bytes_sent"] == e["comm"]["ps.pull"]["bytes_recv"] == P
+ps_diff = max(worst_param_diff(s, single.states[0]) for s in ps_sync.states)
+print(f"ps-sync vs single: worst parameter difference {ps_diff:.1e} (server and workers)")
+assert ps_diff <= TOL
+
+# %% [markdown]
+# The server's link carries N·P each way per update, a worker's P: the server is the
+# bottleneck, and it grows with N. A ring all-reduce (01_collectives) moves the same
+# total but spreads it: every rank sends and receives 2(N−1)/N·P, under 2P whatever N is.
+# Dean et al. shard the server over many machines for this reason; all-reduce removes it.
+#
+# **Asynchrony.** The staleness of each update of the `ps-async` run, and of its
+# straggler twin from section 7 (one worker sleeping `DELAY_S` per step):
+
+# %%
+stale = {name: [e["staleness"] for e in run.history("step") if e.get("role") == "server"]
+         for name, run in (("ps-async", ps_async), ("with a straggler", ps["straggler ps-async"]))}
+staleness_figure(ps_async, f"ps-async, {N_PS} workers: staleness of each update").show()
+staleness_figure(ps["straggler ps-async"], f"ps-async with worker rank "
+                 f"{STRAGGLERS['ps-async'].straggler_rank} sleeping {DELAY_S} s per step").show()
+for name, s in stale.items():
+    print(f"{name}: {len(s)} updates, staleness mean {statistics.mean(s):.2f}, max {max(s)}")
+assert len(stale["ps-async"]) == N_PS * STEPS  # every gradient is applied on its own
+# the first gradient of the worker that arrived second was computed on version 0
+assert min(stale["ps-async"]) >= 0 and max(stale["ps-async"]) >= 1
+
+# %% [markdown]
+# Same rows per worker step, so equal samples: sync averages N gradients per update,
+# async applies N times as many single-worker updates, some of them stale.
+
+# %%
+loss_figure({"single": single.losses(), "ps-sync": ps_sync.losses(),
+             "ps-async (mean of the workers at each worker step)": ps_async.losses()},
+            "parameter servers: loss per worker step (= per global batch of samples)",
+            floor=single.info("loss_floor")).show()
+ps_final = {k: statistics.mean(r.losses()[-3:]) for k, r in (("sync", ps_sync), ("async", ps_async))}
+print(f"loss, mean of the last 3 steps: ps-sync {ps_final['sync']:.3f}, "
+      f"ps-async {ps_final['async']:.3f} (single {statistics.mean(single.losses()[-3:]):.3f})")
+assert max_step_loss_diff(ps_sync.losses(), single.losses()) <= LOSS_TOL
+assert ps_final["async"] < statistics.mean(ps_async.losses()[:3]) - 0.1  # async trains too
+
+# %% [markdown]
+# ## 3. DDP: buckets all-reduced during backward
+#
+# Each rank is its own process with its own replica (no replica 0, no GIL to share). After
+# backward the gradients must be averaged; `allreduce` does it when backward has ended,
+# leaving the wire idle during backward. DDP (Li et al. 2020, "PyTorch Distributed:
+# Experiences on Accelerating Data Parallel Training", VLDB, §3.2) overlaps the two:
+#
+# * gradients are grouped into **buckets** of at most `bucket_mb`, in **reverse**
+#   registration order, roughly the order backward produces them (the head's first, the
+#   embeddings' last); one all-reduce per bucket amortises each call's latency;
+# * an **autograd hook** on each parameter marks its gradient ready; when a bucket is
+#   complete its all-reduce starts asynchronously while backward goes on. Buckets start
+#   in index order on every rank, because collectives must match across ranks.
+#
+# The plan for this run's GPT (`distlab.parallel.data_parallel.ddp.assign_buckets`, rebuilt here):
+
+# %%
+ddp_cfg = BASE.replace(strategy="ddp", world_size=WORLD, bucket_mb=BUCKET_MB)
+plan = bucket_plan(ddp_cfg)
+table(["bucket", "tensors", "bytes", "first gradient in it", "last gradient in it"],
+      [[i, len(b["tensors"]), f"{b['bytes']:,}", b["tensors"][0], b["tensors"][-1]]
+       for i, b in enumerate(plan)])
+assert sum(b["bytes"] for b in plan) == P and all(b["bytes"] <= BUCKET_MB * 2**20
+                                                 or len(b["tensors"]) == 1 for b in plan)
+# reverse registration order: the head's gradient first, the token embedding's last
+assert plan[0]["tensors"][0] == "head.weight" and plan[-1]["tensors"][-1] == "tok_emb.weight"
+
+# %% [markdown]
+# A live run: `ddp` on `WORLD` ranks, drawn over the `single` baseline as it trains. The bytes
+# panel shows what each rank sent in one step.
+
+# %%
+ddp = launch(ddp_cfg)
+dash = lab.watch(single, ddp)
+ddp.wait()
+
+# %% [markdown]
+# The other 4-rank runs, in one launch: torch's own DDP (`ddp-torch`, with a comm hook
+# that books its bytes through `distlab.comm`), and the runs of sections 4, 6, 7 and 8.
+
+# %%
+four = launch_together({
+    "ddp-torch": ddp_cfg.replace(strategy="ddp-torch"),
+    "ddp accum": ddp_cfg.replace(grad_accum=ACCUM),                          # section 4
+    "bnnet SyncBN": BN.replace(strategy="allreduce", world_size=WORLD, sync_bn=True),  # 6
+    "bnnet BN": BN.replace(strategy="allreduce", world_size=WORLD),           # section 6
+    "straggler ps-sync + backup": STRAGGLERS["ps-sync + 1 backup"],           # section 7
+    "ddp topk": ddp_cfg.replace(compress="topk", topk_ratio=TOPK_RATIO),      # section 8
+}, name="four-ranks")
+
+# %% [markdown]
+# **The timeline.** Each step event carries the rank's bucket timeline (`e["ddp"]`): backward
+# from 0 to its end, and per bucket when its last gradient arrived (*ready*), when its
+# all-reduce was issued and when it completed. The overlap fraction is the part of the
+# communication time (the union of the buckets' intervals) that fell inside backward,
+# so it can never exceed backward's duration divided by the communication time. A bar
+# starts when the call that issued the all-reduce returned; on a busy CPU the gap after
+# *ready* is that call's own cost. Below: rank 0's step with the median overlap.
+
+# %%
+ddp_steps = [e for e in ddp.history("step") if e["step"] > 0]  # step 0 warms up
+overlaps = [e["ddp"]["overlap"] for e in ddp_steps]
+r0 = sorted((e for e in ddp_steps if e["rank"] == 0), key=lambda e: e["ddp"]["overlap"])
+shown = r0[len(r0) // 2]
+bucket_timeline(shown).show()
+bwd = statistics.median(e["ddp"]["backward"][1] for e in ddp_steps)
+comm = statistics.median(e["ddp"]["comm_s"] for e in ddp_steps)
+overlap = statistics.median(overlaps)
+print(f"{len(plan)} buckets; over {len(ddp_steps)} rank-steps: overlap median {overlap:.0%} "
+      f"(min {min(overlaps):.0%}, max {max(overlaps):.0%}); backward {bwd * 1e3:.1f} ms, "
+      f"communication {comm * 1e3:.1f} ms (medians)")
+print(f"at most backward / communication = {min(1, bwd / comm):.0%} of the communication "
+      "can hide under backward")
+for e in ddp.history("step"):
+    t = e["ddp"]
+    starts = [b["start"] for b in t["buckets"]]
+    assert [b["bytes"] for b in t["buckets"]] == [b["bytes"] for b in plan]  # the plan
+    assert starts == sorted(starts)             # issued in bucket order, on every rank
+    assert starts[0] < t["backward"][1]          # the first starts before backward ends
+    assert 0 < t["overlap"] <= 1 and t["hidden_s"] > 0
+
+# %% [markdown]
+# Overlap needs something that is idle during backward. On a GPU the all-reduce runs on
+# NCCL's own stream and the network card, while the cores compute. Here 4 ranks share
+# this machine's cores, and gloo's all-reduce is work for the same cores: a bucket's
+# all-reduce and the rest of backward compete for them, and with a tiny model the
+# per-call latency of each all-reduce can dwarf the backward pass. The measured overlap
+# is what this machine gives, not what DDP gives on GPUs; Li et al. 2020 (§5) measure
+# what overlapping gains on GPU clusters.
+
+# %% [markdown]
+# **Same training as one process.** `ddp` and `ddp-torch` on 4 ranks and `single` on the
+# whole batch: the loss of every step (the mean of the ranks' slice losses, which with
+# equal slices is the loss of the global batch).
+
+# %%
+ddp_torch = four["ddp-torch"]
+loss_figure({"single": single.losses(), "ddp (ours)": ddp.losses(),
+             "ddp-torch": ddp_torch.losses()},
+            f"single vs ddp vs ddp-torch on {WORLD} ranks (SGD, fp32)",
+            floor=single.info("loss_floor")).show()
+gaps = {"ddp": [abs(x - y) for x, y in zip(ddp.losses(), single.losses())],
+        "ddp-torch": [abs(x - y) for x, y in zip(ddp_torch.losses(), single.losses())]}
+diff_figure(gaps, LOSS_TOL, "|loss − single's loss| per step (log scale)").show()
+ddp_loss_diff = {k: max_step_loss_diff(r.losses(), single.losses())
+                 for k, r in (("ddp", ddp), ("ddp-torch", ddp_torch))}
+torch_param_diff = worst_param_diff(ddp_torch.states[0], single.states[0])
+a = single.losses()
+step_change = statistics.median(abs(a[t + 1] - a[t]) for t in range(len(a) - 1))
+for k, g in gaps.items():
+    print(f"{k}: largest per-step loss gap {max(g):.1e} at step {g.index(max(g))}, "
+          f"{g[-1]:.1e} at the last step (tolerance {LOSS_TOL:g})")
+print(f"ddp-torch's parameters vs single after {STEPS} steps: {torch_param_diff:.1e} "
+      f"(tolerance {TOL:g}); median change of the loss per step: {step_change:.1e}")
+assert max(ddp_loss_diff.values()) <= LOSS_TOL and torch_param_diff <= TOL
+assert 10 * LOSS_TOL < step_change  # the tolerance could not hide a real divergence
+
+# %% [markdown]
+# **Bytes.** Each bucket's all-reduce of S bytes sends 2(N−1)/N·S per rank (the ring's
+# count, `distlab.comm.ring_allreduce_bytes`); the buckets together hold every gradient,
+# so one step should send 2(N−1)/N × P per rank, whatever the bucket size, for ours and
+# torch's. The bucket counts differ: torch's Reducer uses one bucket in the first
+# iteration and then rebuilds them in the order gradients arrived, closing a bucket once
+# it reaches the cap, where ours closes it before (`distlab.parallel.data_parallel.ddp_torch`).
+
+# %%
+ring_expected = ring_allreduce_bytes(P, WORLD)
+rows = []
+for name, run in (("ddp", ddp), ("ddp-torch", ddp_torch)):
+    ar = [e["comm"]["all_reduce"] for e in run.history("step")]
+    sent = sorted({c["bytes_sent"] for c in ar})
+    calls = sorted({c["calls"] for c in ar})
+    rows.append([name, f"2·{WORLD - 1}/{WORLD} × {P:,} = {ring_expected:,.0f}",
+                 ", ".join(f"{s:,}" for s in sent), ", ".join(map(str, calls))])
+    assert sent == [ring_expected], name
+table(["strategy", "formula, per rank per step", "measured, every rank and step",
+       "all-reduce calls per step"], rows)
+ddp_calls = {e["comm"]["all_reduce"]["calls"] for e in ddp.history("step")}
+assert ddp_calls == {len(plan)}  # one all-reduce per bucket
+
+# %% [markdown]
+# ## 4. Gradient accumulation: k micro-batches, one all-reduce
+#
+# A rank can split its rows into k micro-batches and run k forward/backward passes before
+# one optimizer step: gradients add up in `.grad`, and with each micro-batch's loss
+# divided by k the sum is the gradient of the whole batch. Only the last backward
+# should communicate: under DDP's `no_sync` (Li et al. 2020, §3.2.4) the hooks of the
+# first k−1 backward passes do nothing. So `ddp` with `grad_accum = k` should match
+# `single` on the same global batch (k times the micro-batch per rank), and call one
+# all-reduce per bucket per step, not k.
+
+# %%
+accum = four["ddp accum"]
+micro = accum.cfg.micro_batch
+accum_loss_diff = max_step_loss_diff(accum.losses(), single.losses())
+accum_param_diff = max(worst_param_diff(s, single.states[0]) for s in accum.states)
+accum_calls = sorted({e["comm"]["all_reduce"]["calls"] for e in accum.history("step")})
+accum_sent = sorted({e["comm"]["all_reduce"]["bytes_sent"] for e in accum.history("step")})
+table(["run", "rows per rank per step", "backward passes per step", "all-reduce calls per step",
+       "bytes per rank per step", "vs single: loss / parameters"],
+      [["ddp", ddp_cfg.local_batch, 1, len(plan), f"{ring_expected:,.0f}",
+        f"{ddp_loss_diff['ddp']:.1e} / –"],
+       [f"ddp, grad_accum={ACCUM}", f"{ACCUM} × {micro}", ACCUM,
+        ", ".join(map(str, accum_calls)), ", ".join(f"{s:,}" for s in accum_sent),
+        f"{accum_loss_diff:.1e} / {accum_param_diff:.1e}"]])
+assert accum_loss_diff <= LOSS_TOL and accum_param_diff <= TOL
+assert accum_calls == [len(plan)]          # once per optimizer step, per bucket
+assert accum_sent == [ring_expected]       # the same bytes as without accumulation
+
+# %% [markdown]
+# ## 5. Data per rank: the sampler and uneven inputs
+#
+# With a finite dataset each rank reads its own shard: a distributed sampler shuffles the
+# row numbers with a seed every rank shares (so no one has to send the permutation) and
+# gives rank r positions r, r+N, r+2N, … (`distlab.sampler.DistributedSampler`, the same
+# indices as torch's with `drop_last=True`). Ten rows on four ranks:
+
+# %%
+shards = {d: [DistributedSampler(10, WORLD, r, seed=0, drop_last=d).indices(0)
+              for r in range(WORLD)] for d in (False, True)}
+table(["rank", "rows, drop_last=False", "rows, drop_last=True"],
+      [[r, shards[False][r], shards[True][r]] for r in range(WORLD)])
+for d, s in shards.items():
+    flat = [i for shard in s for i in shard]
+    assert len(flat) == len(set(flat))  # disjoint
+    assert len(flat) == (10 if not d else 10 - 10 % WORLD)  # all rows, or the tail dropped
+
+# %% [markdown]
+# Without `drop_last`, ranks get different numbers of rows, and a rank may get one batch
+# more than another. Then it runs one more step, whose gradient all-reduce waits for peers
+# that have stopped. PyTorch's DDP "hangs" here (the PyTorch tutorial on uneven inputs
+# and the `Join` context manager); with the default 30-minute timeout the job sits
+# silent. Here every collective has `timeout_s`, and the error says who ran out of data.
+#
+# A 9-row dataset on 2 ranks, 2 rows per rank per step, with a timeout of a few seconds:
+
+# %%
+uneven = RunConfig(strategy="allreduce", world_size=2, optimizer="sgd", lr=0.1,
+                   steps=STEPS, global_batch=4, seq_len=16, n_layer=1, n_embd=32,
+                   n_head=2, dataset_size=9, drop_last=False, timeout_s=60,
+                   threads_per_rank=1)
+counts = batches_per_rank(uneven.dataset_size, 2, uneven.local_batch, uneven.drop_last)
+print(f"batches per rank: {counts}")
+behind = [r for r, c in enumerate(counts) if c < max(counts)]  # ranks that run out first
+HANG_TIMEOUT_S = 3
+hang = None
+try:
+    launch(uneven.replace(timeout_s=HANG_TIMEOUT_S)).wait(timeout=120)
+except RunError as e:
+    hang = e
+assert hang is not None, "the uneven run should have failed"
+print(hang.message)
+assert f"timed out after {HANG_TIMEOUT_S} s" in hang.message
+assert f"rank(s) {behind} ran out of data after {min(counts)} steps" in hang.message
+
+# %% [markdown]
+# Three fixes, each run to completion: `drop_last=True` (every rank gets
+# floor(size/N) rows), a dataset that divides into equal batches (8 rows), and
+# `join=True`, a join protocol like torch's `Join`: a rank out of data keeps shadowing the
+# others' collectives with zero gradients until every rank is done. This launch (2
+# processes) also trains section 7's `allreduce` straggler run.
+
+# %%
+fixes = launch_together({
+    "drop_last=True": uneven.replace(drop_last=True),
+    "equal batches (8 rows)": uneven.replace(dataset_size=8),
+    "join=True": uneven.replace(join=True),
+    "straggler allreduce": STRAGGLERS["allreduce"],  # section 7
+}, name="two-ranks")
+fix_rows = []
+for name in ("drop_last=True", "equal batches (8 rows)", "join=True"):
+    run, cfg = fixes[name], fixes[name].cfg
+    want = batches_per_rank(cfg.dataset_size, 2, cfg.local_batch, cfg.drop_last)
+    trained = [sum(1 for e in run.history("step", rank=r) if not e.get("joined"))
+               for r in range(2)]
+    joined = [sum(1 for e in run.history("step", rank=r) if e.get("joined")) for r in range(2)]
+    fix_rows.append([name, want, trained, joined, f"{run.losses()[-1]:.3f}"])
+    assert trained == want, name
+    for k, v in run.states[1].items():  # every rank ends with the same model
+        assert v.equal(run.states[0][k]), (name, k)
+table(["fix", "batches per rank (sampler)", "steps trained per rank",
+       "steps shadowed (joined) per rank", "last loss"], fix_rows)
+# join: the rank that ran out shadowed the others' remaining steps
+assert fix_rows[2][3] == [max(counts) - c for c in counts]
+
+# %% [markdown]
+# ## 6. SyncBatchNorm
+#
+# BatchNorm normalises each channel with the mean and variance of the batch (Ioffe &
+# Szegedy 2015). Under data parallelism "the batch" becomes each rank's few rows: with 2
+# rows per rank the statistics are poor estimates, the model computes a different
+# function than `single` on the global batch, and its gradients differ. SyncBatchNorm
+# all-reduces the per-channel sums Σx, Σx² and the row count, so every rank normalises
+# with the global batch's statistics; the all-reduce is differentiable (its backward is
+# an all-reduce too). torch's `nn.SyncBatchNorm` refuses to train on CPU, so
+# `distlab.parallel.data_parallel.syncbn` writes it out.
+#
+# A small BatchNorm classifier, global batch 8 on 4 ranks (2 rows per rank), under
+# `allreduce`: with SyncBN, and with plain per-rank BatchNorm.
+
+# %%
+bn_single, bn_sync, bn_plain = one["single bnnet"], four["bnnet SyncBN"], four["bnnet BN"]
+loss_figure({"single (BatchNorm over the global batch)": bn_single.losses(),
+             f"SyncBN, {WORLD} ranks": bn_sync.losses(),
+             f"per-rank BN, {WORLD} ranks": bn_plain.losses()},
+            f"BatchNorm net, {BN.global_batch // WORLD} rows per rank",
+            floor=bn_single.info("loss_floor")).show()
+params = lambda st: {k: v for k, v in st.items() if "running" not in k and "num_batches" not in k}
+stats = lambda st: {k: v for k, v in st.items() if "running" in k}
+ref = bn_single.states[0]
+sync_diff = max(worst_param_diff(params(s), params(ref)) for s in bn_sync.states)
+sync_stat_diff = max(worst_param_diff(stats(s), stats(ref)) for s in bn_sync.states)
+plain_diff = worst_param_diff(params(bn_plain.states[0]), params(ref))
+plain_stat_diff = worst_param_diff(stats(bn_plain.states[0]), stats(ref))
+sync_loss_diff = max_step_loss_diff(bn_sync.losses(), bn_single.losses())
+plain_loss_diff = max_step_loss_diff(bn_plain.losses(), bn_single.losses())
+table(["run", "worst parameter difference vs single",
+       "worst running-statistic difference", "largest per-step loss gap"],
+      [["SyncBN", f"{sync_diff:.1e}", f"{sync_stat_diff:.1e}", f"{sync_loss_diff:.1e}"],
+       ["per-rank BatchNorm", f"{plain_diff:.1e}", f"{plain_stat_diff:.1e}",
+        f"{plain_loss_diff:.1e}"]])
+assert sync_diff <= TOL and sync_stat_diff <= TOL and sync_loss_diff <= LOSS_TOL
+assert plain_diff > 1000 * TOL and plain_loss_diff > 10 * LOSS_TOL  # another model
+
+# %% [markdown]
+# ## 7. Stragglers
+#
+# A synchronous update is as slow as the slowest gradient it waits for. One worker here
+# sleeps `DELAY_S` per step (`straggler_rank`), in four layouts with N = 2 gradients per
+# update (`distlab.lab.stragglers.straggler_configs`): `allreduce` and `ps-sync` wait for it;
+# `ps-sync` with one **backup worker** (Chen et al. 2016) runs N+1 workers and uses the
+# first N gradients of each update, dropping the late one; `ps-async` (Dean et al. 2012)
+# never waits, and the straggler's gradients arrive stale. The runs were trained in the
+# launches above; `stragglers.summarize` reads each from its events.
+
+# %%
+strag_runs = {"allreduce": fixes["straggler allreduce"], "ps-sync": ps["straggler ps-sync"],
+              "ps-sync + 1 backup": four["straggler ps-sync + backup"],
+              "ps-async": ps["straggler ps-async"]}
+strag = {k: {"name": k, **stragglers.summarize(r)} for k, r in strag_runs.items()}
+ms = lambda v: "–" if v is None else f"{v * 1e3:.0f} ms"
+table(["layout", "ranks", "grads per update", "time between updates", "fast worker's step",
+       "straggler's step", "dropped", "staleness mean / max"],
+      [[k, r["world_size"], r["grads_per_update"], ms(r["update_s"]), ms(r["worker_step_s"]),
+        ms(r["straggler_step_s"]), r["dropped"], f"{r['staleness_mean']:.2f} / {r['staleness_max']}"]
+       for k, r in strag.items()])
+grouped_bars({"time between updates": {k: r["update_s"] * 1e3 for k, r in strag.items()},
+              "a fast worker's step": {k: r["worker_step_s"] * 1e3 for k, r in strag.items()}},
+             f"one worker {DELAY_S} s slow per step (medians)", "ms").show()
+
+# %% [markdown]
+# The ordering is asserted only where the injected delay dwarfs the noise: the step of a
+# worker that waits for no one (the backup run's fast workers) must be under a fifth of
+# `DELAY_S`, or the comparison says nothing and the cell says so instead.
+
+# %%
+noise = strag["ps-sync + 1 backup"]["worker_step_s"]
+delay_dwarfs_noise = DELAY_S > 5 * noise
+print(f"a worker's own step: {noise * 1e3:.0f} ms; injected delay {DELAY_S * 1e3:.0f} ms: "
+      f"{'asserting the ordering' if delay_dwarfs_noise else 'too close to assert'}")
+if delay_dwarfs_noise:
+    for k in ("allreduce", "ps-sync"):  # synchronous updates wait for the straggler ...
+        assert strag[k]["update_s"] >= 0.9 * DELAY_S, k
+    # ... the backup worker's update does not
+    assert strag["ps-sync + 1 backup"]["update_s"] < 0.5 * strag["ps-sync"]["update_s"]
+    assert strag["ps-async"]["worker_step_s"] < 0.5 * DELAY_S  # async workers never wait
+b = strag["ps-sync + 1 backup"]
+assert b["dropped"] == STRAGGLER_STEPS and b["used_per_update"] == [2]  # b·steps dropped
+
+# %% [markdown]
+# ## 8. Gradient compression: top-k with error feedback
+#
+# Each bucket sends only its k = ratio·n entries of largest magnitude, as (value, index)
+# pairs, and keeps what it did not send in an error memory added to the next step's
+# gradient, so nothing is lost, only delayed (Lin et al. 2018, "Deep Gradient
+# Compression", ICLR; Stich et al. 2018). Every rank all-gathers every rank's pairs: a
+# ring all-gather sends (N−1)·8k bytes per rank per bucket
+# (`distlab.parallel.data_parallel.compression.topk_bytes_per_rank`), against 2(N−1)/N·4n for the dense
+# all-reduce.
+
+# %%
+topk = four["ddp topk"]
+numels = [b["bytes"] // 4 for b in topk.history("step")[0]["ddp"]["buckets"]]
+topk_expected = topk_bytes_per_rank(numels, TOPK_RATIO, WORLD)
+topk_sent = sorted({e["comm"]["all_gather"]["bytes_sent"] for e in topk.history("step")})
+table(["", "formula, per rank per step", "measured"],
+      [["dense all-reduce", f"2(N-1)/N·P = {ring_expected:,.0f}", f"{ring_expected:,.0f}"],
+       [f"top-k, ratio {TOPK_RATIO}", f"Σ_b (N-1)·k_b·8 = {topk_expected:,}",
+        ", ".join(f"{s:,}" for s in topk_sent)]])
+topk_factor = ring_expected / topk_expected
+print(f"top-k sends {topk_factor:.1f}x fewer bytes per step than the dense all-reduce")
+assert topk_sent == [topk_expected]
+loss_figure({"single": single.losses(), "ddp, dense": ddp.losses(),
+             f"ddp, top-k {TOPK_RATIO} + error feedback": topk.losses()},
+            "loss with and without gradient compression",
+            floor=single.info("loss_floor")).show()
+topk_final = statistics.mean(topk.losses()[-3:])
+dense_final = statistics.mean(ddp.losses()[-3:])
+print(f"loss, mean of the last 3 steps: top-k {topk_final:.3f}, dense {dense_final:.3f}")
+assert topk_final < statistics.mean(topk.losses()[:3]) - 0.05  # it still learns
+
+# %% [markdown]
+# ## 9. Large batches: the linear and square-root rules, and warm-up
+#
+# More ranks means a larger global batch. Goyal et al. 2017 ("Accurate, Large Minibatch
+# SGD: Training ImageNet in 1 Hour") scale the learning rate **linearly** with the batch
+# (k times the batch, k times the lr) and add a gradual **warm-up**, because early in
+# training k·lr is more than the loss surface tolerates. The **square-root** rule
+# (Krizhevsky 2014; Hoffer et al. 2017) keeps the update's variance instead.
+# `distlab.lab.scaling.scaling_experiment` trains the tiny GPT with SGD at batches 8, 32 and
+# 128, each rule, with and without warm-up, in one launch; it is cheap, so both modes run
+# the same grid.
+#
+# Read the two panels differently. Against **steps**, a larger batch with a larger lr
+# should make more progress per step: that is what more ranks buy. Against **samples**,
+# Goyal et al.'s claim is that the large batch with the linear rule matches the small
+# batch at equal epochs, once past the early phase that warm-up covers; a short run like
+# this one sits mostly in that early phase, and the table's equal-samples column shows
+# how far from matching it is.
+
+# %%
+curves = scaling_experiment(SCALING_BASE)
+scaling_figure(curves).show()
+scaling_rows = scaling_summary(curves)
+budget_key = next(k for k in scaling_rows[0] if k.startswith("loss_at_"))
+at_budget = {r["run"]: r[budget_key] for r in scaling_rows}
+table(["run", "peak lr", f"final loss (step {SCALING_BASE.steps})",
+       f"loss at {budget_key.split('_')[2]} samples", "diverged"],
+      [[r["run"], f"{r['lr']:.3g}", f"{r['final_loss']:.3f}", f"{r[budget_key]:.3f}",
+        r["diverged"]] for r in scaling_rows])
+
+# %%
+by = {(c["batch"], c["rule"], c["warmup_steps"]): c for c in curves}
+b0, b1, bmax = sorted({c["batch"] for c in curves})
+w = max(c["warmup_steps"] for c in curves)
+small, lin = by[(b0, "none", 0)], by[(b1, "linear", 0)]
+big_lin, big_lin_wu = by[(bmax, "linear", 0)], by[(bmax, "linear", w)]
+print(f"equal steps: B={b1} with the linear rule reaches {lin['final_loss']:.3f}, "
+      f"B={b0} {small['final_loss']:.3f}")
+print(f"B={bmax}, linear rule (lr {big_lin['lr']:g}): diverged without warm-up: "
+      f"{big_lin['diverged']}; with {w} warm-up steps: {big_lin_wu['diverged']} "
+      f"(final loss {big_lin_wu['final_loss']:.3f})")
+assert lin["final_loss"] < small["final_loss"]  # k x batch, k x lr: more progress per step
+assert big_lin["diverged"] and not big_lin_wu["diverged"]  # warm-up rescues the largest lr
+
+# %% [markdown]
+# ## 10. Try it: the control panel
+#
+# Pick a strategy (`dp`, `ps-sync`, `ps-async`, `ddp`, `ddp-torch`, …), the world size,
+# and two DDP knobs added to the panel: micro-batches per step (`grad_accum`) and the
+# bucket cap (`bucket_mb`). Press **Run**; the dashboard keeps every run for comparison.
+# An invalid combination (say `grad_accum` 4 with 4 ranks and a global batch of 8) is
+# refused with RunConfig's message in the status line.
+
+# %%
+panel = lab.ControlPanel(
+    extra_widgets={
+        "grad_accum": W.Dropdown(options=[1, 2, 4], value=1, description="grad accum"),
+        "bucket_mb": W.FloatLogSlider(value=BUCKET_MB, base=10, min=-3, max=1, step=0.01,
+                                      readout_format=".3f", description="bucket MiB"),
+    },
+    strategy="ddp", world_size=2, steps=STEPS, optimizer="sgd", lr=0.1,
+    threads_per_rank=1, **GPT)
+assert panel.config(grad_accum=2).grad_accum == 2  # the knobs reach the RunConfig
+panel.widget
+
+# %% [markdown]
+# ## What the textbook says, what this run measured
+#
+# Every entry in the right-hand column is built from this run's variables.
+
+# %%
+s_, sb, sa = strag["ps-sync"], strag["ps-sync + 1 backup"], strag["ps-async"]
+table(["textbook claim", "what this run measured"], [
+    ["DP (nn.DataParallel): replica 0 broadcasts, scatters, gathers and reduce-adds, so it "
+     "moves n−1 times any other replica's bytes (torch.nn.DataParallel docs; Li et al. 2020)",
+     f"{n} replicas: replica 0 {fmt_bytes(moved[0])}/step, others {fmt_bytes(moved[1])} "
+     f"({moved[0] / moved[1]:.2f}x); plus {dp['replica0_only_s'] * 1e3:.2f} ms/step only it does"],
+    ["DP's replicas are Python threads that share the GIL",
+     f"forward of {n} replicas: {fw_thr * 1e3:.2f} ms in threads, {fw_seq * 1e3:.2f} ms one "
+     f"after another ({gil_speedup:.2f}x); one replica's forward {rep_thr * 1e3:.2f} ms in "
+     f"threads vs {rep_seq * 1e3:.2f} ms alone"],
+    ["parameter server: the server moves N·P per update each way, a worker P "
+     "(Dean et al. 2012)",
+     f"N = {N_PS}: server sent {ps_measured['server (rank 0)'][0]:,.0f} B = "
+     f"{ps_measured['server (rank 0)'][0] / P:g}·P, worker {ps_measured['worker 1'][0]:,.0f} B = "
+     f"{ps_measured['worker 1'][0] / P:g}·P"],
+    ["ring all-reduce: 2(N−1)/N·P per rank, no node carries more (no server bottleneck)",
+     f"ddp and ddp-torch, N = {WORLD}: {ring_expected:,.0f} B = "
+     f"{ring_expected / P:g}·P per rank per step, every rank and step"],
+    ["sync SGD through a server equals one large batch (Chen et al. 2016)",
+     f"ps-sync vs single: parameters {ps_diff:.1e}"],
+    ["async SGD never waits but applies stale gradients (Dean et al. 2012)",
+     f"ps-async, {N_PS} workers: staleness mean {statistics.mean(stale['ps-async']):.2f}, "
+     f"max {max(stale['ps-async'])}; with a straggler max {max(stale['with a straggler'])}; "
+     f"final loss async {ps_final['async']:.3f} vs sync {ps_final['sync']:.3f}"],
+    ["DDP: buckets in reverse order, all-reduced from autograd hooks while backward runs "
+     "(Li et al. 2020)",
+     f"{len(plan)} buckets, head first, embeddings last; first all-reduce issued before "
+     f"backward ended in every step; overlap median {overlap:.0%} on {WORLD} ranks sharing "
+     f"{os.cpu_count()} cores (backward {bwd * 1e3:.1f} ms, communication {comm * 1e3:.1f} ms)"],
+    ["DDP trains exactly like one process on the global batch",
+     f"max per-step loss difference: ddp {ddp_loss_diff['ddp']:.1e}, ddp-torch "
+     f"{ddp_loss_diff['ddp-torch']:.1e} (tolerance {LOSS_TOL:g}); ddp-torch's parameters "
+     f"{torch_param_diff:.1e} (tolerance {TOL:g})"],
+    ["gradient accumulation with no_sync: k micro-batches = one k-times batch, one "
+     "all-reduce per bucket per step (Li et al. 2020, §3.2.4)",
+     f"grad_accum={ACCUM} vs single: parameters {accum_param_diff:.1e}; all-reduce calls per "
+     f"step {accum_calls} = buckets ({len(plan)})"],
+    ["uneven inputs hang DDP; drop_last, equal batches or Join fix it (PyTorch Join tutorial)",
+     f"batches per rank {counts}: without a fix, a RunError after timeout_s = {HANG_TIMEOUT_S} s "
+     f"naming rank(s) {behind} as out of data; " + "; ".join(
+         f"{r[0]}: steps trained {r[2]}, shadowed {r[3]}" for r in fix_rows)
+     + ", every rank ending with identical parameters"],
+    ["BatchNorm's statistics must be the global batch's (Ioffe & Szegedy 2015): SyncBN",
+     f"{BN.global_batch // WORLD} rows per rank: parameters vs single: SyncBN {sync_diff:.1e}, "
+     f"per-rank BN {plain_diff:.1e}; largest per-step loss gap {sync_loss_diff:.1e} vs "
+     f"{plain_loss_diff:.1e}"],
+    ["a synchronous step waits for the slowest worker; backup workers do not "
+     "(Chen et al. 2016)",
+     f"one worker +{DELAY_S * 1e3:.0f} ms/step: between updates ps-sync {s_['update_s'] * 1e3:.0f} ms, "
+     f"allreduce {strag['allreduce']['update_s'] * 1e3:.0f} ms, with 1 backup "
+     f"{sb['update_s'] * 1e3:.0f} ms ({sb['dropped']} late gradients dropped); ps-async's fast "
+     f"workers step in {sa['worker_step_s'] * 1e3:.0f} ms"],
+    ["top-k with error feedback sends a fraction of the bytes and still trains "
+     "(Lin et al. 2018)",
+     f"ratio {TOPK_RATIO}: {topk_expected:,} vs {ring_expected:,.0f} B per rank per step "
+     f"({topk_factor:.1f}x fewer); final loss {topk_final:.3f} vs dense {dense_final:.3f}"],
+    ["linear scaling rule: k times the batch, k times the lr, with warm-up (Goyal et al. 2017)",
+     f"B={b1} linear: final {lin['final_loss']:.3f} vs B={b0} {small['final_loss']:.3f} at "
+     f"equal steps; at equal samples ({budget_key.split('_')[2]}) {at_budget[lin['label']]:.3f} "
+     f"vs {at_budget[small['label']]:.3f}; "
+     f"B={bmax} at lr {big_lin['lr']:g} diverged without warm-up, "
+     f"{'diverged' if big_lin_wu['diverged'] else 'did not'} with {w} warm-up steps"],
+])

@@ -1,0 +1,321 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Tensor parallelism: Megatron's column/row split and sequence parallelism
+#
+# Data parallelism copies the whole model to every rank. **Tensor parallelism** splits
+# each layer's matrices across t ranks instead, so a layer too large for one device
+# fits on t of them (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter
+# Language Models Using Model Parallelism"). Every rank sees the **whole batch**; what it
+# holds is 1/t of each attention and MLP weight.
+#
+# An MLP is `Y = GeLU(X A) B`. Megatron splits **A by columns** (each rank computes its
+# own slice of the hidden features, and GeLU acts on each slice alone) and **B by rows**
+# (each rank multiplies its slice of the hidden features by its rows of B, giving a
+# *partial sum* of Y). Attention does the same with whole heads: q, k, v by columns, the
+# output projection o by rows.
+#
+# ```
+#              f                 column-parallel            row-parallel          g
+# X ──► [identity fwd] ──► X A_r  (B,T,h/t) ──GeLU──► · B_r (B,T,d) partial ──► [all-reduce fwd] ──► Y
+#       [all-reduce bwd]   rank r: A_r = A[:, r·h/t:(r+1)·h/t]   B_r = B[r·h/t:(r+1)·h/t, :]   [identity bwd]
+#
+#     A = [ A_0 | A_1 | … | A_t-1 ]         B = [ B_0 ; B_1 ; … ; B_t-1 ]     Y = Σ_r GeLU(X A_r) B_r
+# ```
+#
+# Two conjugate operators make it work (`distlab.parallel.tensor.tp.F_Copy`, `G_Reduce`):
+#
+# * **f**, entering the region: identity forward; backward **all-reduces** dL/dX, since
+#   each rank's gradient of X is only its slice's contribution;
+# * **g**, leaving it: forward **all-reduces** the row-parallel layer's partial sums;
+#   identity backward.
+#
+# So a transformer block costs **two all-reduces forward** (g after `attn.o` and after
+# `mlp.proj`) and **two backward** (f before q/k/v and before `mlp.fc`), each of the
+# whole residual stream B·T·d. **Sequence parallelism** (Korthikanti et al. 2022,
+# "Reducing Activation Recomputation in Large Transformer Models") also splits the
+# LayerNorms along the sequence: g becomes a reduce-scatter and f an all-gather, and
+# since an all-reduce *is* a reduce-scatter then an all-gather, the bytes stay the same.
+#
+# This notebook shows the plan as a table keyed by module name, trains `tp` at t = 2 and
+# 4 with and without SP, and torch's own DTensor TP (`tp-torch`), beside a single
+# process; it counts the bytes per step against the formulas, shows where the
+# collectives sit, and ends with the α-β model's case for keeping TP inside a node.
+# Equivalence runs use plain SGD in fp32 (see 02_data_parallel: AdamW would amplify
+# rounding in near-zero gradients and blur the comparison).
+
+# %% tags=["parameters"]
+import os
+
+# CI sets WORKBOOK_QUICK=1: a tiny GPT and few steps, so the notebook runs in about a minute.
+QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
+STEPS = 15 if QUICK else 50
+# Quick: 2 layers, 32 wide, 4 heads (tp=4 needs whole heads per rank), 16 tokens, batch 4.
+# Full: RunConfig's default GPT (4 layers, 128 wide, 4 heads, 64 tokens), batch 16.
+GPT_SIZE = (dict(n_layer=2, n_embd=32, n_head=4, seq_len=16, global_batch=4) if QUICK
+            else dict(global_batch=16))
+TPS = (2, 4)  # tensor-parallel degrees trained (world_size = tp)
+
+# %%
+from distlab import RunConfig
+from distlab.comm import LINKS, ring_allreduce_time
+from distlab.lab.common import fmt_bytes, table
+from distlab.lab.data_parallel import loss_figure
+from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
+from distlab.lab.tensor_parallel import (
+    bytes_figure,
+    collective_trace,
+    measured_bytes,
+    megatron_bytes,
+    tp_panel,
+)
+from distlab.models import GPT, GPTConfig
+from distlab.parallel.tensor.tp import plan_table, tp_plan
+from distlab.plan import H100_BF16_FLOPS, training_flops
+
+BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
+                 **GPT_SIZE)
+# Tolerances (tests/test_tensor_parallel.py): TP computes the same sums as one process,
+# split into t partial sums added by an all-reduce, so only the order of additions
+# differs (~1e-7 per step in fp32) and SGD does not amplify it (observed <= 1.2e-7).
+# A wrong split (a head cut across ranks, a bias added t times, SP's LayerNorm
+# gradients not all-reduced) moves parameters by > 1e-3. Both tolerances: 1e-5.
+TOL, LOSS_TOL = 1e-5, 1e-5
+
+# %% [markdown]
+# ## 1. The plan: a table keyed by module name
+#
+# The GPT in `distlab.models` knows nothing about parallelism. As in torchtitan, the
+# plan is data (`plan_table`): module name → style, applied from outside by
+# `TensorParallel.wrap`. `colwise` and `rowwise` modules are replaced by
+# `ColumnParallelLinear` / `RowParallelLinear` holding this rank's slice (stored like
+# `nn.Linear`, weight (out, in): a column split keeps out/t **rows** of the weight);
+# `region` marks where f (or SP's all-gather) enters; modules not named (embeddings,
+# LayerNorms, head) stay replicated. `tp_plan` adds the full and the local shapes.
+
+# %%
+model = GPT(GPTConfig.from_run(BASE))
+d, h, L = BASE.n_embd, BASE.mlp_ratio * BASE.n_embd, BASE.n_layer
+plan2 = tp_plan(model, 2)
+table(["module", "style", "full weight", "weight on each of t=2 ranks"],
+      [[n, s, f or "–", loc or "–"] for n, s, f, loc in plan2])
+rows = {n: (s, f, loc) for n, s, f, loc in plan2}
+for t in TPS:
+    for n, s, f, loc in tp_plan(model, t):
+        if s == "colwise":
+            assert loc == (f[0] // t, f[1]), n  # output features split
+        elif s == "rowwise":
+            assert loc == (f[0], f[1] // t), n  # input features split
+assert rows["blocks.0.mlp.fc"][2] == (h // 2, d) and rows["blocks.0.mlp.proj"][2] == (d, h // 2)
+rowwise = [n for n, s, *_ in plan2 if s == "rowwise"]
+assert len(rowwise) == 2 * L  # attn.o and mlp.proj in every block
+sp_plan = plan_table(L, sp=True)
+print("with sp=True the plan adds:",
+      {n: s for n, s in sp_plan.items() if n not in plan_table(L)})
+
+# %% [markdown]
+# ## 2. TP trains exactly like one process
+#
+# Bringing up ranks costs seconds, so `lab.runs.launch_together` trains every config
+# with the same number of processes one after another in **one** launch: one launch
+# for `single`, one with 2 ranks (`tp` and `tp` + SP at t=2, and `tp-torch`), one with 4
+# (`tp` and `tp` + SP at t=4). Each returns a `Run` per config plus every rank's final
+# parameters, gathered back to the full, unsharded names `single` uses
+# (`TensorParallel.full_state_dict`).
+
+# %%
+runs = launch_together({"single": BASE}, name="single")
+for t in TPS:
+    tp = BASE.replace(strategy="tp", world_size=t, tp=t)
+    cfgs = {f"tp={t}": tp, f"tp={t} sp": tp.replace(sp=True)}
+    if t == 2:
+        cfgs["tp-torch=2"] = tp.replace(strategy="tp-torch")
+    runs |= launch_together(cfgs, name=f"tp{t}")
+single = runs["single"]
+print(f"{single.info('n_params'):,} parameters; runs: {', '.join(runs)}")
+
+# %%
+loss_figure({k: r.losses() for k, r in runs.items()},
+            f"loss per step: single and tensor-parallel runs ({STEPS} steps, SGD, fp32)",
+            floor=single.info("loss_floor")).show()
+agree = {}
+for k, r in runs.items():
+    if k == "single":
+        continue
+    agree[k] = (max_step_loss_diff(r.losses(), single.losses()),
+                max(worst_param_diff(s, single.states[0]) for s in r.states))
+table(["run", "ranks", "max per-step loss gap vs single", "worst parameter gap vs single (any rank)"],
+      [[k, runs[k].cfg.world_size, f"{lg:.1e}", f"{pg:.1e}"] for k, (lg, pg) in agree.items()])
+for k, (lg, pg) in agree.items():
+    assert lg <= LOSS_TOL and pg <= TOL, (k, lg, pg)
+worst_loss_gap = max(lg for lg, _ in agree.values())
+worst_param_gap = max(pg for _, pg in agree.values())
+
+# %% [markdown]
+# ## 3. Bytes per step per rank: the run against the formula
+#
+# With S = B·T·d·4 bytes (the residual stream of the whole global batch in fp32), t the
+# TP degree and L the layers, as the ring moves them (`distlab.comm`;
+# `lab.tensor_parallel.megatron_bytes`, derived in `tests/test_tensor_parallel.py`):
+#
+# | | calls per step | bytes sent per rank per step |
+# |---|---|---|
+# | without SP: `tp.all_reduce` | 4L (2 forward g, 2 backward f per block) | 4L · 2(t−1)/t · S |
+# | SP: `sp.reduce_scatter` | 4L | 4L · (t−1)/t · S |
+# | SP: `sp.all_gather` | 4L + 2 (+1 before the head, +1 for the embeddings' gradient) | (4L+2) · (t−1)/t · S |
+# | SP: `sp.grad_all_reduce` | 1 (LayerNorm and row-parallel-bias gradients, partial sums) | 2(t−1)/t · ((2·2d+2d)L+2d)·4 |
+#
+# Every kind, every rank, every step must equal the formula exactly. `tp-torch`'s
+# collectives are torch's own and do not pass through `distlab.comm`: not counted.
+
+# %%
+S = BASE.global_batch * BASE.seq_len * BASE.n_embd * 4
+bar_rows, byte_rows = [], []
+for k, r in runs.items():
+    if r.cfg.strategy != "tp":
+        continue
+    expect, got = megatron_bytes(r.cfg), measured_bytes(r)
+    assert set(got) == set(expect), (k, got)
+    for kind, (calls, b) in expect.items():
+        assert got[kind] == {(calls, b)}, (k, kind, got[kind], (calls, b))  # exact
+        bar_rows.append((k, kind, b, next(iter(got[kind]))[1]))
+        byte_rows.append([k, kind, calls, f"{b:,.0f}", f"{next(iter(got[kind]))[1]:,.0f}"])
+table(["run", "kind", "calls per step", "formula (B)", "measured (B, every rank and step)"],
+      byte_rows)
+bytes_figure(bar_rows, f"bytes sent per rank per step (S = B·T·d·4 = {fmt_bytes(S)})").show()
+# SP's reduce-scatters + all-gathers, less the two at the ends of the sequence region,
+# move exactly what plain TP's all-reduces move
+sp_same_volume = {}
+for t in TPS:
+    plain = megatron_bytes(runs[f"tp={t}"].cfg)["tp.all_reduce"][1]
+    spb = {kind: b for run_name, kind, _f, b in bar_rows if run_name == f"tp={t} sp"}
+    ends = 2 * (t - 1) * S / t
+    sp_same_volume[t] = (spb["sp.reduce_scatter"] + spb["sp.all_gather"] - ends, plain)
+    assert sp_same_volume[t][0] == plain, (t, sp_same_volume[t])
+print("SP (reduce-scatter + all-gather, less the region ends) vs TP all-reduce, B/rank/step:",
+      {t: f"{a:,.0f} vs {b:,.0f}" for t, (a, b) in sp_same_volume.items()})
+
+# %% [markdown]
+# ## 4. Where the all-reduce sits: after the row-parallel layer
+#
+# The runs recorded *which* collectives ran and how many; `lab.tensor_parallel.collective_trace`
+# shows *where*. It wraps the same GPT with the same `TensorParallel` in this process,
+# on a recording stand-in for `distlab.comm` with one rank (every collective is then
+# the identity; placement does not depend on t), and notes each collective with the
+# module running when it was issued, or the ones it falls between.
+
+# %%
+plan_styles = plan_table(L)
+trace = collective_trace(BASE)
+where = lambda r: (f"inside {r['inside']} ({plan_styles.get(r['inside'], 'replicated')}), "
+                   f"on its partial output" if r["inside"] else
+                   f"between {r['after']} and {r['before']}")
+table(["#", "phase", "kind", "where"],
+      [[i, r["phase"], r["kind"], where(r)] for i, r in enumerate(trace)])
+fwd = [r for r in trace if r["phase"] == "forward"]
+bwd = [r for r in trace if r["phase"] == "backward"]
+# forward: one all-reduce (g) at the end of every row-parallel layer, nowhere else
+assert [r["inside"] for r in fwd] == rowwise and {r["kind"] for r in trace} == {"tp.all_reduce"}
+# backward: one all-reduce (f) where the gradient leaves a column-parallel region
+assert len(bwd) == 2 * L and all(plan_styles[r["after"]] == "colwise" for r in bwd)
+# and the runs recorded exactly that: tp.all_reduce only, 2 per row-parallel layer per step
+recorded_kinds = {t: measured_bytes(runs[f"tp={t}"]) for t in TPS}
+for t in TPS:
+    assert set(recorded_kinds[t]) == {"tp.all_reduce"}
+    assert {c for c, _ in recorded_kinds[t]["tp.all_reduce"]} == {2 * len(rowwise)}
+sp_trace = collective_trace(BASE, sp=True)
+sp_fwd_rs = [r["inside"] for r in sp_trace if r["phase"] == "forward" and r["kind"] == "sp.reduce_scatter"]
+assert sp_fwd_rs == rowwise  # with SP, a reduce-scatter takes the all-reduce's place
+print(f"forward all-reduces: inside {', '.join(r['inside'] for r in fwd)}; "
+      f"with SP the same places issue reduce-scatters")
+
+# %% [markdown]
+# ## 5. Why TP stays inside a node
+#
+# TP communicates **in every layer, twice forward and twice backward**, on the critical
+# path: the next matrix multiply needs the all-reduced activations. Data parallelism's
+# all-reduce happens once per step and can overlap backward. So TP's volume must be cheap
+# relative to one layer's compute, which a node's NVLink provides and InfiniBand between
+# nodes does not.
+#
+# The α-β model of `distlab.comm` (ring all-reduce: 2(t−1)·(α + S/(t·β)); link figures
+# and their sources in `distlab.comm.LINKS`) for a stated layer: **GPT-3 175B's width
+# d = 12288** (Brown et al. 2020), one sequence of **2048 tokens**, bf16 (2 bytes),
+# t = 8 (one 8-GPU node). Compute per layer for comparison: 6 · 12d² · tokens FLOPs
+# (forward and backward, the layer's 12d² weights; attention scores left out, so a lower
+# bound) split over t GPUs at the H100's bf16 dense peak (`distlab.plan`), i.e. the
+# fastest the compute could possibly be.
+
+# %%
+LAYER = dict(d=12288, tokens=2048, bytes_per_value=2, t=8)  # GPT-3 175B width, bf16, 8 GPUs
+S_big = LAYER["tokens"] * LAYER["d"] * LAYER["bytes_per_value"]
+compute_s = training_flops(12 * LAYER["d"] ** 2, LAYER["tokens"]) / (LAYER["t"] * H100_BF16_FLOPS)
+ab = {}
+for link in ("NVLink 4 (H100)", "InfiniBand NDR"):
+    ab[link] = 4 * ring_allreduce_time(S_big, LAYER["t"], LINKS[link])  # 4 per layer, no SP
+table(["link", "β per direction (source)", "4 all-reduces of one layer", "vs the layer's compute at peak"],
+      [[k, f"{LINKS[k].bandwidth_Bps / 1e9:g} GB/s ({LINKS[k].source})", f"{v * 1e3:.2f} ms",
+        f"{v / compute_s:.2f}x"] for k, v in ab.items()])
+print(f"S = {S_big / 1e6:.1f} MB per all-reduce; compute per layer at peak {compute_s * 1e3:.2f} ms")
+nv, ib = ab["NVLink 4 (H100)"], ab["InfiniBand NDR"]
+assert nv < compute_s < ib  # NVLink: less than the compute; InfiniBand: more
+ib_over_nv = ib / nv
+
+# %% [markdown]
+# ## 6. Try it: the control panel
+#
+# Pick `tp` or `tp-torch`, the TP degree (the world size follows it: every rank is a
+# tensor-parallel rank) and sequence parallelism, then press **Run**. The dashboard
+# shows the loss and each rank's bytes by kind: watch `tp.all_reduce` turn into
+# `sp.all_gather` + `sp.reduce_scatter` when SP is on. An invalid combination (SP with
+# a sequence length t does not divide) is refused with RunConfig's message.
+
+# %%
+panel = tp_panel(strategy="tp", steps=STEPS, optimizer="sgd", lr=0.1, threads_per_rank=1,
+                 **GPT_SIZE)
+panel.knobs["tp"].value = 4
+assert panel.config().world_size == 4 and panel.config(sp=True).sp  # knobs reach the RunConfig
+panel.knobs["tp"].value = 2
+panel.widget
+
+# %% [markdown]
+# ## What the textbook says, what this run measured
+#
+# Every entry in the right-hand column is built from this run's variables.
+
+# %%
+t_last = TPS[-1]
+table(["textbook claim", "what this run measured"], [
+    ["Megatron TP (Shoeybi et al. 2019) trains exactly like one process",
+     f"{', '.join(agree)}: worst per-step loss gap {worst_loss_gap:.1e} (tolerance "
+     f"{LOSS_TOL:g}), worst parameter gap {worst_param_gap:.1e} (tolerance {TOL:g}) after {STEPS} SGD steps"],
+    ["TP all-reduce after the row-parallel layer (g), and before the column-parallel "
+     "layers in backward (f): two forward, two backward per block",
+     f"forward all-reduces issued inside {', '.join(r['inside'] for r in fwd)}; backward after "
+     f"{', '.join(r['after'] for r in bwd)}; runs recorded only tp.all_reduce, "
+     f"{2 * len(rowwise)} calls per step for {L} blocks"],
+    ["bytes per rank per step: 4L · 2(t−1)/t · S without SP",
+     "; ".join(f"t={t}: {megatron_bytes(runs[f'tp={t}'].cfg)['tp.all_reduce'][1]:,.0f} B, "
+               f"measured identical on every rank and step" for t in TPS)],
+    ["SP replaces all-reduce by reduce-scatter + all-gather at the same volume "
+     "(Korthikanti et al. 2022)",
+     "; ".join(f"t={t}: {a:,.0f} B of reduce-scatter + all-gather (less the region's two ends) "
+               f"= {b:,.0f} B of all-reduce" for t, (a, b) in sp_same_volume.items())],
+    ["TP is for within a node: communication per layer",
+     f"d={LAYER['d']}, {LAYER['tokens']} tokens, bf16, t={LAYER['t']}: 4 all-reduces per layer "
+     f"take {nv * 1e3:.2f} ms on NVLink 4 and {ib * 1e3:.2f} ms on InfiniBand NDR "
+     f"({ib_over_nv:.1f}x), against {compute_s * 1e3:.2f} ms of compute at the H100's peak"],
+])

@@ -1,0 +1,326 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Pipeline parallelism: stages, schedules, and the bubble
+#
+# Pipeline parallelism cuts the model's blocks into **stages**, one per rank; activations
+# travel forward from stage to stage with `send`/`recv`, gradients travel back. A batch
+# is cut into **micro-batches** so that stages can work on different micro-batches at
+# once; the time a stage waits with nothing to do is the **bubble**. This notebook runs
+# `distlab.parallel.pipeline.pp` (`pp`) for real and measures:
+#
+# 1. the split: which blocks and parameters each rank holds;
+# 2. four schedules as data: naive, GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush,
+#    Narayanan et al. 2019/2021) and interleaved 1F1B (Narayanan et al. 2021);
+# 3. a Gantt chart per rank of a real step, from the events each rank recorded;
+# 4. the measured bubble beside the formula, and the bubble shrinking as m grows;
+# 5. peak stashed activations, GPipe vs 1F1B;
+# 6. `pp` and torch's own pipelining (`pp-torch`) against one process;
+# 7. bytes on the wire against the formula;
+# 8. a widget that re-runs the pipeline with another schedule and redraws the chart;
+# 9. the closing table: what the textbook says, what this run measured.
+#
+# Equivalence runs use plain SGD in fp32 (see `tests/test_pipeline.py`): a pipeline
+# computes the same ops as one process, only the summation order of the micro-batch
+# gradients differs.
+
+# %% tags=["parameters"]
+import os
+
+# CI sets WORKBOOK_QUICK=1: few steps and few bubble measurements, about a minute.
+QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
+STEPS = 8 if QUICK else 30                 # equivalence runs
+BUBBLE_STEPS = 3 if QUICK else 6           # bubble runs (the first step is dropped)
+CURVE_M = (1, 2, 4) if QUICK else (1, 2, 4, 8)  # micro-batch counts of the bubble curve
+# Sleep per forward and per backward in the bubble runs: tests/test_pipeline.py's 0.1 s.
+# At 0.03 s interleaved measured ~0.05 above its formula (benchmarks/pipeline_bubble.py):
+# its p·v-1 hand-offs each add a few ms of send/recv latency on a loaded 2-core machine.
+DELAY_S = 0.1
+P = 2                                      # pipeline stages = ranks
+M = 4                                      # micro-batches of the equivalence runs
+V = 2                                      # chunks per rank, interleaved
+# A 4-layer, 32-wide GPT on 16-token rows, global batch 8: n_layer divides into P·V stages.
+GPT = dict(n_layer=4, n_embd=32, n_head=2, seq_len=16, global_batch=8)
+
+# %%
+
+from distlab import RunConfig
+from distlab.lab.common import fmt_bytes, table
+from distlab.lab.pipeline_parallel import (
+    PipelineExplorer,
+    bubble_curve,
+    bubble_rows,
+    gantt,
+    ideal_gantt,
+    schedule_rows,
+    step_pipelines,
+)
+from distlab.lab.runs import launch_together, worst_param_diff
+from distlab.parallel.pipeline.pp import (
+    FORMULA_CONVENTION,
+    in_flight,
+    make_schedule,
+    p2p_bytes_per_step,
+    stage_blocks,
+)
+
+BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
+                 **GPT)
+PP = BASE.replace(strategy="pp", world_size=P, pp=P, microbatches=M)
+# Bubble runs: a fixed DELAY_S sleep per forward and per backward (extra["pp_op_delay_s"])
+# makes every stage cost the same and dwarfs the compute (~1-2 ms) and the scheduling noise
+# of a loaded 2-core machine, so the idle measured is the schedule's own.
+DELAYED = PP.replace(steps=BUBBLE_STEPS, extra={"pp_op_delay_s": DELAY_S})
+# Tolerances. Parameters and losses vs single: 1e-5 (tests/test_pipeline.py: only the
+# summation order of micro-batch gradients differs, ~1e-7 per step, which SGD does not
+# amplify; a lost or doubly-counted micro-batch moves parameters by ~1e-2). Bubble: 0.05
+# of the step (tests/test_pipeline.py and benchmarks/pipeline_bubble.py use the same).
+TOL, LOSS_TOL, BUBBLE_TOL = 1e-5, 1e-5, 0.05
+
+# %% [markdown]
+# **Two launches.** Bringing up ranks costs seconds, so `lab.runs.launch_together` trains
+# every config that needs the same number of processes one after another in one launch:
+# the `single` baseline alone, then every pipeline run of this notebook (equivalence runs
+# of each schedule, `pp-torch`, and the delayed bubble runs) in one launch of P ranks.
+
+# %%
+single = launch_together({"single": BASE}, name="single")["single"]
+cfgs = {sc: PP.replace(schedule=sc, virtual_stages=V if sc == "interleaved" else 1)
+        for sc in ("naive", "gpipe", "1f1b", "interleaved")}
+cfgs |= {f"pp-torch {sc}": PP.replace(strategy="pp-torch", schedule=sc)
+         for sc in ("gpipe", "1f1b")}
+cfgs |= {f"bubble gpipe m={m}": DELAYED.replace(schedule="gpipe", microbatches=m)
+         for m in CURVE_M}
+cfgs |= {f"bubble {sc}": DELAYED.replace(schedule=sc, virtual_stages=V if sc == "interleaved" else 1)
+         for sc in ("naive", "1f1b", "interleaved")}
+runs = launch_together(cfgs, name="pipeline")
+print(f"{len(cfgs)} pipeline configs trained in one launch of {P} ranks")
+
+# %% [markdown]
+# ## 1. The split: stages are runs of consecutive blocks
+#
+# With S = p·v stages, stage s holds blocks [s·L/S, (s+1)·L/S); the first stage also holds
+# the embeddings, the last one `ln_f`, the head and the loss. Chunk c of rank r is stage
+# c·p + r (Megatron's loop placement), so with v = 2 every rank holds two non-adjacent
+# stages. Each rank keeps the parameters of its stages, under the names the unsplit model
+# gives them.
+
+# %%
+L = BASE.n_layer
+table(["layout", "rank", "stages", "blocks"],
+      [[f"p={P}, v={v}", r, ", ".join(str(c * P + r) for c in range(v)),
+        ", ".join(str(list(stage_blocks(L, P * v, c * P + r))) for c in range(v))]
+       for v in (1, V) for r in range(P)])
+held = [sorted({k.split(".")[0] + (("." + k.split(".")[1]) if k.startswith("blocks") else "")
+                for k in s}) for s in runs["gpipe"].states]
+table(["rank (gpipe, v=1)", "modules it holds"], [[r, ", ".join(h)] for r, h in enumerate(held)])
+keys = [set(s) for s in runs["gpipe"].states]
+assert not keys[0] & keys[1] and keys[0] | keys[1] == set(single.states[0])
+
+# %% [markdown]
+# ## 2. Schedules are data
+#
+# `make_schedule(kind, p, m, v)` returns, per rank, the ordered list of (op, micro-batch,
+# chunk) it runs. **naive**: one micro-batch in the pipe at a time. **GPipe**: all
+# forwards, then all backwards, so all m micro-batches' activations are stashed at once.
+# **1F1B**: p−r−1 warm-up forwards on rank r, then one forward / one backward, so at most
+# p − r micro-batches are in flight. **interleaved**: 1F1B over v chunks per rank (written
+# `F<mb>.<chunk>` below); more, smaller stages fill the pipe faster.
+
+# %%
+for sc in ("naive", "gpipe", "1f1b", "interleaved"):
+    v = V if sc == "interleaved" else 1
+    sched = make_schedule(sc, P, M, v)
+    print(f"{sc} (p={P}, m={M}, v={v}); micro-batch chunks in flight at most: "
+          f"{[in_flight(r) for r in sched]}")
+    table(["rank", "ops in order"], schedule_rows(sc, P, M, v))
+assert [in_flight(r) for r in make_schedule("gpipe", P, M)] == [M] * P
+assert [in_flight(r) for r in make_schedule("1f1b", P, M)] == [P - r for r in range(P)]
+ideal_gantt("1f1b", P, M).show()
+
+# %% [markdown]
+# ## 3. A real step, per rank
+#
+# Each rank of `pp` records when each forward, backward, send and receive of a step began
+# and ended (`e["pipeline"]["events"]`); the gaps between forward/backward work are idle.
+# A receive is drawn while the rank waits in it: that is where the bubble shows. These are
+# the last steps of the delayed runs (DELAY_S per op), so forwards and backwards are equal.
+
+# %%
+for sc in ("naive", "gpipe", "1f1b", "interleaved"):
+    run = runs[f"bubble {sc}"] if sc != "gpipe" else runs[f"bubble gpipe m={M}"]
+    pipes = step_pipelines(run)
+    v = V if sc == "interleaved" else 1
+    gantt(pipes, title=f"{sc}, p={P}, m={M}, v={v}: last step, bubble "
+                       + ", ".join(f"{p['bubble']:.2f}" for p in pipes)).show()
+    for p in pipes:
+        ops = [e["op"] for e in p["events"]]
+        assert ops.count("F") == ops.count("B") == M * v
+        idle = sum(e["t1"] - e["t0"] for e in p["events"] if e["op"] == "idle")
+        assert abs(idle - (p["step_s"] - p["busy_s"])) < 1e-6
+
+# %% [markdown]
+# ## 4. The measured bubble, and the formula
+#
+# Measured bubble = 1 − (forward + backward time) / step time, per rank, median over the
+# steps after the first and over ranks: a fraction of **total** time. The formulas come in
+# two conventions (`FORMULA_CONVENTION`): GPipe's (p−1)/(m+p−1) is idle / **total** time
+# (Huang et al. 2019); Megatron's interleaved (p−1)/(v·m) is idle / **ideal** time m·(tf+tb)
+# (Narayanan et al. 2021). They are one number in two units: b_total = b_ideal / (1 + b_ideal).
+# The table gives both; the measured column is compared with the total-time one.
+
+# %%
+brows = bubble_rows({k: r for k, r in runs.items() if k.startswith("bubble")})
+table(["run", "p", "m", "v", "measured (of total)", "formula, of total", "formula, of ideal",
+       "paper's convention"],
+      [[r["run"], r["p"], r["m"], r["v"], f"{r['measured']:.3f}", f"{r['total']:.3f}",
+        f"{r['ideal']:.3f}", FORMULA_CONVENTION[r["schedule"]]] for r in brows])
+for r in brows:
+    assert abs(r["measured"] - r["total"]) <= BUBBLE_TOL, r
+by_run = {r["run"]: r for r in brows}
+
+# %% [markdown]
+# **More micro-batches shrink the bubble.** GPipe at p = 2 over m: the warm-up and
+# cool-down cost p − 1 slots each way whatever m is, so their share falls as m grows.
+
+# %%
+curve = [by_run[f"bubble gpipe m={m}"] for m in CURVE_M]
+bubble_curve(curve, f"GPipe, p={P}: measured bubble vs micro-batches").show()
+measured_curve = [r["measured"] for r in curve]
+assert all(a > b for a, b in zip(measured_curve, measured_curve[1:]))  # falls with m
+
+# %% [markdown]
+# **Interleaving divides the bubble by v** — in the ideal-time convention: idle / busy.
+# From the measured fraction b of total time, idle / busy = b / (1 − b).
+
+# %%
+to_ideal = lambda b: b / (1 - b)
+f1, il = by_run["bubble 1f1b"], by_run["bubble interleaved"]
+il_ratio = to_ideal(f1["measured"]) / to_ideal(il["measured"])
+print(f"idle / busy: 1f1b {to_ideal(f1['measured']):.3f} (formula {f1['ideal']:.3f}), "
+      f"interleaved v={V} {to_ideal(il['measured']):.3f} (formula {il['ideal']:.3f}): "
+      f"{il_ratio:.2f}x smaller (v = {V})")
+assert il_ratio > 1.5  # v = 2; the 0.05 bubble tolerance allows ~1.6x-2.6x here
+naive = by_run["bubble naive"]
+print(f"naive: measured {naive['measured']:.3f}, (p-1)/p = {(P - 1) / P:.3f}")
+
+# %% [markdown]
+# ## 5. Peak stashed activations: GPipe vs 1F1B
+#
+# Each rank counts the bytes autograd saves for backward in each stage forward
+# (`peak_stash_bytes`, parameters excluded) and keeps the peak over the step. GPipe stashes
+# all m micro-batches before the first backward; 1F1B on rank 0 at most p. Every
+# micro-batch saves the same bytes, so the ratio is m / p exactly.
+
+# %%
+g = step_pipelines(runs["gpipe"])
+f = step_pipelines(runs["1f1b"])
+table(["rank", "gpipe: in flight", "gpipe: peak stash", "1f1b: in flight", "1f1b: peak stash"],
+      [[r, g[r]["peak_in_flight"], fmt_bytes(g[r]["peak_stash_bytes"]),
+        f[r]["peak_in_flight"], fmt_bytes(f[r]["peak_stash_bytes"])] for r in range(P)])
+mem_ratio = g[0]["peak_stash_bytes"] / f[0]["peak_stash_bytes"]
+print(f"rank 0: gpipe / 1f1b peak stash = {mem_ratio:.3f}, m / p = {M / P:.3f}")
+assert g[0]["peak_in_flight"] == M and f[0]["peak_in_flight"] == P
+assert g[0]["peak_stash_bytes"] * P == f[0]["peak_stash_bytes"] * M
+
+# %% [markdown]
+# ## 6. Checked against one process and against torch
+#
+# Every schedule of `pp`, and `pp-torch` (torch.distributed.pipelining's ScheduleGPipe and
+# Schedule1F1B on the same split), trains STEPS SGD steps on the same data as `single`.
+# The last stage logs the loss of the global batch; the ranks' parameters together are
+# the whole model.
+
+# %%
+eq = {}
+for name in ("naive", "gpipe", "1f1b", "interleaved", "pp-torch gpipe", "pp-torch 1f1b"):
+    run = runs[name]
+    merged = {k: t for s in run.states for k, t in s.items()}
+    eq[name] = (worst_param_diff(merged, single.states[0]),
+                max(abs(a - b) for a, b in zip(run.losses(), single.losses())))
+table(["run", f"worst parameter diff after {STEPS} steps", "max per-step loss diff"],
+      [[k, f"{p:.1e}", f"{l:.1e}"] for k, (p, l) in eq.items()])
+for k, (p, l) in eq.items():
+    assert len(runs[k].losses()) == STEPS and p <= TOL and l <= LOSS_TOL, k
+
+# %% [markdown]
+# ## 7. Bytes on the wire
+#
+# Each of the p·v − 1 stage boundaries carries, per step, m activations of
+# (B/m)·T·h·4 bytes forward and as many gradients back (`p2p_bytes_per_step`): the batch's
+# hidden states once each way, whatever m is.
+
+# %%
+byte_rows = []
+for sc in ("naive", "gpipe", "1f1b", "interleaved"):
+    cfg = runs[sc].cfg
+    bnd = P * (V if sc == "interleaved" else 1) - 1
+    want = bnd * p2p_bytes_per_step(cfg)["per_boundary_each_way"]
+    for kind, field in (("pp_send_act", "bytes_sent"), ("pp_send_grad", "bytes_sent"),
+                        ("pp_recv_act", "bytes_recv"), ("pp_recv_grad", "bytes_recv")):
+        per_step = {}
+        for e in runs[sc].history("step"):
+            per_step[e["step"]] = per_step.get(e["step"], 0) + e["comm"].get(kind, {}).get(field, 0)
+        assert set(per_step.values()) == {want}, (sc, kind, per_step, want)
+    byte_rows.append([sc, bnd, f"{bnd} x {p2p_bytes_per_step(cfg)['per_boundary_each_way']:,}"
+                      f" = {want:,}", f"{want:,}"])
+table(["schedule", "boundaries", "formula, each way per step", "measured, every step"],
+      byte_rows)
+pp_bytes = want
+
+# %% [markdown]
+# ## 8. Try it
+#
+# Pick a schedule, the micro-batches and the virtual stages (interleaved only), press
+# **Run**: the real pipeline trains a few delayed steps on P ranks and the chart redraws
+# from its last step. An invalid combination (1F1B with m < p, interleaved with m not
+# divisible by p) is refused with RunConfig's message. The cell runs it once itself.
+
+# %%
+explorer = PipelineExplorer(DELAYED, microbatches=(1, 2, 4, 8), virtual_stages=(1, 2))
+res = explorer.run(schedule="interleaved", microbatches=M, virtual_stages=V)
+print(explorer.status.value)
+assert {bar.y[0] for bar in explorer.fig.data} == {f"rank {r}" for r in range(P)}
+assert all(p["peak_in_flight"] >= 1 for p in res["pipelines"])
+assert abs(res["measured"] - res["total"]) <= BUBBLE_TOL
+explorer.widget
+
+# %% [markdown]
+# ## What the textbook says, what this run measured
+#
+# Every entry in the right-hand column is built from this run's variables.
+
+# %%
+table(["textbook claim", "what this run measured"], [
+    ["more micro-batches shrink the bubble: (p−1)/(m+p−1) of total time (Huang et al. 2019)",
+     f"GPipe p={P}: " + ", ".join(f"m={r['m']}: {r['measured']:.3f} (formula {r['total']:.3f})"
+                                  for r in curve)],
+    ["1F1B caps in-flight activations at p (Narayanan et al. 2019/2021)",
+     f"m={M}, rank 0: in flight gpipe {g[0]['peak_in_flight']}, 1f1b {f[0]['peak_in_flight']}; "
+     f"peak stash {fmt_bytes(g[0]['peak_stash_bytes'])} vs {fmt_bytes(f[0]['peak_stash_bytes'])} "
+     f"= {mem_ratio:.2f}x (m/p = {M / P:g})"],
+    ["interleaving divides the bubble by v: (p−1)/(v·m) of ideal time (Narayanan et al. 2021)",
+     f"p={P}, m={M}: idle/busy 1f1b {to_ideal(f1['measured']):.3f}, interleaved v={V} "
+     f"{to_ideal(il['measured']):.3f}: {il_ratio:.2f}x smaller"],
+    ["naive pipeline: (p−1)/p idle",
+     f"p={P}, m={M}: measured {naive['measured']:.3f}, (p−1)/p = {(P - 1) / P:.3f}"],
+    ["a pipeline computes what one process computes",
+     f"after {STEPS} SGD steps, worst parameter diff over {len(eq)} runs "
+     f"{max(p for p, _ in eq.values()):.1e} (tolerance {TOL:g}), loss "
+     f"{max(l for _, l in eq.values()):.1e} (tolerance {LOSS_TOL:g})"],
+    ["each boundary carries the batch's hidden states once each way per step",
+     f"interleaved, {P * V - 1} boundaries: {pp_bytes:,} B each way per step, = formula"],
+])

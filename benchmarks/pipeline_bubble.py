@@ -6,7 +6,7 @@ For p in --pp (default 2 4) and m in --microbatches (default 1 2 4 8), every sch
 RunConfig accepts: naive, gpipe, 1f1b (m >= p), interleaved with v=2 (m >= p and m % p == 0,
 Megatron's order). One launch per world size trains all of its configs in turn (launches cost
 seconds). Each training is --steps steps of a small GPT (8 layers so p·v divides it, n_embd
-32, batch 8 x seq 16, SGD) with extra={"pp_op_delay_s": --delay}: a fixed sleep per forward
+32, batch 8 x seq 16, SGD) with pp_op_delay_s=--delay: a fixed sleep per forward
 and per backward (per chunk, interleaved), so stage costs are equal and dominate compute
 (~1-2 ms) and scheduling noise, and the idle the ranks see is the schedule's own.
 
@@ -42,7 +42,7 @@ V_INTERLEAVED = 2
 
 
 def measure_bubbles(rank, world, device, log, cfg_dicts: list, warmup: int):
-    """Rank function: train each config in turn; per config (its extra["name"]) this rank's
+    """Rank function: train each config in turn; per config (its name) this rank's
     measured bubble and step time of each step after warmup."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
@@ -53,7 +53,7 @@ def measure_bubbles(rank, world, device, log, cfg_dicts: list, warmup: int):
         rec = StepRecorder(log)
         train(RunConfig.from_dict(d), rank, world, device, rec)
         steps = rec.steps[warmup:]
-        out[d["extra"]["name"]] = {"bubble": [e["pipeline"]["bubble"] for e in steps],
+        out[d["name"]] = {"bubble": [e["pipeline"]["bubble"] for e in steps],
                                    "step_s": [e["step_s"] for e in steps]}
     return out
 
@@ -74,8 +74,7 @@ def configs(RunConfig, p: int, ms, steps: int, delay: float) -> list:
                 continue
             v = V_INTERLEAVED if sc == "interleaved" else 1
             out.append(base.replace(schedule=sc, microbatches=m, virtual_stages=v,
-                                    extra={"name": f"{sc} p{p} m{m} v{v}",
-                                           "pp_op_delay_s": delay}))
+                                    name=f"{sc} p{p} m{m} v{v}", pp_op_delay_s=delay))
     return out
 
 
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
                             args.warmup, timeout_s=120, wall_timeout_s=600)
             print(f"p={p}: {len(cfgs)} configs in one launch, {time.perf_counter() - t0:.1f} s")
             for c in cfgs:
-                name = c.extra["name"]
+                name = c.name
                 per_rank = [r[name]["bubble"] for r in res]
                 meas = statistics.median(b for bs in per_rank for b in bs)
                 spread = (max(statistics.median(bs) for bs in per_rank)

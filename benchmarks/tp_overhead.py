@@ -35,18 +35,18 @@ PAIRS = (("tp", "tp-torch"), ("tp sp", "tp-torch sp"))
 
 def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
     """Rank function: train each config `repeats` times, alternating the order; per config (its
-    extra["name"]) the step times and bytes sent after warmup and each repeat's median."""
+    name) the step times and bytes sent after warmup and each repeat's median."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
     from distlab.train import train
 
-    out = {d["extra"]["name"]: {"step_s": [], "per_repeat": [], "bytes": []} for d in cfg_dicts}
+    out = {d["name"]: {"step_s": [], "per_repeat": [], "bytes": []} for d in cfg_dicts}
     for rep in range(repeats):
         for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
             rec = StepRecorder(log)
             train(RunConfig.from_dict(d), rank, world, device, rec)
             steps = rec.steps[warmup:]
-            o = out[d["extra"]["name"]]
+            o = out[d["name"]]
             o["step_s"] += [e["step_s"] for e in steps]
             o["per_repeat"].append(statistics.median(e["step_s"] for e in steps))
             o["bytes"] += [sum(s["bytes_sent"] for s in e["comm"].values()) for e in steps]
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         runs = {"tp": base, "tp-torch": base.replace(strategy="tp-torch"),
                 "tp sp": base.replace(sp=True),
                 "tp-torch sp": base.replace(strategy="tp-torch", sp=True)}
-        cfgs = [c.replace(extra={"name": n}).to_dict() for n, c in runs.items()]
+        cfgs = [c.replace(name=n).to_dict() for n, c in runs.items()]
         print(f"tp={args.tp}, {args.repeats} repeats x {args.steps} steps (first {args.warmup} "
               f"dropped), GPT {base.n_layer} layers n_embd {base.n_embd} {base.n_head} heads, "
               f"batch {base.global_batch} x seq {base.seq_len}; cpu cores {os.cpu_count()}, "

@@ -39,12 +39,12 @@ STRATEGIES = ("zero3", "fsdp-torch", "ddp")
 
 def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
     """Rank function: train each config `repeats` times, alternating the order; per config
-    (by its "name" in extra) the step events after warmup and each repeat's median."""
+    (by its name) the step events after warmup and each repeat's median."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
     from distlab.train import train
 
-    out = {d["extra"]["name"]: {"steps": [], "per_repeat": []} for d in cfg_dicts}
+    out = {d["name"]: {"steps": [], "per_repeat": []} for d in cfg_dicts}
     for rep in range(repeats):
         for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
             rec = StepRecorder(log)
@@ -52,7 +52,7 @@ def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup
             steps = [{"step_s": e["step_s"], "memory": e["memory"],
                       "bytes": sum(s["bytes_sent"] for s in e["comm"].values()),
                       "prefetch": e.get("zero", {}).get("prefetch")} for e in rec.steps[warmup:]]
-            o = out[d["extra"]["name"]]
+            o = out[d["name"]]
             o["steps"] += steps
             o["per_repeat"].append(statistics.median(e["step_s"] for e in steps))
     return out
@@ -65,7 +65,7 @@ def _median(xs):
 def cpu_section(args, run_ranks, RunConfig, bench):
     base = RunConfig(strategy="zero3", world_size=args.world, steps=args.steps,
                      optimizer="sgd", lr=0.1, timeout_s=120)
-    cfgs = [base.replace(strategy=s, extra={"name": s}).to_dict() for s in STRATEGIES]
+    cfgs = [base.replace(strategy=s, name=s).to_dict() for s in STRATEGIES]
     print(f"{args.world} ranks, {args.repeats} repeats x {args.steps} steps (first "
           f"{args.warmup} dropped), GPT {base.n_layer} layers n_embd {base.n_embd}, global "
           f"batch {base.global_batch}, seq {base.seq_len}; cpu cores {os.cpu_count()}, load "
@@ -106,7 +106,7 @@ def gpu_section(args, run_ranks, RunConfig, bench):
                      n_head=args.gpu_embd // 64, device="cuda", timeout_s=300)
     runs = {"fp32": base, "bf16": base.replace(precision="bf16"),
             "fp32 checkpointing": base.replace(checkpointing="full")}
-    cfgs = [c.replace(extra={"name": n}).to_dict() for n, c in runs.items()]
+    cfgs = [c.replace(name=n).to_dict() for n, c in runs.items()]
     print(f"\nGPU section: single on {torch.cuda.get_device_name(0)}, GPT {base.n_layer} "
           f"layers n_embd {base.n_embd}, batch {base.global_batch} x seq {base.seq_len}")
     res = run_ranks(bench.time_configs, 1, cfgs, args.repeats, args.warmup, device="cuda",

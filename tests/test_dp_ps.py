@@ -54,8 +54,8 @@ def _worst_param_diff(a, b):
 # -- one process: single and dp ------------------------------------------------------------------
 DP = {"dp2": BASE.replace(strategy="dp", world_size=2),
       "dp4": BASE.replace(strategy="dp", world_size=4),
-      "dp4-loss": BASE.replace(strategy="dp", world_size=4, extra={"dp_gather": "loss"}),
-      "dp4-sequential": BASE.replace(strategy="dp", world_size=4, extra={"dp_threads": False})}
+      "dp4-loss": BASE.replace(strategy="dp", world_size=4, dp_gather="loss"),
+      "dp4-sequential": BASE.replace(strategy="dp", world_size=4, dp_threads=False)}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_dp_replica0_moves_n_minus_1_times_the_bytes_of_any_other_replica(one_pr
             # formulas (P parameter bytes, X input bytes, O output bytes of the global batch):
             assert b["broadcast"]["sent"][0] == (n - 1) * P  # parameters out
             assert b["reduce_add"]["recv"][0] == (n - 1) * P  # gradients in
-            if cfg.extra.get("dp_gather") == "loss":  # inputs and targets out, n-1 losses in
+            if cfg.dp_gather == "loss":  # inputs and targets out, n-1 losses in
                 assert b["scatter"]["sent"][0] == (n - 1) * 2 * x_bytes // n
                 assert b["gather"]["recv"][0] == (n - 1) * 4
             else:  # inputs out; logits in (and their gradient back out)
@@ -98,7 +98,7 @@ def test_dp_replica0_moves_n_minus_1_times_the_bytes_of_any_other_replica(one_pr
             for i in range(1, n):  # replica 0 moves exactly n-1 times any other replica's bytes
                 assert s["bytes_sent"][0] == (n - 1) * s["bytes_recv"][i]
                 assert s["bytes_recv"][0] == (n - 1) * s["bytes_sent"][i]
-            assert s["threads"] == (0 if cfg.extra.get("dp_threads") is False else n)
+            assert s["threads"] == (0 if cfg.dp_threads is False else n)
             assert len(s["replica_forward_s"]) == n and s["seconds"]["forward_wall_s"] > 0
             assert s["seconds"]["reduce_add_s"] > 0 and s["replica0_only_s"] > 0
 

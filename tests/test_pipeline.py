@@ -86,15 +86,15 @@ def _configs(world):
                                               microbatches=m, schedule=sc,
                                               virtual_stages=2 if sc == "interleaved" else 1)
     if world == 2:
-        cfgs["bubble gpipe"] = cfgs["pp gpipe"].replace(steps=4, extra={"pp_op_delay_s": DELAY_S})
-        cfgs["bubble 1f1b"] = cfgs["pp 1f1b"].replace(steps=4, extra={"pp_op_delay_s": DELAY_S})
+        cfgs["bubble gpipe"] = cfgs["pp gpipe"].replace(steps=4, pp_op_delay_s=DELAY_S)
+        cfgs["bubble 1f1b"] = cfgs["pp 1f1b"].replace(steps=4, pp_op_delay_s=DELAY_S)
         # interleaved, v=2, m=p=2: 8 ops of DELAY_S per rank and step, 3 steps (~3 s). Each of
         # its p·v-1 = 3 stage hand-offs per micro-batch adds a fixed send/recv latency that the
         # formula does not count; measured p=2, m=2, 3 steps, both cores busy with other work:
         # 0.03 s ops missed the formula by 0.06-0.08, 0.05 s by 0.04-0.055, 0.1 s by 0.014-0.018
         # (quiet machine: 0.02, -, 0.007). So DELAY_S (0.1 s) here too.
         cfgs["bubble interleaved"] = cfgs["pp interleaved"].replace(
-            steps=3, microbatches=2, extra={"pp_op_delay_s": DELAY_S})
+            steps=3, microbatches=2, pp_op_delay_s=DELAY_S)
     return cfgs
 
 

@@ -262,7 +262,7 @@ def test_fp16_dynamic_loss_scaling_logs_scale_and_skipped_steps(launched):
 
 def test_nan_fault_names_module_step_and_phase(tmp_path):
     cfg = BASE.replace(steps=6, detect_nan=True, fault="nan", fault_rank=1, fault_step=3,
-                       extra={"fault_module": "blocks.1.mlp.proj"}, runs_root=str(tmp_path))
+                       fault_module="blocks.1.mlp.proj", runs_root=str(tmp_path))
     run = launch(cfg)
     with pytest.raises(RunError) as e:
         run.wait(timeout=60)

@@ -45,7 +45,7 @@ BN = RunConfig(model="bnnet", optimizer="sgd", lr=0.1, steps=20, global_batch=8,
                timeout_s=60)
 # A finite set of 32 rows read for 2 epochs: 4 equal batches of 8 per epoch at any world size
 # dividing 8 ("equal batches by construction").
-BN_FINITE = BN.replace(sync_bn=True, dataset_size=32, extra={"epochs": 2})
+BN_FINITE = BN.replace(sync_bn=True, dataset_size=32, epochs=2)
 # A tiny GPT on a finite Markov set of 9 rows, 2 rows per rank per step: at world 2 the shards
 # hold 5 and 4 rows, i.e. 3 and 2 batches (uneven inputs); drop_last=True makes them 2 and 2.
 # (Uneven shards differ by one row, so the extra batch has one row: BatchNorm could not train

@@ -151,7 +151,7 @@ one = launch_together({
     "single": BASE,
     "dp": BASE.replace(strategy="dp", world_size=WORLD),
     "dp sequential": BASE.replace(strategy="dp", world_size=WORLD,
-                                  extra={"dp_threads": False}),
+                                  dp_threads=False),
     "single bnnet": BN.replace(sync_bn=True),  # section 6: SyncBN at world 1 is BatchNorm
 }, name="one-process")
 single, dp_run = one["single"], one["dp"]
@@ -202,7 +202,7 @@ assert dp_diff <= TOL and dp_loss_diff <= LOSS_TOL  # the same update as one pro
 # **Threads and the GIL.** Tensor kernels release Python's global interpreter lock, but the
 # Python between them (module calls, hooks, the autograd bookkeeping) holds it, so the
 # replica threads overlap only inside kernels. With replicas run one after another
-# instead (`extra={"dp_threads": False}`), each replica's forward is its own cost; in
+# instead (`dp_threads=False`), each replica's forward is its own cost; in
 # threads, the time it waits for the lock and for a core adds to its wall time.
 
 # %%

@@ -465,7 +465,7 @@ print(f"scales equal at all {len(ours['scale'])} steps; skipped steps "
 
 # %%
 nan_cfg = PBASE.replace(steps=6, track_peak=False, detect_nan=True, fault="nan",
-                        fault_rank=1, fault_step=3, extra={"fault_module": "blocks.1.mlp.proj"})
+                        fault_rank=1, fault_step=3, fault_module="blocks.1.mlp.proj")
 nan_run = launch(nan_cfg)
 try:
     nan_run.wait()

@@ -83,7 +83,7 @@ PP = BASE.replace(strategy="pp", world_size=P, pp=P, microbatches=M)
 # Bubble runs: a fixed DELAY_S sleep per forward and per backward (extra["pp_op_delay_s"])
 # makes every stage cost the same and dwarfs the compute (~1-2 ms) and the scheduling noise
 # of a loaded 2-core machine, so the idle measured is the schedule's own.
-DELAYED = PP.replace(steps=BUBBLE_STEPS, extra={"pp_op_delay_s": DELAY_S})
+DELAYED = PP.replace(steps=BUBBLE_STEPS, pp_op_delay_s=DELAY_S)
 # Tolerances. Parameters and losses vs single: 1e-5 (tests/test_pipeline.py: only the
 # summation order of micro-batch gradients differs, ~1e-7 per step, which SGD does not
 # amplify; a lost or doubly-counted micro-batch moves parameters by ~1e-2). Bubble: 0.05

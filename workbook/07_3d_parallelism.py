@@ -110,7 +110,7 @@ MESH = mesh_config(BASE, *DIMS, microbatches=M, schedule=SCHEDULE)
 ADAM = MESH.replace(optimizer="adamw", lr=1e-3, steps=2)
 # GPipe runs m = 1 too (1F1B needs m >= pp); extra["pp_op_delay_s"]: a fixed sleep
 DELAYED = MESH.replace(schedule="gpipe", steps=BUBBLE_STEPS,
-                       extra={"pp_op_delay_s": DELAY_S})
+                       pp_op_delay_s=DELAY_S)
 # Tolerances. Parameters and losses vs single: 1e-5 (tests/test_mesh.py: only the
 # summation order differs, ~1e-7 per step, which SGD does not amplify; a lost
 # micro-batch, an unaveraged dp gradient or a doubled bias moves parameters by >1e-3).

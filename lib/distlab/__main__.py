@@ -22,11 +22,9 @@ def parse_config(argv) -> tuple[RunConfig, str | None]:
     p = argparse.ArgumentParser(prog="python -m distlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(RunConfig):
-        if f.name in ("extra",):
-            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", default=f.default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             p.add_argument(flag, type=kind, default=f.default)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 # Each strategy names how the one training loop is parallelised. What a strategy supports, its
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
@@ -21,6 +21,7 @@ COMPRESSIONS = ("none", "topk")
 LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
 CHECKPOINTING = ("none", "full", "selective")
 ALLREDUCE_ALGORITHMS = ("torch", "ring", "naive")
+DP_GATHERS = ("logits", "loss")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -66,6 +67,9 @@ class RunConfig:
     schedule: str = "gpipe"  # naive | gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # interleaved: model chunks per pipeline rank
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
+    dp_threads: bool = True  # dp: replicas in threads (False: one after another, to time the GIL)
+    dp_gather: str = "logits"  # dp: replicas return logits (loss on replica 0), or their "loss"
+    pp_op_delay_s: float = 0.0  # pp/3d: a sleep per forward and backward op (bubble demos)
     bucket_mb: float = 0.25  # ddp: gradient bucket size cap, MiB (torch's default is 25)
     compress: str = "none"  # ddp: gradient compression ("topk": top-k with error feedback)
     topk_ratio: float = 0.01  # fraction of each bucket's entries that topk sends
@@ -73,6 +77,11 @@ class RunConfig:
     # model: the tiny GPT (distlab.models.gpt) or a small BatchNorm net (distlab.models.bnnet)
     model: str = "gpt"
     sync_bn: bool = False  # bnnet: BatchNorm statistics over the global batch (SyncBatchNorm)
+    hidden_layers: int = 2  # bnnet: hidden Linear+BatchNorm layers (width n_embd)
+    bn_classes: int = 4  # bnnet's data (distlab.dataset.ClusterData): Gaussian clusters, one
+    bn_features: int = 16  # per class, of bn_features dimensions, spread bn_cluster_std around
+    bn_cluster_std: float = 1.0  # class centres drawn with std bn_separation
+    bn_separation: float = 0.7
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -82,6 +91,7 @@ class RunConfig:
     successors: int = 3  # next-token choices per token; sets how low the loss can go
     dataset_size: int = 0  # 0: fresh rows every step; >0: a finite set read by a distributed sampler
     drop_last: bool = True  # sampler: drop the tail that does not divide among ranks
+    epochs: int = 1  # finite dataset: passes over it (each reshuffled by the sampler)
     join: bool = False  # uneven inputs: ranks out of data shadow the others' collectives
     seed: int = 0
     task: int = 0  # which Markov chain: 0 the default; k >= 1 redraws half its rows (data.py)
@@ -110,15 +120,15 @@ class RunConfig:
     fault: str = "none"
     fault_rank: int = 0
     fault_step: int = 0
+    fault_module: str = ""  # fault="nan": the module whose weight gets the NaN ("": first Linear)
     # training checkpoints (distlab.checkpoint)
     checkpoint_every: int = 0  # save every k steps and after the last one (0: off)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     checkpoint_dir: str = ""  # "": <run dir>/checkpoints
     resume_from: str = ""  # a checkpoint, a checkpoints folder (its latest), or "auto"
-    extra: dict = field(default_factory=dict)  # room for knobs of later notebooks
 
     def __post_init__(self):
-        _choice("strategy", self.strategy, STRATEGIES)
+        strategy_class(self.strategy)  # ValueError naming the registry's strategies
         _choice("allreduce", self.allreduce, ALLREDUCE_ALGORITHMS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("precision", self.precision, PRECISIONS)
@@ -130,6 +140,15 @@ class RunConfig:
         _choice("loss_scale", self.loss_scale, LOSS_SCALES)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("schedule", self.schedule, SCHEDULES)
+        _choice("dp_gather", self.dp_gather, DP_GATHERS)
+        for name in ("epochs", "hidden_layers", "bn_classes", "bn_features"):
+            _positive_int(name, getattr(self, name))
+        for name in ("pp_op_delay_s", "bn_cluster_std", "bn_separation"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number >= 0")
+        if self.fault_module and self.fault != "nan":
+            raise ValueError(f"fault_module={self.fault_module!r} picks where fault='nan' puts "
+                             f"its NaN; set fault='nan' (got fault={self.fault!r})")
         for name in ("tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
         self._check_model_parallel()
@@ -148,7 +167,6 @@ class RunConfig:
             _positive_int(name, getattr(self, name))
         _positive_int("vocab_size", self.vocab_size, minimum=2)
         strategy_class(self.strategy).check_config(self)
-        self._check_features()
         dp = self.dp_degree
         if self.global_batch % dp:
             raise ValueError(f"global_batch={self.global_batch} does not divide among "
@@ -167,6 +185,7 @@ class RunConfig:
             raise ValueError("join=True with sync_bn=True: a rank out of data cannot shadow "
                              "SyncBatchNorm's all-reduces in the forward (nor can torch's Join); "
                              "use drop_last=True or equal batches instead")
+        self._check_features()
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:
@@ -328,6 +347,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
+        d = dict(d)
+        # configs written before every knob was a field kept some in "extra": read them as fields
+        d.update({_LEGACY_EXTRA.get(k, k): v for k, v in d.pop("extra", {}).items()})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -336,6 +358,10 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+_LEGACY_EXTRA = {"classes": "bn_classes", "features": "bn_features",
+                 "cluster_std": "bn_cluster_std", "separation": "bn_separation"}
 
 
 def _with_degree(degree: str) -> list[str]:

@@ -210,8 +210,7 @@ class FiniteDataset:
 
 
 def cluster_data(cfg) -> ClusterData:
-    """ClusterData for a RunConfig. Its knobs live in cfg.extra: "classes" (4), "features" (16),
-    "cluster_std" (1.0), "separation" (0.7, the std of the class centres)."""
-    e = cfg.extra
-    return ClusterData(e.get("classes", 4), e.get("features", 16), e.get("cluster_std", 1.0),
-                       e.get("separation", 0.7), cfg.seed)
+    """ClusterData for a RunConfig: its bn_classes, bn_features, bn_cluster_std and
+    bn_separation (the std of the class centres)."""
+    return ClusterData(cfg.bn_classes, cfg.bn_features, cfg.bn_cluster_std, cfg.bn_separation,
+                       cfg.seed)

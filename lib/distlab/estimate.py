@@ -211,9 +211,6 @@ def _gpt_param_numels(cfg) -> list[int]:
 
 
 # -- model states of this project's runs ----------------------------------------------------
-# Strategies whose every rank holds the whole model, its gradients and optimizer state.
-REPLICATED = ("single", "allreduce", "ddp", "ddp-torch")
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
 def _shard(numel: int, n: int) -> int:
@@ -262,12 +259,16 @@ def run_model_state_bytes(cfg, rank: int = 0, partition: str | None = None) -> d
     def optim(numel, buffers):
         return 8 * numel + 4 * buffers if adam else 0
 
-    if cfg.strategy in REPLICATED:
+    from distlab.parallel import strategies, strategy_class
+    declared = strategy_class(cfg.strategy)  # what the strategy says it holds (parallel/base.py)
+    if declared.replicated:
         return {"params": 4 * psi, "grads": 4 * psi, "optim": optim(psi, n_tensors)}
-    stage = ZERO_STAGES.get(cfg.strategy)
-    if stage is None:  # dp, parameter servers, torch's ZeRO-1 (a greedy uneven partition), FSDP
+    stage = declared.zero_stage
+    if not stage:  # dp, parameter servers, torch's ZeRO-1 (a greedy uneven partition), FSDP
+        known = [s for s in strategies()
+                 if strategy_class(s).replicated or strategy_class(s).zero_stage]
         raise ValueError(f"strategy {cfg.strategy!r}: no model-state estimate here (written "
-                         f"for {', '.join(REPLICATED + tuple(ZERO_STAGES))})")
+                         f"for {', '.join(known)})")
     partition = partition or ("flat" if stage == 1 else "units")
     buffers = {"flat": [psi], "units": _gpt_unit_numels(cfg),
                "per-param": _gpt_param_numels(cfg)}.get(partition)

@@ -25,7 +25,7 @@ backs off. There the detector checks only the forward (`check_backward=False`); 
 backward shows up as a skipped step in the step events instead.
 
 Fault drill: RunConfig(fault="nan", fault_step=k) writes a NaN into one weight of one module at
-step k (`poison`); cfg.extra["fault_module"] picks the module (default: the first nn.Linear,
+step k (`poison`); RunConfig.fault_module picks the module (default: the first nn.Linear,
 blocks.0.attn.q in the GPT).
 """
 

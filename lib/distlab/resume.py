@@ -24,7 +24,7 @@ def resume(source, block: bool = False, **changes):
     New checkpoints go on into the same folder; the injected fault is not repeated."""
     path, cfg, root = _locate(source)
     label = cfg.name or f"{cfg.strategy}-w{cfg.world_size}"
-    new = cfg.replace(**{"resume_from": path, "checkpoint_dir": root, "fault": "none",
+    new = cfg.replace(**{"resume_from": path, "checkpoint_dir": root, "fault": "none", "fault_module": "",
                          "name": label if label.endswith("-resumed") else label + "-resumed",
                          **changes})
     meta = verify(path)

@@ -94,18 +94,18 @@ class ShardReader:
 
 def shard_reader(cfg, data, rank: int, world: int) -> ShardReader:
     """The reader a data-parallel rank uses when cfg.dataset_size > 0: a FiniteDataset of
-    dataset_size rows from `data`, cfg.local_batch rows per step, cfg.extra "epochs" (1)."""
+    dataset_size rows from `data`, cfg.local_batch rows per step, cfg.epochs passes."""
     from distlab.dataset import FiniteDataset
 
     sampler = DistributedSampler(cfg.dataset_size, world, rank, cfg.seed, cfg.drop_last)
     return ShardReader(FiniteDataset(data, cfg.dataset_size), sampler,
-                       cfg.global_batch // world, cfg.extra.get("epochs", 1))
+                       cfg.global_batch // world, cfg.epochs)
 
 
 def uneven_inputs_report(cfg, world: int) -> str:
     """One line naming which ranks run out of data first, for error messages and notebooks."""
     counts = batches_per_rank(cfg.dataset_size, world, cfg.global_batch // world, cfg.drop_last,
-                              cfg.extra.get("epochs", 1))
+                              cfg.epochs)
     if len(set(counts)) == 1:
         return f"every rank has {counts[0]} batches"
     short = [r for r, c in enumerate(counts) if c < max(counts)]

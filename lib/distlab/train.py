@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,11 +27,12 @@ from distlab.config import RunConfig
 from distlab.dataset import make_data
 from distlab.forgetting import FineTuning, load_init_from
 from distlab.lora import inject_lora
-from distlab.memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
+from distlab.drills import Drills
 from distlab.models import GPT, GPTConfig
-from distlab.nan import NanDetector, poison
+from distlab.nan import NanDetector
 from distlab.parallel import make_strategy
 from distlab.precision import apply_fp32_modules, finish_step, make_loss_scaler, resolve_loss_scale
+from distlab.step_meter import StepMeter
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,26 +47,6 @@ def autocast(cfg: RunConfig, device: torch.device):
     if cfg.precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[cfg.precision])
-
-
-def inject_fault(cfg: RunConfig, rank: int, step: int, log, model=None):
-    """The fault drills: one rank misbehaves at one step, as real ranks do."""
-    if cfg.fault in ("none", "kill_in_save") or rank != cfg.fault_rank or step != cfg.fault_step:
-        return  # kill_in_save fires while a checkpoint is written (distlab.checkpoint)
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return  # a worker torchrun restarted is the recovery: the drill's fault fired once
-    if cfg.fault == "nan":  # a NaN in one weight; detect_nan=True names where it surfaces
-        module = poison(model, cfg.extra.get("fault_module", ""))
-        log.write("fault", fault=cfg.fault, step=step, module=module)
-        return
-    log.write("fault", fault=cfg.fault, step=step)
-    if cfg.fault == "raise":
-        raise RuntimeError(f"injected fault: rank {rank} raised at step {step}")
-    if cfg.fault == "stall":  # alive but never joins another collective, like a hung rank
-        while True:
-            time.sleep(1.0)
-    if cfg.fault == "kill":  # dies without a word, like an OOM-killed or preempted process
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
@@ -106,19 +85,15 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     optimizer = strategy.build_optimizer(model, lambda params: build_optimizer(cfg, params))
     scaler = make_loss_scaler(cfg, comm)
     data = finetune.data(make_data(cfg))
-    meter = ActivationMeter(model)
-    # per-step peak of bytes aten allocated (opt-in: a Python call per op costs ~20% step time)
-    peak = PeakMemoryTracker() if cfg.track_peak else None
-    if peak is not None:
-        peak.adopt([*model.parameters(), *model.buffers()])
+    meter = StepMeter(cfg, model, comm, device)  # time, bytes and memory of each step
+    drills = Drills(cfg, rank, log)  # faults, a straggler, a delay per step: on purpose
     comm.take_step_stats()  # setup traffic (the initial broadcast) is not a step's
-    on_cuda = device.type == "cuda"
     log.write("start", n_params=sum(p.numel() for p in model.parameters()),
               loss_floor=data.loss_floor, loss_at_start=data.loss_at_start,
               device=str(device), backend=dist.get_backend(), world_size=world,
               threads=torch.get_num_threads(), pid=os.getpid(),
               role="server" if strategy.is_server() else "worker",
-              peak_memory=PEAK_LABEL if peak is not None else None)
+              peak_memory=meter.peak_label)
     # training checkpoints: resume_from loads here, checkpoint_every saves after steps
     ckpt = Checkpointer.for_run(cfg, rank, world, device, strategy, model, optimizer, scaler, log)
     start = ckpt.restore() if ckpt is not None else 0
@@ -131,12 +106,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     losses, comm_per_step = [], []
     finetune.evaluate(model, start, log, comm)  # before the first step (0, or a resumed one)
     for step in range(start, cfg.steps):
-        inject_fault(cfg, rank, step, log, model)
+        drills.before_step(step, model)
         if detector is not None:
             detector.step = step
-        if on_cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
+        meter.start()
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
         batch = strategy.batch(data, step)
@@ -145,8 +118,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
                 continue
             break
         x_all, y_all = batch
-        if peak is not None:
-            peak.step_begin(x_all, y_all)
+        meter.saw_batch(x_all, y_all)
         # a pipeline schedule owns the step's forward/backward (strategy.forward_backward)
         owned = strategy.forward_backward(
             model, x_all.to(device), y_all.to(device),
@@ -159,7 +131,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
             last = micro == len(micro_batches) - 1
             x, y = x.to(device), y.to(device)
             with (contextlib.nullcontext() if last else strategy.no_sync(model)):
-                with meter.measure(), autocast(cfg, device):
+                with meter.forward(), autocast(cfg, device):
                     # each micro-batch's mean loss, scaled so the accumulated gradient is the
                     # gradient of the mean over all of this rank's rows
                     loss = model(x, y) / cfg.grad_accum
@@ -167,34 +139,20 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
                 if detector is not None:
                     detector.check_gradients(model)
             loss_sum += loss.item()
-        if rank == cfg.straggler_rank:
-            time.sleep(cfg.straggler_delay_s)  # a slow rank: everyone else waits at the sync
+        drills.before_reduce()
         strategy.reduce_gradients(model)
         finetune.after_reduce()  # EWC's penalty gradient, the same on every rank
         precision = finish_step(strategy, model, optimizer, scaler, cfg.grad_clip)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        step_s = time.perf_counter() - t0
-        comm_stats, comm_buffer = comm.take_step_stats()
-        memory = {**strategy.state_bytes(model, optimizer), "activations": meter.bytes,
-                  "comm_buffers": comm_buffer}
-        if meter.param_cast_bytes:  # autocast's low-precision weight copies saved for backward
-            memory["param_casts"] = meter.param_cast_bytes
-        if peak is not None:  # "peak": this step's; "allocated": live now (memory.PEAK_LABEL)
-            memory.update(peak=peak.step_end(), allocated=peak.current)
-        if on_cuda:
-            memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
+        measured = meter.end(strategy, model, optimizer)  # step_s, comm, memory
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
-        comm_per_step.append(comm_stats)
-        log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), step_s=step_s,
-                  lr=cfg.lr_at(step), memory=memory, comm=comm_stats, **precision,
-                  **strategy.step_info())
+        comm_per_step.append(measured["comm"])
+        log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), lr=cfg.lr_at(step),
+                  **measured, **precision, **strategy.step_info())
         finetune.evaluate(model, step + 1, log, comm)
         if ckpt is not None and ckpt.after_step(step):
             break  # preempted: every rank saved, now they leave together
-        if cfg.step_delay_s:
-            time.sleep(cfg.step_delay_s)
+        drills.after_step()
     finetune.finish(strategy, model, comm)
     if keep is not None:
         keep.update(model=model, losses=losses, comm=comm_per_step)

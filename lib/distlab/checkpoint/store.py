@@ -33,8 +33,7 @@ MAY_CHANGE = frozenset({
     "offload", "backend", "device", "timeout_s", "threads_per_rank", "debug", "detect_nan",
     "track_peak", "step_delay_s", "straggler_rank", "straggler_delay_s", "runs_root", "name",
     "fault", "fault_rank", "fault_step", "checkpoint_every", "keep_last", "checkpoint_dir",
-    "resume_from", "eval_every", "save_final"})
-_EXTRA_MAY_CHANGE = {"fault_module"}
+    "resume_from", "eval_every", "save_final", "fault_module", "pp_op_delay_s"})
 _NAME = re.compile(r"^step_(\d{6,})$")
 
 
@@ -151,9 +150,6 @@ def check_compatible(meta: dict, cfg: RunConfig, path: str = "checkpoint"):
         if name in MAY_CHANGE:
             continue
         old = saved.get(name, defaults[name])  # a field newer than the checkpoint: its default
-        if name == "extra":
-            old, value = ({k: v for k, v in d.items() if k not in _EXTRA_MAY_CHANGE}
-                          for d in (old, value))
         if old != value:
             diffs.append(f"{name}: saved {old!r}, now {value!r}")
     if diffs:

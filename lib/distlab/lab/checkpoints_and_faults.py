@@ -36,10 +36,13 @@ def cli_args(cfg: RunConfig) -> list[str]:
     args = []
     for f in dataclasses.fields(RunConfig):
         value = getattr(cfg, f.name)
-        if f.name in ("extra", "world_size") or value == f.default:
+        if f.name == "world_size" or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
+        if isinstance(value, bool):  # --dp-threads / --no-dp-threads
+            args.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            args += [flag, str(value)]
     return args
 
 

@@ -250,8 +250,8 @@ def gil_cost(cfg, block: bool = True) -> dict:
     the forward's wall time: threads win only where kernels (which release the GIL) dominate
     the Python between them. Returns both summaries and the ratio sequential / threaded."""
     from distlab.launch import launch
-    threaded = launch(cfg.replace(extra={**cfg.extra, "dp_threads": True}), block=block)
-    sequential = launch(cfg.replace(extra={**cfg.extra, "dp_threads": False}), block=block)
+    threaded = launch(cfg.replace(dp_threads=True), block=block)
+    sequential = launch(cfg.replace(dp_threads=False), block=block)
     a, b = dp_summary(threaded), dp_summary(sequential)
     fa, fb = a["seconds"]["forward_wall_s"], b["seconds"]["forward_wall_s"]
     return {"threaded": a, "sequential": b, "forward_threaded_s": fa, "forward_sequential_s": fb,

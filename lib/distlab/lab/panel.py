@@ -337,9 +337,8 @@ class ControlPanel:
     """Knobs for a RunConfig, Run and Stop buttons, progress, status and a live dashboard.
 
     `ControlPanel(steps=50, n_layer=2)` sets the defaults: any RunConfig field; those without a
-    widget are passed through unchanged. `extra_widgets={"successors": W.IntSlider(...),
-    "extra.zero_stage": W.Dropdown(...)}` adds knobs: a key names the RunConfig field the
-    widget's value goes to, or `extra.<key>` for an entry of RunConfig.extra.
+    widget are passed through unchanged. `extra_widgets={"successors": W.IntSlider(...)}` adds
+    knobs: a key names the RunConfig field the widget's value goes to.
     """
 
     def __init__(self, dashboard: LiveDashboard | None = None, extra_widgets: dict | None = None,
@@ -371,10 +370,9 @@ class ControlPanel:
         self.widget.add_class("distlab-panel")
 
     def add_knob(self, name: str, widget: W.Widget):
-        """Add a widget whose value goes to RunConfig field `name` (or `extra.<key>`)."""
-        field = name.split(".", 1)[0]
-        if field not in self.base.to_dict() or (name.startswith("extra.") and len(name) < 7):
-            raise ValueError(f"{name!r} is not a RunConfig field (or 'extra.<key>')")
+        """Add a widget whose value goes to RunConfig field `name`."""
+        if name not in self.base.to_dict():
+            raise ValueError(f"{name!r} is not a RunConfig field")
         self.knobs[name] = widget
         if hasattr(self, "controls"):
             self._layout_controls()
@@ -387,10 +385,7 @@ class ControlPanel:
         """The RunConfig the knobs describe now (overrides win). Raises ValueError if invalid."""
         values = self.base.to_dict()
         for name, widget in self.knobs.items():
-            if name.startswith("extra."):
-                values["extra"] = {**values["extra"], name[len("extra."):]: widget.value}
-            else:
-                values[name] = widget.value
+            values[name] = widget.value
         values["lr"] = float(f"{values['lr']:.3g}")  # undo the slider's snapping (see _make_knobs)
         values.update(overrides)
         return RunConfig.from_dict(values)

@@ -32,6 +32,7 @@ from distlab.config import RunConfig
 from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, estimate_run,
                        gpt_activation_bytes, gpt_params_of, zero_model_states)
 from distlab.launch import launch
+from distlab.parallel import strategy_class
 from distlab.run import Run
 
 # The strategies the notebook compares, as "stages": DDP keeps everything on every rank.
@@ -115,11 +116,13 @@ def estimate_memory(cfg: RunConfig, rank: int = 0) -> tuple[dict, str]:
     """(bytes by category, where the numbers come from) for rank `rank` of a run of cfg:
     model states and activations; comm buffers are not estimated (None).
 
-    ddp, zero1/2/3: distlab.estimate.estimate_run, derived for our padded flat buffers.
+    replicated strategies (single, allreduce, ddp, ddp-torch) and zero1/2/3: distlab.estimate.
+    estimate_run, derived for our padded flat buffers.
     fsdp-torch: fsdp2_model_state_bytes (dim-0 shards); activations as our GPT's
     (gpt_activation_bytes). zero1-torch (greedy whole-tensor partition): the ZeRO paper's
     stage-1 formula with fp32 AdamW's bytes, Ψ/N exactly."""
-    if cfg.strategy in ("single", "ddp", "zero1", "zero2", "zero3"):
+    declared = strategy_class(cfg.strategy)
+    if declared.replicated or declared.zero_stage:
         est = {k: v for k, v in estimate_run(cfg, rank).items() if v is not None}
         src = "distlab.estimate.estimate_run (exact for our code)"
     elif cfg.strategy == "fsdp-torch":
@@ -375,11 +378,13 @@ class MemoryExplorer:
         self._thread: threading.Thread | None = None
 
     def config(self, **overrides) -> RunConfig:
-        """The RunConfig the knobs describe now (overrides win). DDP has no offload: off."""
-        cfg = self.base.replace(**{"strategy": self.strategy.value,
-                                   "world_size": self.world_size.value,
-                                   "offload": self.offload.value, **overrides})
-        return cfg.replace(offload=False) if cfg.strategy == "ddp" else cfg
+        """The RunConfig the knobs describe now (overrides win). Offload is off for a strategy
+        that does not support it (DDP)."""
+        values = {"strategy": self.strategy.value, "world_size": self.world_size.value,
+                  "offload": self.offload.value, **overrides}
+        if "offload" not in strategy_class(values["strategy"]).supports:
+            values["offload"] = False
+        return self.base.replace(**values)
 
     def run(self, **overrides) -> "MemoryExplorer":
         """Set the knobs from overrides, launch (non-blocking), start the drawing thread."""

@@ -37,12 +37,12 @@ class BNNet(nn.Module):
 
 def build_bnnet(cfg) -> nn.Module:
     """The BatchNorm net for a RunConfig: inputs and classes from its ClusterData (cfg.extra
-    "features", "classes"), hidden width cfg.n_embd, cfg.extra "hidden_layers" (2) hidden
+    "features", "classes"), hidden width cfg.n_embd, cfg.hidden_layers hidden
     layers. With cfg.sync_bn its BatchNorm layers are distlab's SyncBatchNorm."""
     from distlab.dataset import cluster_data
 
     data = cluster_data(cfg)
-    model = BNNet(data.features, data.classes, cfg.n_embd, cfg.extra.get("hidden_layers", 2))
+    model = BNNet(data.features, data.classes, cfg.n_embd, cfg.hidden_layers)
     if cfg.sync_bn:
         from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
         model = convert_sync_batchnorm(model)

@@ -58,12 +58,12 @@ def strategies(supporting: str | None = None) -> tuple[str, ...]:
     """Strategy names, in registry order; with `supporting`, those that declare that feature
     (one of FEATURES, or "checkpoint": those with a checkpoint layout)."""
     if supporting is None:
-        return STRATEGIES
+        return tuple(REGISTRY)
     if supporting != "checkpoint" and supporting not in FEATURES:
         raise ValueError(f"feature {supporting!r} is not one of: {', '.join(FEATURES)}, checkpoint")
     if supporting == "checkpoint":
-        return tuple(s for s in STRATEGIES if strategy_class(s).checkpoint_layout is not None)
-    return tuple(s for s in STRATEGIES if supporting in strategy_class(s).supports)
+        return tuple(s for s in REGISTRY if strategy_class(s).checkpoint_layout is not None)
+    return tuple(s for s in REGISTRY if supporting in strategy_class(s).supports)
 
 
 def make_strategy(cfg, comm) -> Strategy:

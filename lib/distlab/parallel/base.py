@@ -9,6 +9,8 @@ compares strategy names):
     checkpoint_layout       strategies with the same layout read each other's checkpoints;
                             None: this strategy does not checkpoint
     checkpoint_format       "full" (rank 0 writes one copy) or "sharded" (a DCP shard per rank)
+    servers, replicated,    ranks that serve instead of training; whether every rank holds the
+    zero_stage              whole model state; ZeRO's stage (what the memory estimator reads)
     dp_degree(cfg)          how many ranks split one global batch
     processes(cfg)          how many processes to launch
     check_config(cfg)       its own checks of a RunConfig, before any process starts
@@ -62,6 +64,9 @@ class Strategy:
     checkpoint_layout: str | None = None
     checkpoint_format = "full"
     servers = 0  # ranks that serve instead of training (a parameter server: rank 0)
+    # model states per rank, for the estimator (distlab.estimate.run_model_state_bytes):
+    replicated = False  # every rank holds the whole model, its gradients and optimizer state
+    zero_stage = 0  # ZeRO's partitioning over padded flat buffers: 1, 2 or 3
 
     @classmethod
     def dp_degree(cls, cfg) -> int:
@@ -87,6 +92,16 @@ class Strategy:
     def wrap(self, model):
         """Prepare the model (for example, make every rank start from rank 0's weights)."""
         return model
+
+    def after_model_split(self, model) -> None:
+        """Composition hook: a composite (3d) changed the model after this strategy wrapped it
+        (a pipeline kept some blocks; ZeRO re-pointed parameters into its flat buffers). Bring
+        what this strategy remembers about the model up to date. Default: nothing kept."""
+
+    def attach_gradients(self, model) -> None:
+        """Composition hook: called before a forward that does not go through model.forward
+        (a pipeline calling its stages), so a strategy that points each .grad into its own
+        buffers from a forward hook (ZeRO-1) can do it. Default: nothing to attach."""
 
     def build_optimizer(self, model, make):
         """The optimizer over what this rank updates; `make(params)` builds RunConfig's

@@ -127,17 +127,10 @@ class ThreeD(Strategy):
     def wrap(self, model):
         model = self.tp_s.wrap(model)  # every block split by columns/rows (tp group)
         model = self.pp_s.wrap(model)  # then keep this stage's blocks (pp group)
-
-        def present(name):
-            try:
-                model.get_submodule(name)
-                return True
-            except AttributeError:
-                return False
-        self.tp_s.sharded = {n: s for n, s in self.tp_s.sharded.items() if present(n)}
+        self.tp_s.after_model_split(model)  # TP forgets the blocks other stages hold
         model = self.dp_s.wrap(model)  # flat buffer over what is left, optimizer state sharded
         # parameters now view ZeRO's flat buffer: the pipeline must not count them as activations
-        self.pp_s._param_ptrs = {q.untyped_storage().data_ptr() for q in model.parameters()}
+        self.pp_s.after_model_split(model)
         # setup traffic (ZeRO's broadcast of rank 0's weights over dp) is not a step's: drop
         # it, as train() does for its own Comm, or step 0 would report it
         self.mesh.take_step_stats()
@@ -155,7 +148,7 @@ class ThreeD(Strategy):
     def forward_backward(self, model, x, y, scale_loss):
         # the pipeline calls stages, not model.forward, so ZeRO's pre-forward hook (which points
         # each .grad into its flat gradient buffer) is run here
-        self.dp_s._attach_grad_views()
+        self.dp_s.attach_gradients(model)
         return self.pp_s.forward_backward(model, x, y, scale_loss)
 
     def reduce_gradients(self, model):

@@ -102,6 +102,7 @@ class Single(Strategy):
     """One process, the whole global batch: the baseline every strategy is checked against.
     A finite dataset is read through the same sampler, at world size 1."""
     name = "single"
+    replicated = True
     supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
     checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 
@@ -123,6 +124,7 @@ class Single(Strategy):
 
 class AllReduceDP(Strategy):
     name = "allreduce"
+    replicated = True
     supports = Strategy.supports | {"finite_data", "join", "lora", "ewc", "eval"}
     checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 

@@ -50,12 +50,12 @@ from dataclasses import dataclass
 import torch
 
 from distlab.comm import Pending
+from distlab.estimate import MiB
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.compression import TopK
 
-MiB = 1 << 20
 
 
 def assign_buckets(sizes: list[int], cap_bytes: float) -> list[list[int]]:
@@ -106,6 +106,7 @@ class Bucket:
 
 class DDP(Strategy):
     name = "ddp"
+    replicated = True
     supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
     checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 

@@ -37,6 +37,7 @@ def booked_allreduce_hook(strategy: "TorchDDP", bucket):
 
 class TorchDDP(Strategy):
     name = "ddp-torch"
+    replicated = True
     supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
     checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 

@@ -32,11 +32,11 @@ counted, as on a GPU where it stays on device 0.
 **Threads and the GIL.** Replicas run forward in Python threads (`parallel_apply`). Tensor ops
 release the GIL inside their kernels, but the Python between them (module calls, hooks) holds it,
 so threads overlap only the kernels. Step events record each replica's forward wall and CPU time
-and the threaded wall time; `RunConfig(extra={"dp_threads": False})` runs the replicas one after
+and the threaded wall time; `RunConfig(dp_threads=False)` runs the replicas one after
 another for the comparison (`gil_cost` does both). On CPU the backward of all replicas runs on one
 autograd thread (GPUs get one per device), so backward does not overlap at all.
 
-Knobs (RunConfig.extra): "dp_threads" (True), "dp_gather": "logits" (replicas return outputs,
+Knobs: RunConfig.dp_threads (True), RunConfig.dp_gather: "logits" (replicas return outputs,
 replica 0 computes the token-mean cross-entropy, as a user of nn.DataParallel does) or "loss"
 (replicas compute their own loss with the model's forward(x, y); replica 0 gathers n scalars
 and averages them, weighted by rows).
@@ -360,8 +360,7 @@ class DataParallel(Strategy):
                              f"one process, but was started on {comm.world} ranks "
                              "(launch it with cfg.processes, which is 1)")
         self.n = cfg.world_size
-        self.threads = bool(cfg.extra.get("dp_threads", True))
-        self.gather = cfg.extra.get("dp_gather", "logits")
+        self.threads, self.gather = cfg.dp_threads, cfg.dp_gather
         self.stats = _Stats(self.n)
         self.param_bytes = 0
 

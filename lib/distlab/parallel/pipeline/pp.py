@@ -188,13 +188,18 @@ class PipelineParallel(Strategy):
         self.v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
         self.S = self.p * self.v
         self.schedule = make_schedule(cfg.schedule, self.p, self.m, self.v)[self.rank]
-        self.delay = float(cfg.extra.get("pp_op_delay_s", 0.0))
+        self.delay = cfg.pp_op_delay_s
         self._info = {}
 
     def wrap(self, model):
         model = split_model(model, self.rank, self.p, self.v)
-        self._param_ptrs = {q.untyped_storage().data_ptr() for q in model.parameters()}
+        self.after_model_split(model)
         return model
+
+    def after_model_split(self, model) -> None:
+        """Remember where the parameters' storage is, so stashed activations do not count it
+        (called again in 3d once ZeRO has moved the parameters into its flat buffers)."""
+        self._param_ptrs = {q.untyped_storage().data_ptr() for q in model.parameters()}
 
     def batch(self, data, step):
         return data.rank_batch(step, self.cfg.global_batch, 0, 1)  # every stage: whole batch

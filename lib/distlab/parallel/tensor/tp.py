@@ -272,6 +272,16 @@ class TensorParallel(Strategy):
         self.sharded = {n: s for n, s in plan.items() if s in ("colwise", "rowwise")}
         return model
 
+    def after_model_split(self, model) -> None:
+        """Forget the split modules a pipeline stage no longer holds (3d)."""
+        def present(name):
+            try:
+                model.get_submodule(name)
+                return True
+            except AttributeError:
+                return False
+        self.sharded = {n: s for n, s in self.sharded.items() if present(n)}
+
     def batch(self, data, step: int):
         # dp_degree is 1: every tensor-parallel rank computes on the whole global batch
         return data.global_batch(step, self.cfg.global_batch)

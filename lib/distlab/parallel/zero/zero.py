@@ -359,10 +359,10 @@ class ZeRO(Strategy):
         if _in_backward():
             return
         if self.stage == 1:
-            self._attach_grad_views()
+            self.attach_gradients()
         self._current = None
 
-    def _attach_grad_views(self):
+    def attach_gradients(self, model=None):
         """zero1: .grad of each parameter is a view into its unit's flat gradient buffer,
         zeroed once the last step's reduce-scatter consumed it (re-attached if someone set
         .grad to None, e.g. model.zero_grad())."""
@@ -603,7 +603,7 @@ class ZeRO1(ZeRO):
     name = "zero1"
     checkpoint_layout = "ZeRO units: the whole model"
 
-    stage = 1
+    stage = zero_stage = 1
 
 
 class ZeRO2(ZeRO):
@@ -611,7 +611,7 @@ class ZeRO2(ZeRO):
     name = "zero2"
     checkpoint_layout = "ZeRO units: one per block"
 
-    stage = 2
+    stage = zero_stage = 2
 
 
 class ZeRO3(ZeRO):
@@ -619,4 +619,4 @@ class ZeRO3(ZeRO):
     name = "zero3"
     checkpoint_layout = "ZeRO units: one per block"
 
-    stage = 3
+    stage = zero_stage = 3

@@ -76,6 +76,7 @@ def chain_broadcast_bytes(sizes: list[int], rank: int) -> tuple[int, int]:
 class TorchZeRO1(TorchDDP):
     """torch DDP + ZeroRedundancyOptimizer (wrap, no_sync, the counting hook: TorchDDP's)."""
     name = "zero1-torch"
+    replicated = False  # torch DDP's model, but the optimizer state is partitioned
     supports = Strategy.supports  # not TorchDDP's extras: written and tested for ddp-torch only
     checkpoint_layout = "ZeroRedundancyOptimizer, consolidated"
 

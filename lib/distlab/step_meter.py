@@ -1,0 +1,67 @@
+"""What one training step measured on this rank, gathered in one place for the step event:
+
+    meter.start()                  before the step: timer, CUDA peak reset
+    meter.saw_batch(x, y)          once the batch is read: the peak tracker's step begins
+    with meter.forward(): ...      around each forward: activation bytes saved for backward
+    fields = meter.end(...)        after the update: step time, bytes per collective, memory by
+                                   category (distlab.memory), CUDA's max allocated
+
+Memory categories: the strategy's parameters/gradients/optimizer state (exact local bytes),
+activations saved for backward (ActivationMeter), communication buffers (distlab.comm), and
+opt-in extras: autocast's weight copies, the per-step peak of aten-allocated bytes
+(RunConfig.track_peak, ~20% step time on this CPU), torch.cuda.max_memory_allocated on a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from distlab.memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
+
+
+class StepMeter:
+    def __init__(self, cfg, model, comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self.on_cuda = device.type == "cuda"
+        self.activations = ActivationMeter(model)
+        self.peak = PeakMemoryTracker() if cfg.track_peak else None
+        if self.peak is not None:
+            self.peak.adopt([*model.parameters(), *model.buffers()])
+        self.t0 = 0.0
+
+    @property
+    def peak_label(self) -> str | None:
+        """What memory["peak"] means (for the start event), None without a peak tracker."""
+        return PEAK_LABEL if self.peak is not None else None
+
+    def start(self) -> None:
+        """Start the step's timer (before the batch is read: the step's cost includes it)."""
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = time.perf_counter()
+
+    def saw_batch(self, x, y) -> None:
+        if self.peak is not None:  # the batch's own bytes are live from here on
+            self.peak.step_begin(x, y)
+
+    def forward(self):
+        """Context around a forward: counts the activation bytes it saves for backward."""
+        return self.activations.measure()
+
+    def end(self, strategy, model, optimizer) -> dict:
+        """The step event's measured fields: step_s, comm, memory. Resets the comm counters."""
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+        step_s = time.perf_counter() - self.t0
+        comm_stats, comm_buffer = self.comm.take_step_stats()
+        memory = {**strategy.state_bytes(model, optimizer), "activations": self.activations.bytes,
+                  "comm_buffers": comm_buffer}
+        if self.activations.param_cast_bytes:  # autocast's low-precision weight copies
+            memory["param_casts"] = self.activations.param_cast_bytes
+        if self.peak is not None:  # "peak": this step's; "allocated": live now (PEAK_LABEL)
+            memory.update(peak=self.peak.step_end(), allocated=self.peak.current)
+        if self.on_cuda:
+            memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return {"step_s": step_s, "memory": memory, "comm": comm_stats}

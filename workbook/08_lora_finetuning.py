@@ -65,6 +65,7 @@ from distlab.lab.lora_finetuning import (
     curves_figure,
     final_eval,
     last_memory,
+    last_step_bytes_sent,
     memory_figure,
     merge_check,
     preset_shapes,
@@ -77,7 +78,7 @@ from distlab.lab.lora_finetuning import (
     trainable_of,
     weights_path,
 )
-from distlab.lab.runs import bytes_per_step, launch_together, worst_param_diff
+from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lora import TARGETS as PRESETS
 from distlab.lora import (
     inject_lora,
@@ -347,7 +348,7 @@ wire = {}
 for k in ("sgd full", "sgd lora"):
     n = trainable_of(cfgs[k])
     formula = ring_allreduce_bytes(4 * n, N)
-    wire[k] = bytes_per_step(ddp[k])
+    wire[k] = last_step_bytes_sent(ddp[k])
     assert wire[k] == formula, (k, wire[k], formula)
     diff = worst_param_diff(ddp[k].states[0], runs[k].states[0])
     assert diff < 1e-5, (k, diff)

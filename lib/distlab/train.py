@@ -2,14 +2,17 @@
 
     start = steps done in the checkpoint resumed from (distlab.checkpoint), else 0
     for step in range(start, steps):
+        drills.before_step                   a fault on purpose (distlab.drills)
         x, y  = this rank's part of the step's global batch
-        loss  = model(x, y)                  (under autocast for bf16/fp16)
+        loss  = model(x, y)                  (under autocast for bf16/fp16; meter.forward counts
+                                             the activations it saves)
         (loss * scale).backward()            (dynamic loss scaling: fp16)
+        drills.before_reduce                 a straggler on purpose
         strategy.reduce_gradients(model)     (DP: average gradients across ranks)
         unscale, check inf/NaN, clip, then strategy.optimizer_step(optimizer) or skip it
                                              (distlab.precision.finish_step)
-        log one "step" event: loss, tokens, time, memory by category, bytes per collective,
-                              loss scale and skipped
+        log one "step" event: loss, tokens, and what the StepMeter measured (time, bytes per
+                              collective, memory by category), loss scale and skipped
         save a checkpoint if one is due; leave if the job got a preemption notice
 """
 
@@ -21,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from distlab.checkpoint import Checkpointer
+from distlab.checkpoint.checkpointer import Checkpointer
 from distlab.comm import Comm
 from distlab.config import RunConfig
 from distlab.dataset import make_data

@@ -82,7 +82,7 @@ def last_memory(run: Run, rank: int = 0) -> dict:
     return max(run.history("step", rank=rank), key=lambda e: e["step"])["memory"]
 
 
-def bytes_per_step(run: Run, rank: int = 0) -> int:
+def last_step_bytes_sent(run: Run, rank: int = 0) -> int:
     """Bytes one rank sent in the last step, every collective kind together."""
     e = max(run.history("step", rank=rank), key=lambda e: e["step"])
     return sum(v["bytes_sent"] for v in e["comm"].values())

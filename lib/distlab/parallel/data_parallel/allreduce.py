@@ -98,13 +98,19 @@ def explain_uneven_inputs(strategy, where: str = "in a step's collectives"):
         raise
 
 
-class Single(Strategy):
+class ReplicatedDP(Strategy):
+    """What every data-parallel strategy that keeps the whole model, its gradients and its
+    optimizer state on every rank declares: one layout, so their checkpoints are interchangeable,
+    and the features written for whole gradients on every rank."""
+    replicated = True
+    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
+    checkpoint_layout = "replicated"  # the whole model and optimizer on every rank
+
+
+class Single(ReplicatedDP):
     """One process, the whole global batch: the baseline every strategy is checked against.
     A finite dataset is read through the same sampler, at world size 1."""
     name = "single"
-    replicated = True
-    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
-    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 
     @classmethod
     def check_config(cls, cfg):
@@ -122,11 +128,9 @@ class Single(Strategy):
         return read_batch(self, data, step)
 
 
-class AllReduceDP(Strategy):
+class AllReduceDP(ReplicatedDP):
     name = "allreduce"
-    replicated = True
-    supports = Strategy.supports | {"finite_data", "join", "lora", "ewc", "eval"}
-    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
+    supports = ReplicatedDP.supports | {"join"}
 
     active: list[int] | None = None  # join: ranks with data this step
     optimizer = None  # remembered at the first step, for a joined rank's shadow steps

@@ -51,9 +51,8 @@ import torch
 
 from distlab.comm import Pending
 from distlab.estimate import MiB
-from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
+from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
-from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.compression import TopK
 
 
@@ -104,11 +103,8 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-class DDP(Strategy):
+class DDP(ReplicatedDP):
     name = "ddp"
-    replicated = True
-    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
-    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.parallel.base import Strategy
-from distlab.parallel.data_parallel.allreduce import read_batch
+from distlab.parallel.data_parallel.allreduce import ReplicatedDP, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
@@ -35,11 +34,8 @@ def booked_allreduce_hook(strategy: "TorchDDP", bucket):
     return pending.future().then(lambda fut: fut.value()[0])
 
 
-class TorchDDP(Strategy):
+class TorchDDP(ReplicatedDP):
     name = "ddp-torch"
-    replicated = True
-    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
-    checkpoint_layout = "replicated: the whole model and optimizer on every rank"
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

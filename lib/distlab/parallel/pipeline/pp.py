@@ -177,6 +177,12 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = N
 
 
 # -- the strategy ------------------------------------------------------------------------------
+def pipeline_shape(cfg) -> tuple[int, int, int, int]:
+    """(p ranks, m micro-batches, v model chunks per rank, S = p·v stages) of a config."""
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    return cfg.pp, cfg.microbatches, v, cfg.pp * v
+
+
 class PipelineParallel(Strategy):
     """`pp`: this rank holds stages rank_stages(rank, pp, v) and runs cfg.schedule."""
     name = "pp"
@@ -184,9 +190,7 @@ class PipelineParallel(Strategy):
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
-        self.p, self.m = cfg.pp, cfg.microbatches
-        self.v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-        self.S = self.p * self.v
+        self.p, self.m, self.v, self.S = pipeline_shape(cfg)
         self.schedule = make_schedule(cfg.schedule, self.p, self.m, self.v)[self.rank]
         self.delay = cfg.pp_op_delay_s
         self._info = {}

@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.parallel.base import Strategy
-from distlab.parallel.pipeline.pp import rank_stages, split_model, stage_blocks, stage_forward
+from distlab.parallel.pipeline.pp import (pipeline_shape, rank_stages, split_model, stage_blocks,
+                                         stage_forward)
 
 
 class _Stage(nn.Module):
@@ -42,9 +43,7 @@ class TorchPP(Strategy):
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
-        self.p, self.m = cfg.pp, cfg.microbatches
-        self.v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-        self.S = self.p * self.v
+        self.p, self.m, self.v, self.S = pipeline_shape(cfg)
         self.stage_ids = rank_stages(self.rank, self.p, self.v)
         self.sched = None
 

@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 LIB = pathlib.Path(__file__).resolve().parent.parent / "lib"
-WIDGET_PACKAGES = ("plotly", "ipywidgets", "anywidget", "IPython", "psutil", "distlab.lab")
+# what only the workbook layer may import (psutil: the fault drills check for leftover processes)
+WORKBOOK_PACKAGES = ("plotly", "ipywidgets", "anywidget", "IPython", "psutil", "distlab.lab")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -46,7 +47,7 @@ def _runtime() -> dict[str, pathlib.Path]:
 
 def test_runtime_source_never_names_the_workbook_layer():
     bad = {m: sorted(n for n in _imports(f)
-                     if any(n == w or n.startswith(w + ".") for w in WIDGET_PACKAGES))
+                     if any(n == w or n.startswith(w + ".") for w in WORKBOOK_PACKAGES))
            for m, f in _runtime().items()}
     bad = {m: n for m, n in bad.items() if n}
     assert not bad, f"runtime modules import workbook-layer packages: {bad}"
@@ -57,7 +58,7 @@ def test_importing_every_runtime_module_loads_no_widget_package():
     at sys.modules (this also catches a widget package pulled in by a dependency)."""
     code = ("import importlib, sys\n"
             f"for m in {sorted(_runtime())!r}: importlib.import_module(m)\n"
-            f"print(sorted(k for k in sys.modules if k.split('.')[0] in {WIDGET_PACKAGES!r} "
+            f"print(sorted(k for k in sys.modules if k.split('.')[0] in {WORKBOOK_PACKAGES!r} "
             "or k.startswith('distlab.lab')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()

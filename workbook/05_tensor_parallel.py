@@ -91,12 +91,14 @@ BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per
 # Tolerances (tests/test_tensor_parallel.py): TP computes the same sums as one process,
 # split into t partial sums added by an all-reduce, so only the order of additions
 # differs (~1e-7 per step in fp32). Parameters stay within 1e-5 (observed <= 1.2e-7 in
-# quick mode, 2.1e-6 after 50 full-mode steps). The per-step loss is more sensitive: on
-# the steep part of the curve SGD at lr 0.1 amplifies those rounding differences for a
-# few steps (full mode, tp=2: up to 7.0e-5 at step 24, 2.9e-6 at the last step), so the
-# loss tolerance is 2e-4, 2.9x that. A wrong split (a head cut across ranks, a bias added
-# t times, SP's LayerNorm gradients not all-reduced) moves parameters by > 1e-3.
-TOL, LOSS_TOL = 1e-5, 2e-4
+# quick mode; 1.6e-6 to 4.3e-6 after 50 full-mode steps). The per-step loss is more
+# sensitive: on the steep part of the curve SGD at lr 0.1 amplifies those rounding
+# differences for a few steps (full mode: 5.3e-5 for tp=4 up to 1.4e-4 for tp=2 with sp;
+# tp=2 peaks at step 24 and is back to 2.9e-6 at the last step). gloo's sums are the same
+# from run to run, so these figures repeat; the loss tolerance is 3e-4, 2.1x the largest.
+# A wrong split (a head cut across ranks, a bias added t times, SP's LayerNorm gradients
+# not all-reduced) moves parameters by > 1e-3: the parameter tolerance catches it.
+TOL, LOSS_TOL = 1e-5, 3e-4
 
 # %% [markdown]
 # ## 1. The plan: a table keyed by module name

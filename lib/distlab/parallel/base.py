@@ -32,7 +32,7 @@ The loop in distlab.train calls, in order:
     checkpoints (distlab.checkpoint): strategy.checkpoint_state / load_checkpoint_state
 
 Composite strategies (distlab.parallel.mesh's 3d) build their parts on their groups' Comms and
-call the parts' public hooks: after_model_split, attach_gradients, stored_parameters.
+call the parts' public hooks (after_model_split, attach_gradients) and plug points.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ updates are identical; numerically the gradient of a mean over 8 rows differs fr
 per-slice gradients only in summation order (float32 rounding, ~1e-7 relative per step).
 
 Tolerance: atol=1e-5 on every parameter after 20 steps. SGD at lr 0.1 does not amplify rounding
-the way Adam's 1/sqrt(v) does (shared/notes/torch-on-cpu.md: DDP vs single with SGD agrees to
-~6e-8 after 5 steps); we observed at most 7.5e-8 here after 20 steps, so 1e-5 leaves a >100x
+the way Adam's 1/sqrt(v) does (measured on torch 2.13 CPU with gloo: DDP vs single with
+SGD agrees to ~6e-8 after 5 steps); we observed at most 7.5e-8 here after 20 steps, so 1e-5 leaves a >100x
 margin, while a wrong gradient (a missing average, a skipped rank) moves parameters by ~1e-2.
 """
 

@@ -1,5 +1,5 @@
 """The 3D-parallelism planner (distlab.plan) on worked examples: published figures and the
-interview questions in shared/questions.
+interview questions the workbook answers (notebook 07).
 
 Assumptions throughout (each test names its own on top):
   - mixed-precision Adam, 16 bytes per parameter (ZeRO paper), 2-byte activations and
@@ -74,7 +74,7 @@ def test_gpt3_175b_needs_tensor_and_pipeline_parallelism():
     ("175B", GPT3_175B, False),
 ])
 def test_512_gpus_dp64_pp8_tp1(name, model, fits):
-    """The question (shared/questions, Challenge 5) names no model: checked for three GPT
+    """The interview question ("512 GPUs: DP=64, PP=8, TP=1?") names no model: checked for three GPT
     shapes (s = 2048, V = 51200), global batch 512 sequences, micro-batch 1, no recomputation,
     no ZeRO. DP=64, PP=8, TP=1 fits a 13B model (26 GB of states + 48 GB of activations); at
     70B the states alone are 130 GB per GPU and at 175B 349 GB."""

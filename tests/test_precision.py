@@ -217,7 +217,7 @@ def test_bf16_trains_like_fp32(launched):
     fp32, bf16 = launched["fp32"][0]["losses"], launched["bf16"][0]["losses"]
     # trains: the last 5 steps' mean is well below the first step's loss (4.15 -> ~2.6)
     assert sum(bf16[-5:]) / 5 < bf16[0] - 1.0
-    # rtol 1e-2 (shared/notes/torch-on-cpu.md): bf16 keeps 8 significant bits (2^-9 relative
+    # rtol 1e-2: bf16 keeps 8 significant bits (2^-9 relative
     # per rounding), but weights, gradients and the loss stay fp32 and only the matmuls' inputs
     # are rounded; over 30 steps we observed at most ~4e-4 relative. A run that did not train
     # (or trained on other data) is off by >10% after a few steps.

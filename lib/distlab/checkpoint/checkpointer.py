@@ -21,7 +21,9 @@ from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, C
 
 
 class Checkpointer:
-    """    ckpt = Checkpointer.for_run(cfg, ...)    None when the run neither saves nor resumes
+    """One rank's checkpointing, as the loop uses it:
+
+        ckpt = Checkpointer.for_run(cfg, ...)    None when the run neither saves nor resumes
         start = ckpt.restore()                    steps already done (0: a fresh start)
         after each step's update:  if ckpt.after_step(step): break    (preempted)
     """

@@ -115,10 +115,10 @@ class Single(ReplicatedDP):
     @classmethod
     def check_config(cls, cfg):
         if cfg.world_size != 1:
-            from distlab.parallel import STRATEGIES
+            from distlab.parallel import strategies
             raise ValueError(f"world_size={cfg.world_size}: strategy 'single' runs one process; "
                              "set world_size=1 or pick a parallel strategy "
-                             f"({', '.join(s for s in STRATEGIES if s != 'single')})")
+                             f"({', '.join(s for s in strategies() if s != 'single')})")
 
     def wrap(self, model):
         attach_comm(model, self.comm)  # SyncBatchNorm at world 1: plain BatchNorm's statistics

@@ -92,8 +92,6 @@ class _ParameterServer(Strategy):
         super().__init__(cfg, comm)
         self.n_workers = self.world - 1  # every rank but the server trains
         self.n_used = 1 if self.ASYNC else cfg.dp_degree  # gradients per update
-        if self.world < 2:
-            raise ValueError(f"{cfg.strategy} needs a server and at least one worker")
         self.based_on = 0  # worker: the version of the weights it computes on
         self._info: dict = {}
 

@@ -54,3 +54,47 @@ def fmt_bytes(b: float) -> str:
 def mib(b) -> str:
     """Bytes as MiB (2^20), 3 decimals; an em dash for None."""
     return "—" if b is None else f"{b / MiB:,.3f}"
+
+
+# -- claims tables -----------------------------------------------------------------------------
+# Every notebook ends with a table of textbook claims set against its own run. A row's verdict
+# is computed from the run (a bool), never typed in, and the basis says whether the figure was
+# measured in this run or modelled by a formula (whose source the row names). When the
+# environment variable DISTLAB_CLAIMS_JSONL names a file, every row is also appended to it as
+# one JSON object: tools/claims_report.py collects them from a full-mode run of the workbook.
+BASES = ("measured", "modelled")
+
+
+def claim(claim: str, source: str, figure: str, holds: bool, basis: str = "measured") -> dict:
+    """One row of a claims table. `holds` must be computed from the run: a bool, not a string."""
+    if not isinstance(holds, bool):
+        raise TypeError(f"holds must be a bool computed from the run, got {holds!r}")
+    if basis not in BASES:
+        raise ValueError(f"basis={basis!r} is not one of {BASES}")
+    return {"claim": claim, "source": source, "figure": figure, "holds": holds, "basis": basis}
+
+
+def verdict(holds: bool) -> str:
+    return "yes" if holds else "**no**"
+
+
+def claims_markdown(rows: list[dict]) -> str:
+    return markdown_table(["claim", "source", "what this run shows", "basis", "holds?"],
+                          [[r["claim"], r["source"], r["figure"], r["basis"], verdict(r["holds"])]
+                           for r in rows])
+
+
+def claims_table(rows: list[dict]) -> list[dict]:
+    """Show the claims table under the cell (and record it, see above); returns the rows."""
+    import json
+    import os
+
+    from IPython.display import Markdown, display
+    display(Markdown(claims_markdown(rows)))
+    path = os.environ.get("DISTLAB_CLAIMS_JSONL")
+    if path:
+        notebook = os.environ.get("DISTLAB_NOTEBOOK", "")
+        with open(path, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps({"notebook": notebook, **r}) + "\n")
+    return rows

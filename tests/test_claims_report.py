@@ -1,0 +1,81 @@
+"""tools/claims_report.py on two tiny notebooks: one records a holding and a failing claim, one
+raises. The tool's functions run them in real kernels (quick mode, no workbook notebook)."""
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import nbformat
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "claims_report.py"
+
+
+def load_tool():
+    # tools/ is a folder of scripts, not a package: load the script by its path.
+    spec = importlib.util.spec_from_file_location("claims_report", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CLAIMS_CELL = """\
+from distlab.lab.common import claim, claims_table
+x = 2 + 2
+claims_table([
+    claim("two and two make four", "arithmetic", f"2 + 2 = {x}", x == 4),
+    claim("two and two make five", "Orwell", f"2 + 2 = {x}", x == 5, basis="modelled"),
+])
+"""
+
+
+def write_notebook(path: Path, *sources: str) -> str:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_report_has_claims_verdicts_failure_and_machine(tmp_path):
+    tool = load_tool()
+    workbook = tmp_path / "workbook"
+    workbook.mkdir()
+    good = workbook / "00_claims.ipynb"
+    bad = workbook / "01_raises.ipynb"
+    digests = {good: write_notebook(good, CLAIMS_CELL),
+               bad: write_notebook(bad, "y = 1", "raise ValueError('boom in the second cell')")}
+    out = tmp_path / "reports" / "claims.md"
+
+    status = tool.main(["--quick", "--workbook", str(workbook), "--out", str(out),
+                        "--timeout-per-cell", "60"])
+
+    assert status == 1  # a notebook failed; the claim that does not hold is not a failure
+    report = out.read_text()
+    raw = json.loads(out.with_suffix(".json").read_text())
+    first, second = raw["notebooks"]
+    assert first["status"] == "pass" and second["status"] == "fail"
+    assert [(r["claim"], r["holds"], r["notebook"]) for r in first["rows"]] == [
+        ("two and two make four", True, "00_claims"), ("two and two make five", False,
+                                                       "00_claims")]
+    assert "| two and two make four | arithmetic | 2 + 2 = 4 | measured | yes |" in report
+    assert "| two and two make five | Orwell | 2 + 2 = 4 | modelled | no |" in report
+    assert "1 of 2 hold" in report
+    assert second["error"] == {"ename": "ValueError", "evalue": "boom in the second cell",
+                               "cell": 1}
+    assert "`ValueError`: boom in the second cell" in report
+    for field in ("date (UTC):", "machine:", "cores", "torch ", "Python ", "CUDA:",
+                  "mode: quick", "git commit:"):
+        assert field in report, field
+    assert raw["machine"]["cores"] and raw["mode"] == "quick"
+    # the tool executes copies in memory: the notebooks on disk are untouched
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digests} == digests
+    assert sorted(p.name for p in workbook.iterdir()) == ["00_claims.ipynb", "01_raises.ipynb"]
+
+
+def test_notebooks_are_picked_by_number_or_name(tmp_path):
+    tool = load_tool()
+    for name in ("00_a", "01_b", "02_c"):
+        write_notebook(tmp_path / f"{name}.ipynb", "pass")
+    assert [p.stem for p in tool.find_notebooks(tmp_path, ["02", "00_a"])] == ["00_a", "02_c"]
+    assert [p.stem for p in tool.find_notebooks(tmp_path)] == ["00_a", "01_b", "02_c"]

@@ -13,6 +13,10 @@ Two kinds of byte counts, and the convention for each:
   algorithm moves per rank (the "bus bytes" convention of nccl-tests), e.g. 2(N-1)/N·S for an
   all-reduce of S bytes. `Comm.MODELED` lists these kinds.
 
+**On the wire** (`wire_sent`, distlab.wire): what the kernel counted this process writing
+while a blocking call ran alone, headers included; Linux and gloo only. Asynchronous calls
+overlap, so their bytes are measured over the whole step (`wire.LEDGER`), not per call.
+
 **Asynchronous** collectives (`all_reduce_async`, `all_gather_async`) book their bytes when
 they are issued and return a `Pending` handle; `Pending.wait()` books the seconds the caller
 was blocked, so for them `seconds` is the *exposed* communication time, not the time on the wire
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab import wire
+
 
 @dataclass
 class KindStats:
@@ -37,10 +43,14 @@ class KindStats:
     bytes_sent: int = 0
     bytes_recv: int = 0
     seconds: float = 0.0
+    wire_sent: int = 0  # bytes the kernel saw written during the calls measured alone
+    wire_calls: int = 0  # how many calls were measured alone (see distlab.wire.Ledger)
 
     def as_dict(self):
         return {"calls": self.calls, "bytes_sent": self.bytes_sent,
-                "bytes_recv": self.bytes_recv, "seconds": self.seconds}
+                "bytes_recv": self.bytes_recv, "seconds": self.seconds,
+                "wire_sent": self.wire_sent if self.wire_calls else None,
+                "wire_calls": self.wire_calls}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -51,6 +61,16 @@ def _nbytes(t: torch.Tensor) -> int:
 # the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# Work handles in flight in this process (async collectives, isend): while one is, the write
+# counter's growth cannot be pinned on a single call.
+_IN_FLIGHT: list = []
+
+
+def _busy() -> bool:
+    _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()]
+    return bool(_IN_FLIGHT)
 
 
 class Pending:
@@ -71,6 +91,8 @@ class Pending:
     def __init__(self, comm: "Comm", kind: str, work, result: torch.Tensor):
         self.comm, self.kind, self.work, self.result = comm, kind, work, result
         self.issued = time.perf_counter()
+        _IN_FLIGHT.append(work)
+        comm._unmeasured(kind)
         self.done: float | None = None
         self.waited: float | None = None
         try:
@@ -104,20 +126,54 @@ class Comm:
 
     MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
-    def __init__(self, group=None):
-        self.group = group
+    def __init__(self, group=None, name: str = ""):
+        self.group, self.name = group, name  # name: the mesh group ("tp", "dp", "pp")
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.stats: dict[str, KindStats] = {}
         self.buffer_bytes_peak = 0  # largest scratch buffer an algorithm here allocated
+        if wire.LEDGER.blind == wire.NO_COUNTER:  # the first Comm of this process
+            wire.LEDGER.open(dist.get_backend(group))
 
     # -- accounting ------------------------------------------------------------------------
-    def _add(self, kind, sent, recv, seconds, calls=1):
+    def _add(self, kind, sent, recv, seconds, calls=1, wire_sent=None):
         s = self.stats.setdefault(kind, KindStats())
         s.calls += calls
         s.bytes_sent += int(sent)
         s.bytes_recv += int(recv)
         s.seconds += seconds
+        if wire_sent is not None:
+            s.wire_sent += wire_sent
+            s.wire_calls += calls
+
+    def _key(self, kind: str) -> str:
+        return f"{self.name}.{kind}" if self.name else kind
+
+    def _unmeasured(self, kind: str) -> None:
+        wire.LEDGER.add_unmeasured(self._key(kind))
+
+    def _call(self, kind, sent, recv, fn):
+        """Run a blocking call `fn`, book `sent`/`recv` bytes and its seconds under `kind`,
+        and the bytes the kernel saw written meanwhile if nothing else was in flight."""
+        w0 = self._wire_start()
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+        self._add(kind, sent, recv, seconds, wire_sent=self._wire_stop(kind, w0))
+        return out
+
+    def _wire_start(self) -> int | None:
+        return None if _busy() else wire.LEDGER.now()
+
+    def _wire_stop(self, kind: str, w0: int | None) -> int | None:
+        """Bytes written since `w0`, booked as exact, or None (the step's total has them)."""
+        if w0 is not None and not _busy():
+            w = wire.LEDGER.now() - w0
+            wire.LEDGER.add_exact(self._key(kind), w)
+            return w
+        if wire.LEDGER.blind is None:
+            self._unmeasured(kind)
+        return None
 
     def _buffer(self, like: torch.Tensor) -> torch.Tensor:
         self.buffer_bytes_peak = max(self.buffer_bytes_peak, _nbytes(like))
@@ -150,10 +206,8 @@ class Comm:
             self.naive_all_reduce(t)
         elif algorithm == "torch":
             n, S = self.world, _nbytes(t)
-            t0 = time.perf_counter()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-            self._add("all_reduce", 2 * (n - 1) * S / n, 2 * (n - 1) * S / n,
-                      time.perf_counter() - t0)
+            self._call("all_reduce", 2 * (n - 1) * S / n, 2 * (n - 1) * S / n,
+                       lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group))
         else:
             raise ValueError(f"algorithm={algorithm!r} is not one of 'torch', 'ring', 'naive'")
         if op == "avg":
@@ -192,45 +246,38 @@ class Comm:
         """Copy `t` from group rank `src` to every rank (modeled as a pipelined chain)."""
         n, S = self.world, _nbytes(t)
         pos = (self.rank - src) % n  # place in the chain src -> src+1 -> ...
-        t0 = time.perf_counter()
-        dist.broadcast(t, src=self._global(src), group=self.group)
-        self._add("broadcast", S if pos < n - 1 else 0, S if pos > 0 else 0,
-                  time.perf_counter() - t0)
+        self._call("broadcast", S if pos < n - 1 else 0, S if pos > 0 else 0,
+                   lambda: dist.broadcast(t, src=self._global(src), group=self.group))
         return t
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor):
         """out (world × t.numel(), flat) gets every rank's `t`, in rank order."""
         n, S = self.world, _nbytes(out)
-        t0 = time.perf_counter()
-        _all_gather_tensor(out, t, group=self.group)
-        self._add("all_gather", (n - 1) * S / n, (n - 1) * S / n, time.perf_counter() - t0)
+        self._call("all_gather", (n - 1) * S / n, (n - 1) * S / n,
+                   lambda: _all_gather_tensor(out, t, group=self.group))
         return out
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum"):
         """out gets this rank's 1/world block of the sum (or mean) of every rank's `t`."""
         n, S = self.world, _nbytes(t)
-        t0 = time.perf_counter()
-        _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group)
-        self._add("reduce_scatter", (n - 1) * S / n, (n - 1) * S / n, time.perf_counter() - t0)
+        self._call("reduce_scatter", (n - 1) * S / n, (n - 1) * S / n,
+                   lambda: _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM,
+                                                  group=self.group))
         if op == "avg":
             out.div_(n)
         return out
 
     def barrier(self):
-        t0 = time.perf_counter()
-        dist.barrier(group=self.group)
-        self._add("barrier", 0, 0, time.perf_counter() - t0)
+        self._call("barrier", 0, 0, lambda: dist.barrier(group=self.group))
 
     # -- point to point (counted bytes) -----------------------------------------------------
     def send(self, t: torch.Tensor, dst: int, kind: str = "send"):
-        t0 = time.perf_counter()
-        dist.send(t.contiguous(), dst=self._global(dst), group=self.group)
-        self._add(kind, _nbytes(t), 0, time.perf_counter() - t0)
+        self._call(kind, _nbytes(t), 0,
+                   lambda: dist.send(t.contiguous(), dst=self._global(dst), group=self.group))
 
     def recv(self, t: torch.Tensor, src: int, kind: str = "recv", tag: int = 0):
-        t0 = time.perf_counter()
-        dist.recv(t, src=self._global(src), group=self.group, tag=tag)
-        self._add(kind, 0, _nbytes(t), time.perf_counter() - t0)
+        self._call(kind, 0, _nbytes(t),
+                   lambda: dist.recv(t, src=self._global(src), group=self.group, tag=tag))
         return t
 
     def isend(self, t: torch.Tensor, dst: int, kind: str = "send", tag: int = 0):
@@ -239,6 +286,8 @@ class Comm:
         wait for the other's receive. Books the bytes now."""
         t = t.contiguous()
         work = dist.isend(t, dst=self._global(dst), group=self.group, tag=tag)
+        _IN_FLIGHT.append(work)
+        self._unmeasured(kind)
         self._add(kind, _nbytes(t), 0, 0.0)
         return work
 
@@ -267,7 +316,7 @@ class Comm:
         chunks = list(flat.tensor_split(n))
         right, left = (r + 1) % n, (r - 1) % n
         sent = recv = 0
-        t0 = time.perf_counter()
+        w0, t0 = self._wire_start(), time.perf_counter()
         incoming = self._buffer(chunks[0])  # chunk 0 is the largest of tensor_split's chunks
         for k in range(n - 1):  # reduce-scatter
             si, ri = (r - k) % n, (r - k - 1) % n
@@ -279,7 +328,8 @@ class Comm:
             si, ri = (r + 1 - k) % n, (r - k) % n
             s, v = self._exchange(chunks[si], right, chunks[ri], left)
             sent, recv = sent + s, recv + v
-        self._add("all_reduce.ring", sent, recv, time.perf_counter() - t0)
+        self._add("all_reduce.ring", sent, recv, time.perf_counter() - t0,
+                  wire_sent=self._wire_stop("all_reduce.ring", w0))
         if not t.is_contiguous():
             t.copy_(flat.view_as(t))
         return t
@@ -291,7 +341,7 @@ class Comm:
         if n == 1:
             return t
         sent = recv = 0
-        t0 = time.perf_counter()
+        w0, t0 = self._wire_start(), time.perf_counter()
         if self.rank == 0:
             incoming = self._buffer(t)
             for src in range(1, n):  # sum in rank order
@@ -305,7 +355,8 @@ class Comm:
             dist.send(t, dst=self._global(0), group=self.group)
             dist.recv(t, src=self._global(0), group=self.group)
             sent, recv = _nbytes(t), _nbytes(t)
-        self._add("all_reduce.naive", sent, recv, time.perf_counter() - t0)
+        self._add("all_reduce.naive", sent, recv, time.perf_counter() - t0,
+                  wire_sent=self._wire_stop("all_reduce.naive", w0))
         return t
 
 

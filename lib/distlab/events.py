@@ -11,6 +11,8 @@ import json
 import os
 import time
 
+from distlab import wire
+
 
 class EventLog:
     """Writer side, in a rank: `log.write("step", step=3, loss=1.2)`."""
@@ -24,8 +26,10 @@ class EventLog:
         event = {"kind": kind, "rank": self.rank, "time": time.time(), **fields}
         if kind == "step":
             self.last_step = fields.get("step", self.last_step)
-        self._f.write(json.dumps(event) + "\n")
+        line = json.dumps(event) + "\n"
+        self._f.write(line)
         self._f.flush()
+        wire.note_own_write(len(line.encode()))  # a file write, not network traffic
         return event
 
     def close(self):

@@ -3,7 +3,8 @@
     meter.start()                  before the step: timer, CUDA peak reset
     meter.saw_batch(x, y)          once the batch is read: the peak tracker's step begins
     with meter.forward(): ...      around each forward: activation bytes saved for backward
-    fields = meter.end(...)        after the update: step time, bytes per collective, memory by
+    fields = meter.end(...)        after the update: step time, bytes per collective (booked,
+                                   distlab.comm, and on the wire, distlab.wire), memory by
                                    category (distlab.memory), CUDA's max allocated
 
 Memory categories: the strategy's parameters/gradients/optimizer state (exact local bytes),
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from distlab import wire
 from distlab.memory import PEAK_LABEL, ActivationMeter, PeakMemoryTracker
 
 
@@ -40,6 +42,8 @@ class StepMeter:
         """Start the step's timer (before the batch is read: the step's cost includes it)."""
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.comm.take_step_stats()  # between steps (evaluation, checkpoints) is no step's
+        wire.LEDGER.begin()
         self.t0 = time.perf_counter()
 
     def saw_batch(self, x, y) -> None:
@@ -51,11 +55,13 @@ class StepMeter:
         return self.activations.measure()
 
     def end(self, strategy, model, optimizer) -> dict:
-        """The step event's measured fields: step_s, comm, memory. Resets the comm counters."""
+        """The step event's measured fields: step_s, comm, wire, memory. Resets the comm
+        counters."""
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
         step_s = time.perf_counter() - self.t0
         comm_stats, comm_buffer = self.comm.take_step_stats()
+        on_wire = wire.LEDGER.end()
         memory = {**strategy.state_bytes(model, optimizer), "activations": self.activations.bytes,
                   "comm_buffers": comm_buffer}
         if self.activations.param_cast_bytes:  # autocast's low-precision weight copies
@@ -64,4 +70,4 @@ class StepMeter:
             memory.update(peak=self.peak.step_end(), allocated=self.peak.current)
         if self.on_cuda:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
-        return {"step_s": step_s, "memory": memory, "comm": comm_stats}
+        return {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire}

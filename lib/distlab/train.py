@@ -24,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from distlab import wire
 from distlab.checkpoint.checkpointer import Checkpointer
 from distlab.comm import Comm
 from distlab.config import RunConfig
@@ -82,6 +83,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     finetune = FineTuning(cfg, model, device)  # eval on both tasks, replay, EWC, save_final
     strategy = make_strategy(cfg, comm)
     strategy.log = log
+    wire.LEDGER.books_all = strategy.books_all_traffic
     if keep is not None:
         keep["strategy"] = strategy
     model = strategy.wrap(model)

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlab import wire
 from distlab.comm import Comm
 
 ALGORITHMS = ("torch", "ring", "naive")
@@ -100,6 +101,48 @@ def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
                          "max_abs_diff": diff, "exact_int": bool(exact),
                          "bytes_sent": one_call["bytes_sent"], "bytes_recv": one_call["bytes_recv"],
                          "median_s": statistics.median(times), "times_s": times})
+    return rows
+
+
+WIRE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce.ring",
+              "all_reduce.naive")
+
+
+def wire_per_collective(rank, world, device, log, nbytes):
+    """One call of each collective on `nbytes` of float32, alone (a barrier before each), and
+    per kind the bytes Comm booked beside the bytes the kernel saw this rank write during the
+    call (distlab.wire). all_gather gathers nbytes/world from each rank, so every kind's
+    result is `nbytes` long; reduce_scatter reduces `nbytes` into nbytes/world."""
+    n = nbytes // 4
+    x = torch.ones(n, device=device)
+    calls = {
+        "all_reduce": lambda c: c.all_reduce(x.clone()),
+        "all_gather": lambda c: c.all_gather(torch.empty(n, device=device), x[: n // world]),
+        "reduce_scatter": lambda c: c.reduce_scatter(torch.empty(n // world, device=device), x),
+        "broadcast": lambda c: c.broadcast(x.clone(), src=0),
+        "all_reduce.ring": lambda c: c.all_reduce(x.clone(), algorithm="ring"),
+        "all_reduce.naive": lambda c: c.all_reduce(x.clone(), algorithm="naive"),
+    }
+    out = {"rank": rank, "world": world, "nbytes": nbytes,
+           "wire_blind": wire.visible(dist.get_backend())}
+    for kind in WIRE_KINDS:
+        comm = Comm()
+        dist.barrier()
+        calls[kind](comm)
+        st = comm.snapshot()[kind]
+        out[kind] = {"booked": st["bytes_sent"], "wire": st["wire_sent"]}
+    return out
+
+
+def wire_rows(results) -> list[dict]:
+    """wire_per_collective's per-rank results as one row per (kind, rank): booked bytes, wire
+    bytes, and wire / booked (None where the kernel's counter cannot see the traffic)."""
+    rows = []
+    for kind in WIRE_KINDS:
+        for r in sorted(results, key=lambda r: r["rank"]):
+            b, w = r[kind]["booked"], r[kind]["wire"]
+            rows.append({"kind": kind, "rank": r["rank"], "world": r["world"], "booked": b,
+                         "wire": w, "ratio": (w / b if b and w is not None else None)})
     return rows
 
 

@@ -54,6 +54,8 @@ FEATURES = {
     "loss_scaling": "dynamic loss scaling (fp16, or loss_scale='dynamic')",
     "sp": "sp=True (sequence parallelism)",
     "backup_workers": "backup_workers > 0",
+    "no_buffer_broadcast": "broadcast_buffers=False (each rank keeps its own buffers, such as "
+                           "BatchNorm's running statistics)",
 }
 
 
@@ -67,6 +69,10 @@ class Strategy:
     # model states per rank, for the estimator (distlab.estimate.run_model_state_bytes):
     replicated = False  # every rank holds the whole model, its gradients and optimizer state
     zero_stage = 0  # ZeRO's partitioning over padded flat buffers: 1, 2 or 3
+    # False where torch's own code sends bytes that Comm does not book (DDP's buffer broadcast,
+    # ZeroRedundancyOptimizer, FSDP2, DTensor, pipelining): the step's wire bytes that no
+    # measured call explains are then labelled "not booked" (distlab.wire.Ledger)
+    books_all_traffic = True
 
     @classmethod
     def dp_degree(cls, cfg) -> int:

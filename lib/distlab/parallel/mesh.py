@@ -78,7 +78,7 @@ class Mesh:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups[kind], self.peers[kind] = g, list(ranks)
-        self.comms = {kind: Comm(self.groups[kind]) for kind in KINDS}
+        self.comms = {kind: Comm(self.groups[kind], name=kind) for kind in KINDS}
 
     def take_step_stats(self) -> dict:
         """Per group kind, the collective stats since the last call (resets them)."""

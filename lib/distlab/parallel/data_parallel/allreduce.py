@@ -45,6 +45,7 @@ import re
 import torch
 
 from distlab.sampler import shard_reader, uneven_inputs_report
+from distlab import wire
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.syncbn import attach_comm
 
@@ -175,7 +176,8 @@ class AllReduceDP(ReplicatedDP):
         model.zero_grad(set_to_none=True)
         comm_stats, _ = self.comm.take_step_stats()
         self.log.write("step", step=step, loss=None, tokens=0, joined=True,
-                       ranks_with_data=self.active, lr=self.cfg.lr_at(step), comm=comm_stats)
+                       ranks_with_data=self.active, lr=self.cfg.lr_at(step), comm=comm_stats,
+                       wire=wire.LEDGER.end())
         return True
 
     def _final_sync(self, last_active):

@@ -36,6 +36,7 @@ def booked_allreduce_hook(strategy: "TorchDDP", bucket):
 
 class TorchDDP(ReplicatedDP):
     name = "ddp-torch"
+    books_all_traffic = False  # torch sends bytes of its own
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

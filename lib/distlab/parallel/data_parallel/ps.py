@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.memory import model_state_bytes
+from distlab import wire
 from distlab.parallel.base import Strategy
 
 
@@ -173,6 +174,7 @@ class _ParameterServer(Strategy):
                   "comm_buffers": held_bytes}
         self.log.write("step", step=step, loss=None, role="server", step_s=now - t_prev,
                        tokens=rows * self.cfg.seq_len, memory=memory, comm=stats,
+                       wire=wire.LEDGER.end(),
                        bytes_in=push.get("bytes_recv", 0), bytes_out=pull.get("bytes_sent", 0),
                        **fields)
         return now
@@ -190,6 +192,7 @@ class _ParameterServer(Strategy):
         dropped: list[dict] = []
         n_used = n_dropped = 0
         staleness_all: list[int] = []
+        wire.LEDGER.begin()  # setup traffic (the initial broadcast) is no update's
         t_prev = time.perf_counter()
         for _ in range(total):
             buf = torch.empty(self.numel, dtype=weights.dtype)

@@ -114,6 +114,7 @@ class TorchZeRO1(TorchDDP):
 class TorchFSDP(Strategy):
     """FSDP2: fully_shard per block, then the root."""
     name = "fsdp-torch"
+    books_all_traffic = False  # torch sends bytes of its own
     supports = Strategy.supports | {"offload"}
     checkpoint_layout = "FSDP2 DTensors"
     checkpoint_format = "sharded"

@@ -78,6 +78,7 @@ class RunConfig:
     # model: the tiny GPT (distlab.models.gpt) or a small BatchNorm net (distlab.models.bnnet)
     model: str = "gpt"
     sync_bn: bool = False  # bnnet: BatchNorm statistics over the global batch (SyncBatchNorm)
+    broadcast_buffers: bool = True  # ddp: rank 0's buffers to every rank at each step's start
     hidden_layers: int = 2  # bnnet: hidden Linear+BatchNorm layers (width n_embd)
     bn_classes: int = 4  # bnnet's data (distlab.dataset.ClusterData): Gaussian clusters, one
     bn_features: int = 16  # per class, of bn_features dimensions, spread bn_cluster_std around
@@ -278,7 +279,8 @@ class RunConfig:
                 "eval": self.eval_every > 0, "offload": self.offload,
                 "grad_clip": self.grad_clip > 0, "loss_scaling": self.loss_scale == "dynamic"
                 or (self.loss_scale == "auto" and self.precision == "fp16"),
-                "sp": self.sp, "backup_workers": self.backup_workers > 0}
+                "sp": self.sp, "backup_workers": self.backup_workers > 0,
+                "no_buffer_broadcast": not self.broadcast_buffers}
 
     def _check_features(self):
         """Every feature asked for must be one the strategy declares it supports."""

@@ -256,3 +256,117 @@ def gil_cost(cfg, block: bool = True) -> dict:
     fa, fb = a["seconds"]["forward_wall_s"], b["seconds"]["forward_wall_s"]
     return {"threaded": a, "sequential": b, "forward_threaded_s": fa, "forward_sequential_s": fb,
             "speedup": fb / fa if fa else None, "runs": (threaded, sequential)}
+
+
+# -- DDP's buffer broadcast ---------------------------------------------------------------------
+def buffer_sums(run) -> dict:
+    """What each rank's floating buffers (BatchNorm's running statistics) summed to at the start
+    of each step of a `ddp` run (logged as `buffer_sum_at_start`), and the largest spread over
+    ranks at any step: 0 when rank 0's buffers were broadcast, as torch DDP's
+    broadcast_buffers=True does."""
+    by_step: dict[int, dict[int, float]] = {}
+    for e in run.history("step"):
+        if "buffer_sum_at_start" in e:
+            by_step.setdefault(e["step"], {})[e["rank"]] = e["buffer_sum_at_start"]
+    if not by_step:
+        raise ValueError("no buffer_sum_at_start in this run's steps (a ddp run of a model "
+                         "with buffers logs it)")
+    spread = {s: max(v.values()) - min(v.values()) for s, v in by_step.items()}
+    last = by_step[max(by_step)]
+    return {"broadcast": run.cfg.broadcast_buffers, "steps": len(by_step),
+            "last_step": [last[r] for r in sorted(last)], "max_spread": max(spread.values()),
+            "spread_per_step": [spread[s] for s in sorted(spread)]}
+
+
+# -- the closing claims table: rows whose figures and verdicts come from the measurements -------
+def buffer_broadcast_claim(on: dict, off: dict) -> dict:
+    """DDP broadcasts rank 0's buffers at each step's start (Li et al. 2020; torch DDP's
+    broadcast_buffers=True): from buffer_sums of a run with it and one without."""
+    from distlab.lab.common import claim
+    return claim(
+        "DDP broadcasts rank 0's buffers (BatchNorm running statistics) at every step's start, "
+        "so every rank's are equal; without it each rank keeps its own",
+        "torch DDP broadcast_buffers=True; Li et al. 2020",
+        f"largest spread over ranks of the buffers' sum at a step's start, {on['steps']} steps: "
+        f"{on['max_spread']:.2e} with the broadcast, {off['max_spread']:.2e} without",
+        on["max_spread"] == 0.0 and off["max_spread"] > 0.0)
+
+
+def straggler_claim(strag: dict, noise_s: float, delay_s: float) -> dict:
+    """A synchronous update waits for the slowest worker, a backup worker's does not (Chen et
+    al. 2016). `strag`: stragglers.summarize rows by layout; `noise_s`: the time between
+    updates of the same layout run without the delay, the yardstick the delay must dwarf."""
+    from distlab.lab.common import claim
+    sync, backup = strag["ps-sync"], strag["ps-sync + 1 backup"]
+    dwarfs = delay_s > 5 * noise_s
+    waits = all(strag[k]["update_s"] >= 0.9 * delay_s for k in ("allreduce", "ps-sync"))
+    spared = backup["update_s"] < 0.5 * sync["update_s"]
+    judged = ("" if dwarfs else f"; the delay is under 5× the {noise_s * 1e3:.0f} ms between "
+              "updates without it, too close to judge")
+    return claim(
+        "a synchronous step waits for the slowest worker; backup workers do not",
+        "Chen et al. 2016",
+        f"one worker +{delay_s * 1e3:.0f} ms/step (without it: {noise_s * 1e3:.0f} ms between "
+        f"updates): between updates ps-sync {sync['update_s'] * 1e3:.0f} ms, allreduce "
+        f"{strag['allreduce']['update_s'] * 1e3:.0f} ms, with 1 backup "
+        f"{backup['update_s'] * 1e3:.0f} ms ({backup['dropped']} late gradients dropped)"
+        + judged,
+        dwarfs and waits and spared)
+
+
+def dp_vs_ddp_claim(dp_step_s: float, ddp_step_s: float, replicas: int, cores: int) -> dict:
+    """The interview answer's DDP-over-DP speed-up, set beside this machine's measured ratio."""
+    from distlab.lab.common import claim
+    ratio = dp_step_s / ddp_step_s
+    return claim(
+        "DDP is faster than DP (the interview answer: 1.8× on 4 V100s, ResNet-50)",
+        "interview answer; torch.nn.DataParallel docs recommend DDP",
+        f"this run: dp {dp_step_s * 1e3:.1f} ms/step, ddp {ddp_step_s * 1e3:.1f} ms/step = "
+        f"{ratio:.2f}× ({replicas} replicas, tiny GPT, {cores} CPU cores). The 1.8× is not "
+        "reproducible here: no GPUs, no ResNet-50, and DP's cost there (copies between GPUs, "
+        "one GIL driving 4 devices) is not this machine's",
+        ratio > 1.0)
+
+
+def lr_rule_claims(curves: list[dict]) -> list[dict]:
+    """Rows on the learning-rate rules from distlab.lab.scaling.scaling_experiment's curves
+    (run with rules "none", "linear", "sqrt" and "inverse")."""
+    from distlab.lab.common import claim
+    from distlab.lab.scaling import loss_at_samples
+    by = {(c["batch"], c["rule"], c["warmup_steps"]): c for c in curves}
+    b0, b1, bmax = sorted({c["batch"] for c in curves})
+    w = max(c["warmup_steps"] for c in curves)
+    budget = min(c["samples"][-1] for c in curves)
+    small, lin, inv = by[(b0, "none", 0)], by[(b1, "linear", 0)], by[(b1, "inverse", 0)]
+    big_lin, big_lin_wu = by[(bmax, "linear", 0)], by[(bmax, "linear", w)]
+    rows = [claim(
+        "linear scaling rule: k times the batch, k times the lr, with warm-up",
+        "Goyal et al. 2017",
+        f"B={b1} linear: final {lin['final_loss']:.3f} vs B={b0} {small['final_loss']:.3f} at "
+        f"equal steps; B={bmax} at lr {big_lin['lr']:g} "
+        f"{'diverged' if big_lin['diverged'] else 'did not diverge'} without warm-up, "
+        f"{'diverged' if big_lin_wu['diverged'] else 'did not'} with {w} warm-up steps",
+        lin["final_loss"] < small["final_loss"] and big_lin["diverged"]
+        and not big_lin_wu["diverged"])]
+    lost = []
+    for b in (b1, bmax):
+        lo, sq = by[(b, "linear", w)], by[(b, "sqrt", w)]
+        if not lo["final_loss"] <= sq["final_loss"]:
+            lost.append(f"B={b}")
+    rows.append(claim(
+        "the linear rule beats the square-root rule for SGD",
+        "Goyal et al. 2017; Krizhevsky 2014 and Hoffer et al. 2017 for √",
+        "final loss with warm-up, linear vs √: " + ", ".join(
+            f"B={b} {by[(b, 'linear', w)]['final_loss']:.3f} vs "
+            f"{by[(b, 'sqrt', w)]['final_loss']:.3f}" for b in (b1, bmax))
+        + (f"; the linear rule lost to √ in this run at {', '.join(lost)}" if lost else ""),
+        not lost))
+    seed, linear = loss_at_samples(inv, budget), loss_at_samples(lin, budget)
+    rows.append(claim(
+        "\"reduce the learning rate in proportion to the effective batch\"",
+        "interview answer; the opposite of Goyal et al. 2017's linear rule",
+        f"B={b1}: lr/{b1 // b0} = {inv['lr']:g} reaches {seed:.3f} at {budget} samples "
+        f"({inv['final_loss']:.3f} at equal steps); k·lr = {lin['lr']:g} reaches {linear:.3f} "
+        f"({lin['final_loss']:.3f})",
+        seed <= linear))
+    return rows

@@ -34,6 +34,9 @@ import math
 from distlab.config import RunConfig
 
 RULES = ("none", "linear", "sqrt")
+# lr_k = lr / k: an interview answer's "reduce the learning rate in proportion to the effective
+# batch", the opposite of the linear rule; not in the default grid, run it by naming it.
+SEED_RULES = ("inverse",)
 
 # The experiment's default: a 1-layer GPT on 16-token Markov sequences, plain SGD at lr 0.1 for
 # batch 8. Measured on this model: lr 0.4 (linear rule at batch 32) trains well; lr 1.6 (linear
@@ -47,10 +50,10 @@ WARMUPS = (0, 15)
 
 def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
     """The learning rate for `batch` when `base_lr` suits `base_batch`, by `rule`."""
-    if rule not in RULES:
-        raise ValueError(f"rule={rule!r} is not one of {RULES}")
+    if rule not in RULES + SEED_RULES:
+        raise ValueError(f"rule={rule!r} is not one of {RULES + SEED_RULES}")
     k = batch / base_batch
-    return base_lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
+    return base_lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k), "inverse": 1 / k}[rule]
 
 
 def lr_schedule(cfg: RunConfig, steps: int | None = None) -> list[float]:

@@ -105,6 +105,7 @@ class Bucket:
 
 class DDP(ReplicatedDP):
     name = "ddp"
+    supports = ReplicatedDP.supports | {"no_buffer_broadcast"}
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
@@ -136,8 +137,12 @@ class DDP(ReplicatedDP):
     def batch(self, data, step):
         # like torch DDP's broadcast_buffers=True: rank 0's buffers (BatchNorm's running
         # statistics) at each step's start, so every rank evaluates with the same ones
-        if any(True for _ in self.model.buffers()):
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        if buffers and self.cfg.broadcast_buffers:
             broadcast_buffers(self.comm, self.model, 0)
+        # what this rank's floating buffers sum to as the step starts: equal on every rank
+        # when they were broadcast (logged with the step, see step_info)
+        self._buffer_sum = float(sum(b.double().sum() for b in buffers)) if buffers else None
         return read_batch(self, data, step)
 
     def _make_bucket(self, index, params) -> Bucket:
@@ -236,4 +241,7 @@ class DDP(ReplicatedDP):
                 "overlap": hidden / total if total > 0 else 0.0}
 
     def step_info(self) -> dict:
-        return {"ddp": self._timeline}
+        info = {"ddp": self._timeline}
+        if getattr(self, "_buffer_sum", None) is not None:
+            info["buffer_sum_at_start"] = self._buffer_sum
+        return info

@@ -111,3 +111,18 @@ def test_nccl_and_systems_without_the_counter_say_so_instead_of_zero():
     led.open("nccl")
     out = led.end()
     assert out["sent"] is None and "NCCL" in out["why"]
+
+
+def test_the_dashboard_draws_booked_and_wire_bytes_side_by_side(steps):
+    from distlab.lab.common import MiB
+    from distlab.lab.panel import bytes_sent, dashboard_for, step_events, wire_sent
+    run = steps["zero2"]
+    dash = dashboard_for(run)
+    dash._draw_ranks(run, "zero2")
+    traces = {t.name: t for t in dash.fig.data}
+    booked, on_wire = traces["booked"], traces["on the wire"]
+    last = step_events(run, run.steps_done() - 1)
+    assert list(on_wire.customdata) == [wire_sent(e) for e in last]
+    assert list(booked.customdata) == [bytes_sent(e) for e in last]
+    # gloo's reduce-scatter: zero2's wire bar stands taller than its booked one
+    assert all(w / MiB > b / MiB * 1.3 for w, b in zip(on_wire.y, booked.y))

@@ -14,7 +14,7 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
 
 from distlab.lab.common import MEMORY_CATEGORIES, MiB
 from distlab.lab.panel import (ControlPanel, Explorer, LiveDashboard, bytes_sent, dashboard_for,
-                               describe, loss_curve, step_events, watch)
+                               describe, loss_curve, step_events, watch, wire_sent)
 
 __all__ = ["ControlPanel", "Explorer", "LiveDashboard", "MEMORY_CATEGORIES", "MiB", "bytes_sent",
-           "dashboard_for", "describe", "loss_curve", "step_events", "watch"]
+           "dashboard_for", "describe", "loss_curve", "step_events", "watch", "wire_sent"]

@@ -45,6 +45,8 @@ POLL_S = 0.25
 WORLD_SIZES = (1, 2, 4)
 FLOOR_COLOR = "#555555"
 PEAK_COLOR = "#222222"
+BOOKED_COLOR = "#a5d8d3"  # what the algorithm books (distlab.comm), lighter ...
+WIRE_COLOR = "#0b7285"  # ... than what the kernel saw written (distlab.wire)
 PEAK_NAME = "peak in the step"  # memory["peak"] (RunConfig.track_peak), drawn beside the bars
 
 
@@ -76,8 +78,16 @@ def step_events(run: Run, step: int) -> list[dict]:
 
 
 def bytes_sent(event: dict) -> int:
-    """Bytes one rank sent in one step, summed over the collective kinds it used."""
-    return sum(c["bytes_sent"] for c in event.get("comm", {}).values())
+    """Bytes one rank's collectives booked in one step (distlab.comm's formulas and counts),
+    summed over the kinds it used, the mesh groups' included."""
+    groups = [event.get("comm", {}), *event.get("mesh", {}).get("comm", {}).values()]
+    return sum(c["bytes_sent"] for g in groups for c in g.values())
+
+
+def wire_sent(event: dict) -> int | None:
+    """Bytes the kernel saw one rank write to the network in one step (distlab.wire), None
+    where it cannot see them (NCCL, no /proc)."""
+    return event.get("wire", {}).get("sent")
 
 
 def describe(run: Run, label: str) -> str:
@@ -231,6 +241,9 @@ class LiveDashboard:
         ranks = [f"rank {e['rank']}" for e in events]
         where = f"{label}, step {step}" if events else f"{label}, no step yet"
         sent = [bytes_sent(e) for e in events]
+        wire = [wire_sent(e) for e in events]
+        blind = next((e["wire"].get("why") for e in events if wire_sent(e) is None
+                      and "wire" in e), None)
         with self.fig.batch_update():
             for trace, (key, _) in zip(self.fig.data[:len(MEMORY_CATEGORIES)], MEMORY_CATEGORIES):
                 b = [e["memory"].get(key, 0) for e in events]
@@ -238,6 +251,11 @@ class LiveDashboard:
             comm = self.fig.data[len(MEMORY_CATEGORIES)]
             comm.update(x=ranks, y=[v / MiB for v in sent], customdata=sent,
                         hovertext=[_comm_breakdown(e) for e in events])
+            seen = [w for w in wire if w is not None]
+            self.fig.data[len(MEMORY_CATEGORIES) + 2].update(
+                x=ranks if seen else [], y=[(w or 0) / MiB for w in wire] if seen else [],
+                customdata=wire if seen else [],
+                hovertext=[_wire_breakdown(e) for e in events] if seen else [])
             # With track_peak, each rank's peak of aten allocations in the step: a bar stacks
             # what is held at the step's end, the marker what the step needed at its worst.
             peaks = [e["memory"].get("peak") for e in events]
@@ -249,7 +267,9 @@ class LiveDashboard:
             # Which run and step the bars show goes under them: titles above have no room.
             self.fig.layout.xaxis2.title.text = where
             self.fig.layout.xaxis3.title.text = (
-                where if any(sent) or not events else f"{label} sent nothing: one process")
+                (where if not blind else f"{where}; on the wire: not seen ({blind})")
+                if any(sent) or any(seen) or not events else
+                f"{label} sent nothing: one process")
 
     def __repr__(self):
         return f"LiveDashboard({len(self.runs)} runs)"
@@ -268,8 +288,9 @@ def _make_figure() -> go.FigureWidget:
                     offsetgroup="held",
                     hovertemplate=f"{name}: %{{y:.3f}} MiB (%{{customdata:,}} bytes)<extra></extra>",
                     row=2, col=1)
-    fig.add_bar(x=[], y=[], name="bytes sent", showlegend=False, marker_color="#72b7b2",
-                hovertemplate="%{customdata:,} bytes sent<br>%{hovertext}<extra></extra>",
+    fig.add_bar(x=[], y=[], name="booked", legend="legend3", marker_color=BOOKED_COLOR,
+                offsetgroup="booked",
+                hovertemplate="booked: %{customdata:,} bytes<br>%{hovertext}<extra></extra>",
                 row=2, col=2)
     # The peak (RunConfig.track_peak) as its own bar beside each rank's stack: bars of another
     # offsetgroup sit side by side with the stacked ones instead of stacking on them.
@@ -280,13 +301,20 @@ def _make_figure() -> go.FigureWidget:
                                "aten allocations; the CPU stand-in for "
                                "torch.cuda.max_memory_allocated<extra></extra>"),
                 row=2, col=1)
+    # Beside each rank's booked bytes, what the kernel saw it write (distlab.wire).
+    fig.add_bar(x=[], y=[], name="on the wire", legend="legend3", marker_color=WIRE_COLOR,
+                offsetgroup="wire",
+                hovertemplate="on the wire: %{customdata:,} bytes<br>%{hovertext}<extra></extra>",
+                row=2, col=2)
     # Two legends: runs beside the loss plot, memory categories beside the memory bars.
     fig.update_layout(barmode="stack", height=640, width=960, margin=dict(l=60, r=20, t=40, b=50),
                       template="plotly_white",
                       # "normal": stacked bars would otherwise reverse this legend too
                       legend=dict(font=dict(size=11), y=1.0, yanchor="top", traceorder="normal"),
                       legend2=dict(font=dict(size=11), y=0.0, yanchor="bottom",
-                                   traceorder="reversed"))
+                                   traceorder="reversed"),
+                      legend3=dict(font=dict(size=11), orientation="h", x=1.0, xanchor="right",
+                                   y=0.47, yanchor="bottom"))
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
     fig.update_yaxes(title_text="MiB", row=2, col=1)
@@ -301,8 +329,16 @@ def _run_line(i: int) -> dict:
     return dict(color=RUN_COLORS[i % len(RUN_COLORS)], width=max(1.5, 4.0 - 1.25 * i))
 
 
+def _wire_breakdown(event: dict) -> str:
+    by_kind = event.get("wire", {}).get("by_kind") or {}
+    return "<br>".join(f"{k}: {v:,} B" for k, v in by_kind.items()) or "nothing written"
+
+
 def _comm_breakdown(event: dict) -> str:
-    parts = [f"{k}: {v['calls']} calls, {v['bytes_sent']:,} B" for k, v in event["comm"].items()]
+    groups = {"": event.get("comm", {}),
+              **{f"{g}.": c for g, c in event.get("mesh", {}).get("comm", {}).items()}}
+    parts = [f"{g}{k}: {v['calls']} calls, {v['bytes_sent']:,} B"
+             for g, kinds in groups.items() for k, v in kinds.items() if v["calls"]]
     return "<br>".join(parts) or "no collectives"
 
 

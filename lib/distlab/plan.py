@@ -20,9 +20,11 @@ Sources:
            recomputation one layer's whole activations are rebuilt during its backward: one
            layer without recomputation is added. Embedding/logit activations are not counted.
   Time     compute 6·N·tokens/(G·peak·mfu) × (1 + recompute overhead): full adds a forward,
-           2N of 6N = +1/3; selective recomputes only the attention core, 4bs²h of each layer's
-           72bsh² + 12bs²h FLOPs (Narayanan et al.'s per-layer count), 4s/(72h + 12s) (≈1% for
-           GPT-3; Korthikanti et al. Table 4 measure 2.7% at 22B and 1.6% at 1T).
+           2N of 6N = +1/3; selective recomputes only the attention core, by Korthikanti et
+           al.'s FLOP count (Section 5 and Appendix A): model FLOPs 72Bslh²(1 + s/(6h) +
+           V/(12hl)), with selective recomputation 72Bslh²(1 + s/(3h) + V/(12hl)), so
+           +(s/(6h)) / (1 + s/(6h) + V/(12hl)): 2.7% for GPT-3 175B, 1.6% for MT-NLG 530B,
+           their figures (see recompute_overhead).
            Pipeline bubble (1F1B and GPipe alike): (p-1)/m of the compute, i.e. (p-1)/(m+p-1)
            of the total (Narayanan et al. 2021, Section 2.2).
            Communication, α-β (comm.ring_allreduce_time), none of it overlapped unless said:
@@ -139,11 +141,29 @@ def layouts(model: Model, cluster: Cluster):
 
 
 def recompute_overhead(model: Model, recompute: str) -> float:
-    """Extra compute as a fraction of 6N: full +1/3, selective 4s/(72h + 12s), none 0."""
+    """Extra compute as a fraction of the model's own FLOPs: none 0; full +1/3; selective
+    (s/(6h)) / (1 + s/(6h) + V/(12hl)).
+
+    Full: one more forward, 2N of 6N (Narayanan et al. 2021's 8·N·D). Korthikanti et al.
+    2022's exact count, 96Bslh²(1 + s/(6h) + V/(16hl)) over 72Bslh²(1 + s/(6h) + V/(12hl))
+    (the logit layer is not recomputed), is 33.2% for GPT-3 175B: 1/3 to 0.1 point.
+
+    Selective: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", Section 5 and Appendix A) count an iteration's model FLOPs as
+    72Bslh²(1 + s/(6h) + V/(12hl)) and, with the attention core (QKᵀ, softmax, dropout,
+    softmax·V) recomputed, 72Bslh²(1 + s/(3h) + V/(12hl)): the attention-score term
+    s/(6h), i.e. 12Bs²h per layer, counted once more. Their ratio less one gives the
+    paper's own overheads: 2.7% for GPT-3 175B and 1.6% for MT-NLG 530B. (A stricter
+    count, one extra forward of the two s² matmuls, 4Bs²h per layer, is a third of this;
+    we follow the paper.)"""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if recompute == "full":
         return 1 / 3
     if recompute == "selective":
-        return 4 * model.seq / (72 * model.hidden + 12 * model.seq)
+        s, h, n_layer, v = model.seq, model.hidden, model.n_layer, model.vocab
+        attention = s / (6 * h)
+        return attention / (1 + attention + v / (12 * h * n_layer))
     return 0.0
 
 

@@ -248,55 +248,71 @@ def equivalence_figure(curves: dict[str, list[float]], ref: str, tol: float,
     return fig
 
 
-def comm_figure(measured: dict[str, dict], formula: dict[str, dict], model_bytes: float,
-                n: int, outside: dict[str, dict] | None = None,
-                other_n: dict[str, dict[int, float]] | None = None, max_n: int = 64) -> go.Figure:
-    """Left: bytes one rank sent in one step, stacked by collective kind, in units of the
-    model's bytes (4Ψ), per strategy: measured by Comm (solid), modeled outside Comm (hatched,
-    `outside`: {strategy: {kind: bytes}}), the formula's total as a diamond. Right: the
-    formulas' per-rank bytes against N (DDP/ZeRO-1/2: 2(N-1)/N, ZeRO-3/FSDP: 3(N-1)/N, in 4Ψ)
-    with the measured totals at N and at `other_n` ({strategy: {N: bytes}})."""
+def wire_by_step(run: Run, rank: int) -> list[dict]:
+    """One rank's wire figures for every step: {"sent", "by_kind"} (distlab.wire), or
+    {"sent": None, "why"} where the kernel cannot see the traffic."""
+    return [e.get("wire", {"sent": None, "why": "not recorded"})
+            for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
+
+
+WIRE_GLOO = {"ddp": 2, "zero1": 3, "zero2": 3, "zero3": 4}
+"""Bytes per rank per step on gloo, in (N-1)/N · 4Ψ, as measured in 01_collectives: an
+all-reduce writes 2, an all-gather 1, and gloo's reduce-scatter 2 (the ring's would be 1)."""
+
+
+def comm_figure(booked: dict[str, dict], formula: dict[str, dict], wire: dict[str, dict],
+                model_bytes: float, n: int, other_n: dict[str, dict[int, float]] | None = None,
+                other_wire: dict[str, dict[int, float]] | None = None,
+                max_n: int = 64) -> go.Figure:
+    """Left: bytes one rank sent in one step, per strategy, in units of the model's bytes (4Ψ):
+    booked by Comm, stacked by collective kind (left bar), beside what the kernel saw written
+    (right bar, by the kinds distlab.wire could tell apart), the formula's total as a diamond.
+    Right: against N, the textbook's per-rank lines (2(N-1)/N for DDP/ZeRO-1/2, 3(N-1)/N for
+    ZeRO-3) and gloo's measured rule (WIRE_GLOO), with the booked and wire totals at N and at
+    `other_n`/`other_wire` ({strategy: {N: bytes}})."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, column_widths=[0.55, 0.45],
-                        subplot_titles=(f"bytes sent per rank per step, N = {n}",
-                                        "bytes sent per rank per step vs N (formula lines)"))
+                        subplot_titles=(f"per rank per step, N = {n}: booked | on the wire",
+                                        "per rank per step vs N"))
     names = list(formula)
-    kinds = [k for k in KIND_COLORS if any(k in m for m in measured.values())]
-    for k in kinds:
-        fig.add_bar(x=names, y=[measured.get(s, {}).get(k, 0) / model_bytes for s in names],
-                    name=f"{k} (counted by Comm)", marker_color=KIND_COLORS[k], row=1, col=1)
-    for k in sorted({k for o in (outside or {}).values() for k in o}):
-        fig.add_bar(x=names, y=[(outside or {}).get(s, {}).get(k, 0) / model_bytes for s in names],
-                    name=f"{k} (inside torch, modeled: not counted)",
-                    marker_color=KIND_COLORS.get(k, "#999"), marker_pattern_shape="/",
-                    marker_opacity=0.6, row=1, col=1)
+    for k in [k for k in KIND_COLORS if any(k in m for m in booked.values())]:
+        fig.add_bar(x=names, y=[booked.get(s, {}).get(k, 0) / model_bytes for s in names],
+                    name=f"{k}, booked", marker_color=KIND_COLORS[k], offsetgroup="booked",
+                    marker_opacity=0.45, row=1, col=1)
+    wire_kinds = sorted({k for w in wire.values() for k in (w.get("by_kind") or {})})
+    for k in wire_kinds:
+        color = KIND_COLORS.get(k, "#495057" if k == "not booked" else "#0b7285")
+        fig.add_bar(x=names, y=[(wire.get(s, {}).get("by_kind") or {}).get(k, 0) / model_bytes
+                                for s in names],
+                    name=f"{k}, on the wire", marker_color=color, offsetgroup="wire",
+                    marker_line=dict(color="#000", width=1), row=1, col=1)
     fig.add_scatter(x=names, y=[sum(formula[s].values()) / model_bytes for s in names],
-                    mode="markers", name="formula, total",
+                    mode="markers", name="textbook formula, total",
                     marker=dict(symbol="diamond", size=13, color="#222"), row=1, col=1)
     ns = list(range(2, max_n + 1))
-    for label, f, dash in (("all-reduce (DDP, ZeRO-1, ZeRO-2): 2(N-1)/N", 2, "solid"),
-                           ("ZeRO-3 / FSDP: 3(N-1)/N", 3, "dash")):
+    for label, f, dash in (("2(N-1)/N: DDP (textbook and gloo), ZeRO-1/2 (textbook)", 2, "solid"),
+                           ("3(N-1)/N: ZeRO-3 (textbook), ZeRO-1/2 (gloo)", 3, "dash"),
+                           ("4(N-1)/N: ZeRO-3 (gloo)", 4, "dot")):
         fig.add_scatter(x=ns, y=[f * (m - 1) / m for m in ns], mode="lines", name=label,
                         line=dict(color="#555", dash=dash), row=1, col=2)
-    points = {s: {n: sum(measured.get(s, {}).values())} for s in ("ddp", "zero1", "zero2", "zero3")
-              if s in measured}
-    for s, d in (other_n or {}).items():
-        points.setdefault(s, {}).update(d)
-    for i, (s, d) in enumerate(points.items()):  # ddp, zero1, zero2 coincide: nested circles
-        fig.add_scatter(x=list(d), y=[v / model_bytes for v in d.values()], mode="markers",
-                        name=f"{s}, measured",
-                        marker=dict(size=(15, 11, 7, 11)[i % 4], color=common.RUN_COLORS[i],
-                                    symbol="square" if s == "zero3" else "circle"),
-                        row=1, col=2)
-    for s in names:
-        if not measured.get(s) and not (outside or {}).get(s):
-            fig.add_annotation(x=s, y=0.05, yanchor="bottom", showarrow=False, row=1, col=1,
-                               text="not counted:<br>torch's own<br>collectives",
-                               font=dict(size=10, color="#555"))
+    for i, s in enumerate(s for s in ("ddp", "zero1", "zero2", "zero3") if s in wire):
+        w = {n: wire[s].get("sent")} | (other_wire or {}).get(s, {})
+        w = {m: v for m, v in w.items() if v is not None}
+        fig.add_scatter(x=list(w), y=[v / model_bytes for v in w.values()], mode="markers",
+                        name=f"{s}, on the wire", marker=dict(
+                            size=(15, 11, 7, 11)[i], color=common.RUN_COLORS[i],
+                            symbol="square" if s == "zero3" else "circle"), row=1, col=2)
+        b = {n: sum(booked.get(s, {}).values())} | (other_n or {}).get(s, {})
+        fig.add_scatter(x=list(b), y=[v / model_bytes for v in b.values()], mode="markers",
+                        name=f"{s}, booked", marker=dict(
+                            size=(15, 11, 7, 11)[i], color="rgba(0,0,0,0)",
+                            line=dict(color=common.RUN_COLORS[i], width=2),
+                            symbol="square" if s == "zero3" else "circle"), row=1, col=2)
     fig.update_xaxes(type="log", title_text="N (ranks)", row=1, col=2)
     fig.update_yaxes(title_text="bytes sent / 4Ψ", row=1, col=1)
-    fig.update_yaxes(title_text="bytes sent / 4Ψ", range=[0, 3.2], row=1, col=2)
-    fig.update_layout(barmode="stack", height=460, template="plotly_white",
-                      title="Bytes on the wire per rank per step, in units of the fp32 model (4Ψ)",
+    fig.update_yaxes(title_text="bytes sent / 4Ψ", range=[0, 4.2], row=1, col=2)
+    fig.update_layout(barmode="stack", height=500, template="plotly_white",
+                      title="Bytes per rank per step, in units of the fp32 model (4Ψ): booked "
+                            "by the formulas, and on the wire (the kernel's count)",
                       legend=dict(font=dict(size=10), traceorder="normal"), margin=dict(t=90))
     return fig
 

@@ -495,6 +495,39 @@ table(["stage", "per GPU (GB)", "the paper's Figure 1"],
 assert [round(v / GB, 1) for v in paper.values()] == [120.0, 31.4, 16.6, 1.9]
 
 # %% [markdown]
+# **DeepSpeed's own estimator.** DeepSpeed ships `estimate_zero2_model_states_mem_needs`
+# and `estimate_zero3_model_states_mem_needs` (with the `..._all_cold` / `..._all_live`
+# helpers that print a table; "Memory Requirements" in DeepSpeed's docs). It answers a
+# question the ZeRO paper's formula does not: with **offload**, how much **CPU** memory
+# each node needs. Its rules, in the paper's terms (Ψ parameters, N_d GPUs, n per node):
+# on the GPU 2 bytes of fp16 parameters plus 18Ψ/N_d (fp16 and fp32 gradients, fp32
+# parameters, momentum and variance), and for ZeRO-3 4 bytes × the largest layer (one
+# layer gathered in fp16 with its fp16 gradients); on the CPU 16 or 18 bytes per
+# parameter when the optimizer (and the parameters) are offloaded, or 4 bytes × n while
+# each process first builds the fp32 model (ZeRO-3's `zero.Init` avoids that), every CPU
+# figure × 1.5 (`additional_buffer_factor`). `distlab.zero_memory` follows those rules.
+#
+# **Units: DeepSpeed's "GB" is GiB** (bytes / 2**30), not the paper's GB = 1e9 used in the
+# rest of this section: 127.45 "GB" is 136.8e9 bytes. The printout and first table are
+# DeepSpeed's published example (t5-3b: 2851M parameters, largest layer 32M, 1 node × 8
+# GPUs), reproduced to its two decimals by `tests/test_zero_memory.py`; one row differs
+# from the docs: ZeRO-2 without offload, 15.93 there, was printed before DeepSpeed v0.14.3
+# changed that rule from 4Ψ + 16Ψ/N_d to today's 2Ψ + 18Ψ/N_d (11.28). The second is this
+# notebook's GPT on `WORLD` GPUs, counted as DeepSpeed's live estimator counts a module
+# (shared parameters once; the largest layer is the module with the most parameters of
+# its own), in MiB since it is tiny.
+
+# %%
+from distlab.train import build_model
+from distlab.zero_memory import model_counts, report, table_cells
+
+print(report(3, 2851e6, 32e6, gpus_per_node=8))  # DeepSpeed's printout, its "GB" = GiB
+table(*table_cells(2851e6, 32e6, gpus_per_node=8))
+psi_gpt, largest_gpt = model_counts(build_model(SGD))
+print(f"this notebook's GPT: Ψ = {psi_gpt:,} parameters, largest layer {largest_gpt:,}")
+table(*table_cells(psi_gpt, largest_gpt, gpus_per_node=WORLD, unit="MiB"))
+
+# %% [markdown]
 # **"ZeRO-1 cuts memory 4×, ZeRO-2 8×."** The reduction is plain DP's (2 + 2 + K)Ψ over
 # the stage's bytes: ZeRO-1 16/(4 + 12/N_d) and ZeRO-2 16/(2 + 14/N_d). Those reach 4 and
 # 8 only as N_d grows without bound, and only for K = 12 (mixed precision with fp32

@@ -328,3 +328,24 @@ def recipe_configs(base: RunConfig, micro: int, ranks: int = 2,
         s0, s0.replace(precision="bf16"), s2, s2.replace(grad_accum=G // micro),
         s2.replace(strategy=strategy, world_size=ranks, grad_accum=G // (ranks * micro)),
         s0.replace(grad_accum=G))))
+
+
+# -- clipping is not overflow protection ---------------------------------------------------------
+def clipping_after_overflow(scale: float = 2.0**24, max_norm: float = 1.0, seed: int = 0) -> dict:
+    """Backward of scale·loss through an fp16 Linear, then clip_grad_norm_ as a training loop
+    would: the overflow happens *in* backward (fp16's largest value is 65504), and clipping,
+    which runs after backward on what backward produced, finds an infinite norm and turns the
+    infinities into NaN (inf × 0). A loss scaler checks the gradients and skips the step."""
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(64, 64).half()
+    x = torch.randn(32, 64, generator=g).half()
+    loss = lin(x).float().pow(2).mean()
+    (loss * scale).backward()
+    grads = [p.grad for p in lin.parameters()]
+    out = {"scale": scale, "numel": sum(t.numel() for t in grads),
+           "inf_after_backward": sum(int(torch.isinf(t).sum()) for t in grads),
+           "nan_after_backward": sum(int(torch.isnan(t).sum()) for t in grads)}
+    norm = torch.nn.utils.clip_grad_norm_(lin.parameters(), max_norm)
+    out["norm"] = float(norm)
+    out["finite_after_clip"] = sum(int(torch.isfinite(t).sum()) for t in grads)
+    return out

@@ -72,7 +72,7 @@ TPS = (2, 4)  # tensor-parallel degrees trained (world_size = tp)
 # %%
 from distlab import RunConfig
 from distlab.comm import LINKS, ring_allreduce_time
-from distlab.lab.common import fmt_bytes, table
+from distlab.lab.common import claim, claims_table, fmt_bytes, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
 from distlab.lab.tensor_parallel import (
@@ -299,28 +299,48 @@ panel.widget
 # %% [markdown]
 # ## What the textbook says, what this run measured
 #
-# Every entry in the right-hand column is built from this run's variables.
+# Every figure is built from this run's variables (the last row from the α-β model, marked
+# modelled) and every verdict is computed from them; a row reads **no** where the run
+# disagrees, as the interview answer on sequence parallelism does.
 
 # %%
 t_last = TPS[-1]
-table(["textbook claim", "what this run measured"], [
-    ["Megatron TP (Shoeybi et al. 2019) trains exactly like one process",
-     f"{', '.join(agree)}: worst per-step loss gap {worst_loss_gap:.1e} (tolerance "
-     f"{LOSS_TOL:g}), worst parameter gap {worst_param_gap:.1e} (tolerance {TOL:g}) after {STEPS} SGD steps"],
-    ["TP all-reduce after the row-parallel layer (g), and before the column-parallel "
-     "layers in backward (f): two forward, two backward per block",
-     f"forward all-reduces issued inside {', '.join(r['inside'] for r in fwd)}; backward after "
-     f"{', '.join(r['after'] for r in bwd)}; runs recorded only tp.all_reduce, "
-     f"{2 * len(rowwise)} calls per step for {L} blocks"],
-    ["bytes per rank per step: 4L · 2(t−1)/t · S without SP",
-     "; ".join(f"t={t}: {megatron_bytes(runs[f'tp={t}'].cfg)['tp.all_reduce'][1]:,.0f} B, "
-               f"measured identical on every rank and step" for t in TPS)],
-    ["SP replaces all-reduce by reduce-scatter + all-gather at the same volume "
-     "(Korthikanti et al. 2022)",
-     "; ".join(f"t={t}: {a:,.0f} B of reduce-scatter + all-gather (less the region's two ends) "
-               f"= {b:,.0f} B of all-reduce" for t, (a, b) in sp_same_volume.items())],
-    ["TP is for within a node: communication per layer",
-     f"d={LAYER['d']}, {LAYER['tokens']} tokens, bf16, t={LAYER['t']}: 4 all-reduces per layer "
-     f"take {nv * 1e3:.2f} ms on NVLink 4 and {ib * 1e3:.2f} ms on InfiniBand NDR "
-     f"({ib_over_nv:.1f}x), against {compute_s * 1e3:.2f} ms of compute at the H100's peak"],
-])
+plain_got = {t: measured_bytes(runs[f"tp={t}"]) for t in TPS}
+booked = {t: {sp: sum(b for (_c, b), in measured_bytes(runs[f"tp={t}" + sp]).values())
+              for sp in ("", " sp")} for t in TPS}
+rows = [
+    claim("Megatron TP trains exactly like one process", "Shoeybi et al. 2019",
+          f"{', '.join(agree)}: worst per-step loss gap {worst_loss_gap:.1e} (tolerance "
+          f"{LOSS_TOL:g}), worst parameter gap {worst_param_gap:.1e} (tolerance {TOL:g}) after "
+          f"{STEPS} SGD steps", worst_loss_gap <= LOSS_TOL and worst_param_gap <= TOL),
+    claim("TP all-reduce after the row-parallel layer (g), and before the column-parallel "
+          "layers in backward (f): two forward, two backward per block", "Shoeybi et al. 2019",
+          f"forward all-reduces issued inside {', '.join(r['inside'] for r in fwd)}; backward "
+          f"after {', '.join(r['after'] for r in bwd)}; runs recorded only tp.all_reduce, "
+          f"{2 * len(rowwise)} calls per step for {L} blocks",
+          [r["inside"] for r in fwd] == rowwise and len(bwd) == 2 * L),
+    claim("bytes per rank per step: 4L · 2(t−1)/t · S without SP", "Shoeybi et al. 2019",
+          "; ".join(f"t={t}: {megatron_bytes(runs[f'tp={t}'].cfg)['tp.all_reduce'][1]:,.0f} B, "
+                    f"measured identical on every rank and step" for t in TPS),
+          all(plain_got[t]["tp.all_reduce"] == {megatron_bytes(runs[f"tp={t}"].cfg)[
+              "tp.all_reduce"]} for t in TPS)),
+    claim("SP replaces all-reduce by reduce-scatter + all-gather at the same volume",
+          "Korthikanti et al. 2022",
+          "; ".join(f"t={t}: {a:,.0f} B of reduce-scatter + all-gather (less the region's two "
+                    f"ends) = {b:,.0f} B of all-reduce" for t, (a, b) in sp_same_volume.items()),
+          all(a == b for a, b in sp_same_volume.values())),
+    claim("sequence parallelism reduces communication volume (an interview answer)",
+          "interview answer; Korthikanti et al. 2022 (the same volume)",
+          "booked by distlab.comm per rank per step, every kind: " + "; ".join(
+              f"t={t}: {v['']:,.0f} B without SP, {v[' sp']:,.0f} B with it"
+              for t, v in booked.items()),
+          all(v[" sp"] < v[""] for v in booked.values())),
+    claim("TP is for within a node: communication per layer", "α-β model, distlab.comm LINKS",
+          f"d={LAYER['d']}, {LAYER['tokens']} tokens, bf16, t={LAYER['t']}: 4 all-reduces per "
+          f"layer take {nv * 1e3:.2f} ms on NVLink 4 and {ib * 1e3:.2f} ms on InfiniBand NDR "
+          f"({ib_over_nv:.1f}x), against {compute_s * 1e3:.2f} ms of compute at the H100's peak",
+          nv < compute_s < ib, basis="modelled"),
+]
+claims_table(rows)
+assert all(r["holds"] for r in rows if r is not rows[4]), [r["claim"] for r in rows]
+assert not rows[4]["holds"]  # SP moves the same volume (plus the region's two ends), not less

@@ -78,7 +78,7 @@ from distlab.lab.checkpoints_and_faults import (
     torchrun,
     wait_for_steps,
 )
-from distlab.lab.common import table
+from distlab.lab.common import claim, claims_table, table
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.launch import new_run_dir, runs_root
 
@@ -392,41 +392,44 @@ left. A *hung* rank (alive, never joining) is found only by the collective timeo
 # %% [markdown]
 # ## What the textbook says, what this run measured
 #
-# Every entry of the last two columns is built from this run's variables.
+# Every figure is built from this run's variables and every verdict is computed from them:
+# a row reads **no** where the run disagrees, and each one is asserted.
 
 # %%
-yes = lambda ok: "yes" if ok else "NO"
-table(["claim", "source", "what this run measured", "holds?"], [
-    ["only rank 0 saves (a replicated model)", "interview answer; torch DDP tutorial",
-     f"ddp: rank 0 wrote state.pt, {c_ddp[0]['bytes']:,} B per save; rank 1 "
-     f"{c_ddp[1]['bytes']:,} B (its RNG states only)",
-     yes(c_ddp[0]["bytes"] > 10 * c_ddp[1]["bytes"])],
-    ["sharded checkpoints for FSDP: each rank writes its shard", "interview answer; "
-     "torch.distributed.checkpoint docs",
-     f"zero3 {c_z[0]['bytes']:,} / {c_z[1]['bytes']:,} B per rank "
-     f"({shard_share:.0%} on rank 0); "
-     f"fsdp-torch {cost['fsdp-torch (sharded)'][0]['bytes']:,} / "
-     f"{cost['fsdp-torch (sharded)'][1]['bytes']:,} B", yes(abs(shard_share - 0.5) < 0.05)],
-    ["a sharded checkpoint loads at another world size",
-     "torch.distributed.checkpoint docs",
-     f"{', '.join(RESHARD)} saved by 4 ranks, resumed by 2: worst diff "
-     f"{max(reshard_diff.values()):.1e} after {STEPS} SGD steps",
-     yes(max(reshard_diff.values()) < 1e-5)],
-    ["resuming continues the same training", "torch.distributed.checkpoint docs; tests/test_checkpoint.py",
-     f"max |diff| of every tensor at the end: SIGKILL {kill_diff}, torn save {torn_diff}, "
-     f"preempted {preempt_diff}, torchrun restart {elastic_diff}",
-     yes(kill_diff == torn_diff == preempt_diff == elastic_diff == 0.0)],
-    ["write then rename: a crash mid-save keeps the previous checkpoint", "POSIX rename(2)",
-     f"killed with {half:,} of {whole:,} B of state.pt written: the previous checkpoint "
-     f"verified and resumed exactly", yes(torn_diff == 0.0)],
-    ["a dead rank is reported, not hung on", "distlab.launch; tests/test_process_safety.py",
-     f"rank {err.rank}, step {err.step}, {detect_s:.2f} s after SIGKILL; no process left",
-     yes(detect_s < 10)],
-    ["a preemption notice is time to save", "cloud spot-instance notices (AWS 2 min)",
-     f"SIGTERM to exit {notice_s:.2f} s, checkpoint saved, status {job.status!r}",
-     yes(job.status == "preempted")],
-    ["torchrun --max-restarts restarts failed workers",
-     "torchrun (torch.distributed.run) docs",
-     f"2 attempts; the second resumed from {elastic_start} steps done by itself",
-     yes(len(tries) == 2 and elastic_diff == 0.0)],
-])
+rows = [
+    claim("only rank 0 saves (a replicated model)", "interview answer; torch DDP tutorial",
+          f"ddp: rank 0 wrote state.pt, {c_ddp[0]['bytes']:,} B per save; rank 1 "
+          f"{c_ddp[1]['bytes']:,} B (its RNG states only)",
+          c_ddp[0]["bytes"] > 10 * c_ddp[1]["bytes"]),
+    claim("sharded checkpoints for FSDP: each rank writes its shard", "interview answer; "
+          "torch.distributed.checkpoint docs",
+          f"zero3 {c_z[0]['bytes']:,} / {c_z[1]['bytes']:,} B per rank "
+          f"({shard_share:.0%} on rank 0); "
+          f"fsdp-torch {cost['fsdp-torch (sharded)'][0]['bytes']:,} / "
+          f"{cost['fsdp-torch (sharded)'][1]['bytes']:,} B", abs(shard_share - 0.5) < 0.05),
+    claim("a sharded checkpoint loads at another world size",
+          "torch.distributed.checkpoint docs",
+          f"{', '.join(RESHARD)} saved by 4 ranks, resumed by 2: worst diff "
+          f"{max(reshard_diff.values()):.1e} after {STEPS} SGD steps",
+          max(reshard_diff.values()) < 1e-5),
+    claim("resuming continues the same training", "torch.distributed.checkpoint docs; "
+          "tests/test_checkpoint.py",
+          f"max |diff| of every tensor at the end: SIGKILL {kill_diff}, torn save {torn_diff}, "
+          f"preempted {preempt_diff}, torchrun restart {elastic_diff}",
+          kill_diff == torn_diff == preempt_diff == elastic_diff == 0.0),
+    claim("write then rename: a crash mid-save keeps the previous checkpoint", "POSIX rename(2)",
+          f"killed with {half:,} of {whole:,} B of state.pt written: the previous checkpoint "
+          f"verified and resumed exactly", torn_diff == 0.0),
+    claim("a dead rank is reported, not hung on", "distlab.launch; tests/test_process_safety.py",
+          f"rank {err.rank}, step {err.step}, {detect_s:.2f} s after SIGKILL; no process left",
+          detect_s < 10),
+    claim("a preemption notice is time to save", "cloud spot-instance notices (AWS 2 min)",
+          f"SIGTERM to exit {notice_s:.2f} s, checkpoint saved, status {job.status!r}",
+          job.status == "preempted"),
+    claim("torchrun --max-restarts restarts failed workers",
+          "torchrun (torch.distributed.run) docs",
+          f"2 attempts; the second resumed from {elastic_start} steps done by itself",
+          len(tries) == 2 and elastic_diff == 0.0),
+]
+claims_table(rows)
+assert all(r["holds"] for r in rows), [r["claim"] for r in rows if not r["holds"]]

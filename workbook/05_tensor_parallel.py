@@ -48,7 +48,8 @@
 # whole residual stream B·T·d. **Sequence parallelism** (Korthikanti et al. 2022,
 # "Reducing Activation Recomputation in Large Transformer Models") also splits the
 # LayerNorms along the sequence: g becomes a reduce-scatter and f an all-gather, and
-# since an all-reduce *is* a reduce-scatter then an all-gather, the bytes stay the same.
+# since an all-reduce *is* a reduce-scatter then an all-gather, the ring's bytes stay the
+# same (on gloo's wire they do not: section 3).
 #
 # This notebook shows the plan as a table keyed by module name, trains `tp` at t = 2 and
 # 4 with and without SP, and torch's own DTensor TP (`tp-torch`), beside a single
@@ -76,11 +77,13 @@ from distlab.lab.common import claim, claims_table, fmt_bytes, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
 from distlab.lab.tensor_parallel import (
+    booked_per_step,
     bytes_figure,
     collective_trace,
     measured_bytes,
     megatron_bytes,
     tp_panel,
+    wire_range,
 )
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.tensor.tp import plan_table, tp_plan
@@ -214,6 +217,41 @@ print("SP (reduce-scatter + all-gather, less the region ends) vs TP all-reduce, 
       {t: f"{a:,.0f} vs {b:,.0f}" for t, (a, b) in sp_same_volume.items()})
 
 # %% [markdown]
+# **On the wire.** The booked bytes above are the ring's formulas applied to the calls the
+# strategy made; they show *which* collectives ran on *what* sizes. What each rank really
+# wrote to its sockets in each step is the kernel's count (`distlab.wire`, see
+# `01_collectives`), and it also covers `tp-torch`, whose DTensor collectives `Comm` never
+# sees. On gloo an all-reduce and an all-gather write what the ring formula says, but a
+# reduce-scatter writes as much as an all-reduce, so with SP the wire shows more than the
+# booked bytes: on gloo sequence parallelism costs traffic, on NCCL (whose reduce-scatter
+# follows the ring) it costs none.
+
+# %%
+wire_rows, wire = [], {}
+for k, r in runs.items():
+    if k == "single":
+        continue
+    wire[k], b = wire_range(r), booked_per_step(r)
+    wire_rows.append([k, ", ".join(f"{x:,.0f}" for x in sorted(b)) or "nothing",
+                      "not measured here" if wire[k] is None else
+                      f"{wire[k][0]:,} to {wire[k][1]:,}",
+                      "—" if wire[k] is None or not max(b) else f"{wire[k][1] / max(b):.3f}"])
+table(["run", "booked per rank per step", "on the wire per rank per step (every rank, step)",
+       "wire / booked"], wire_rows)
+wire_seen = all(w is not None for w in wire.values())
+if wire_seen:
+    for t in TPS:  # plain TP: all-reduces only, the ring formula plus gloo's headers
+        # (48 bytes a message: 14% on quick mode's 16 KiB all-reduces at t = 4, where gloo
+        # sends many small messages; 0.03% on 01's 4 MiB ones). Twice the formula, as for
+        # a reduce-scatter, would be far outside.
+        lo, hi = wire[f"tp={t}"]
+        (plain_b,) = booked_per_step(runs[f"tp={t}"])
+        assert 1 <= lo / plain_b and hi / plain_b < 1.25, (t, wire[f"tp={t}"], plain_b)
+        # SP on gloo: its reduce-scatters write twice their booked bytes, so SP's wire
+        # exceeds plain TP's (the region's two extra all-gathers alone add (2/4L) less)
+        assert wire[f"tp={t} sp"][0] > 1.2 * hi, (t, wire)
+
+# %% [markdown]
 # ## 4. Where the all-reduce sits: after the row-parallel layer
 #
 # The runs recorded *which* collectives ran and how many; `lab.tensor_parallel.collective_trace`
@@ -320,8 +358,13 @@ rows = [
           f"{2 * len(rowwise)} calls per step for {L} blocks",
           [r["inside"] for r in fwd] == rowwise and len(bwd) == 2 * L),
     claim("bytes per rank per step: 4L · 2(t−1)/t · S without SP", "Shoeybi et al. 2019",
-          "; ".join(f"t={t}: {megatron_bytes(runs[f'tp={t}'].cfg)['tp.all_reduce'][1]:,.0f} B, "
-                    f"measured identical on every rank and step" for t in TPS),
+          "; ".join(f"t={t}: formula {megatron_bytes(runs[f'tp={t}'].cfg)['tp.all_reduce'][1]:,.0f}"
+                    f" B; booked {', '.join(f'{b:,.0f}' for _c, b in plain_got[t]['tp.all_reduce'])}"
+                    f" B ({len(plain_got[t]['tp.all_reduce'])} distinct value(s) over "
+                    f"{len(runs[f'tp={t}'].history('step'))} rank-steps)"
+                    + ("" if wire[f"tp={t}"] is None else
+                       f", on the wire {wire[f'tp={t}'][0]:,} to {wire[f'tp={t}'][1]:,} B")
+                    for t in TPS),
           all(plain_got[t]["tp.all_reduce"] == {megatron_bytes(runs[f"tp={t}"].cfg)[
               "tp.all_reduce"]} for t in TPS)),
     claim("SP replaces all-reduce by reduce-scatter + all-gather at the same volume",
@@ -333,8 +376,12 @@ rows = [
           "interview answer; Korthikanti et al. 2022 (the same volume)",
           "booked by distlab.comm per rank per step, every kind: " + "; ".join(
               f"t={t}: {v['']:,.0f} B without SP, {v[' sp']:,.0f} B with it"
-              for t, v in booked.items()),
-          all(v[" sp"] < v[""] for v in booked.values())),
+              for t, v in booked.items())
+          + ("" if not wire_seen else "; on gloo's wire (most per rank-step): " + "; ".join(
+              f"t={t}: {wire[f'tp={t}'][1]:,} B without SP, {wire[f'tp={t} sp'][1]:,} B with it"
+              for t in TPS)),
+          all(v[" sp"] < v[""] for v in booked.values())
+          and (not wire_seen or all(wire[f"tp={t} sp"][1] < wire[f"tp={t}"][1] for t in TPS))),
     claim("TP is for within a node: communication per layer", "α-β model, distlab.comm LINKS",
           f"d={LAYER['d']}, {LAYER['tokens']} tokens, bf16, t={LAYER['t']}: 4 all-reduces per "
           f"layer take {nv * 1e3:.2f} ms on NVLink 4 and {ib * 1e3:.2f} ms on InfiniBand NDR "

@@ -53,6 +53,22 @@ def measured_bytes(run) -> dict[str, set]:
     return out
 
 
+def wire_range(run) -> tuple[int, int] | None:
+    """(least, most) bytes the kernel saw one rank write in one step, over every rank and step
+    of a run (distlab.wire), or None where it could not see them."""
+    sent = [e.get("wire", {}).get("sent") for e in run.history("step")]
+    if not sent or None in sent:
+        return None
+    return min(sent), max(sent)
+
+
+def booked_per_step(run) -> set:
+    """The distinct totals distlab.comm booked for one rank in one step, over every rank and
+    step of a run."""
+    return {sum(v["bytes_sent"] for v in e.get("comm", {}).values())
+            for e in run.history("step")}
+
+
 # -- where the collectives sit -------------------------------------------------------------------
 class _Recorder:
     """A one-rank stand-in for distlab.comm.Comm that records each collective it is asked for."""

@@ -181,8 +181,27 @@ def group_table_rows(rows: list[dict]) -> list[list]:
             for r in rows]
 
 
-GROUP_HEADER = ["group", "ranks", "collectives per rank per step", "bytes per step, measured",
+GROUP_HEADER = ["group", "ranks", "collectives per rank per step", "bytes per step, booked",
                 "bytes per step, formula", "formula", "source"]
+
+
+def wire_rows(step_events) -> list[dict]:
+    """Per rank, at its last step: the bytes booked over all its groups, the bytes the kernel
+    saw it write (distlab.wire; None where it cannot see them), and the wire bytes the ledger
+    could pin on one group kind's calls alone (the blocking ones; tp's async all-reduces and
+    pp's sends overlap, so theirs are measured jointly)."""
+    last: dict[int, dict] = {}
+    for e in step_events:
+        if e["step"] >= last.get(e["rank"], {"step": -1})["step"]:
+            last[e["rank"]] = e
+    rows = []
+    for r, e in sorted(last.items()):
+        booked = sum(v["bytes_sent"] for g in e["mesh"]["comm"].values() for v in g.values())
+        w = e.get("wire", {})
+        alone = {k: v for k, v in (w.get("by_kind") or {}).items() if "+" not in k}
+        rows.append({"rank": r, "booked": booked, "wire": w.get("sent"), "alone": alone,
+                     "why": w.get("why")})
+    return rows
 
 
 def per_kind_per_rank(step_events) -> dict[str, float]:

@@ -276,10 +276,23 @@ for sc in ("naive", "gpipe", "1f1b", "interleaved"):
             per_step[e["step"]] = per_step.get(e["step"], 0) + e["comm"].get(kind, {}).get(field, 0)
         seen[(sc, kind)] = sorted(set(per_step.values()))
         assert seen[(sc, kind)] == [want], (sc, kind, per_step, want)
+    # on the wire: every rank's bytes in the step, summed, against activations + gradients
+    wire_step = {}
+    for e in runs[sc].history("step"):
+        w = e.get("wire", {}).get("sent")
+        wire_step[e["step"]] = None if w is None or wire_step.get(e["step"], 0) is None else \
+            wire_step.get(e["step"], 0) + w
+    wired = sorted(v for v in wire_step.values() if v is not None)
+    wire_seen = len(wired) == len(wire_step)
     byte_rows.append([sc, bnd, f"{bnd} x {p2p_bytes_per_step(cfg)['per_boundary_each_way']:,}"
-                      f" = {want:,}", ", ".join(f"{b:,}" for b in seen[(sc, "pp_send_act")])])
+                      f" = {want:,}", ", ".join(f"{b:,}" for b in seen[(sc, "pp_send_act")]),
+                      f"{wired[0]:,} to {wired[-1]:,} ({wired[-1] / (2 * want) - 1:+.1%})"
+                      if wire_seen else "not measured here"])
+    if wire_seen:  # sends are counted bytes: the wire adds gloo's headers and the barrier
+        assert all(0 <= v / (2 * want) - 1 < 0.10 for v in wired), (sc, wired, 2 * want)
 table(["schedule", "boundaries", "formula, each way per step",
-       "booked activations sent, every step"], byte_rows)
+       "booked activations sent, every step",
+       "on the wire, all ranks, per step (vs activations + gradients)"], byte_rows)
 pp_bytes, pp_formula = seen[("interleaved", "pp_send_act")], want
 
 # %% [markdown]

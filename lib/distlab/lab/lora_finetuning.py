@@ -88,6 +88,13 @@ def last_step_bytes_sent(run: Run, rank: int = 0) -> int:
     return sum(v["bytes_sent"] for v in e["comm"].values())
 
 
+def last_step_wire(run: Run, rank: int = 0) -> int | None:
+    """Bytes the kernel saw one rank write in the last step (distlab.wire), None where it
+    cannot see them."""
+    e = max(run.history("step", rank=rank), key=lambda e: e["step"])
+    return e.get("wire", {}).get("sent")
+
+
 def preset_shapes(c, targets: str) -> list[tuple[int, int]]:
     """(d_in, d_out) of the Linears a preset adapts in a GPT of GPTConfig `c`, by formula (no
     model built: works for a 4096-wide GPT too; checked against lora.target_shapes)."""

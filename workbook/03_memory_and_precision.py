@@ -688,7 +688,7 @@ assert alone_diff < ACCUM_TOL < step_change / 10
 # Every figure comes from this notebook's runs, or, marked "modelled", from
 # `distlab.estimate`'s formulas with the paper's configuration; every verdict is computed
 # from them, and a row reads **no** where the run disagrees. The rows that rest on counted
-# bytes and bitwise comparisons are asserted; the interview answers' figures (Q2) and the
+# bytes and bitwise comparisons are asserted; the interview answers' figures and the
 # timing are shown.
 
 # %%
@@ -714,12 +714,12 @@ claims = [
     claim("activation estimate within 10%", "estimate.gpt_activation_bytes",
           f"measured {', '.join(f'{a:,}' for a in acts)} B on every rank and step; estimate "
           f"{act_est:,} B", all(abs(a - act_est) <= 0.10 * act_est for a in acts)),
-    claim("\"checkpointing saves ~50% of activation memory\" (Q2)", "interview answer",
+    claim("\"checkpointing saves ~50% of activation memory\"", "interview answer",
           f"full: {act_saved_full:.0%} of the activation bytes, selective: "
           f"{act_saved_sel:.0%}; the peak fell {peak_saved_full:.0%} (full); step time "
           f"{ck_t['full'] / ck_t['none']:.2f}× (full), {ck_t['selective'] / ck_t['none']:.2f}× "
           "(selective)", abs(act_saved_full - 0.5) <= 0.1),
-    claim("\"bf16: 2× memory reduction, can fit batch 2\" (Q2)", "interview answer",
+    claim("\"bf16: 2× memory reduction, can fit batch 2\"", "interview answer",
           f"model states unchanged (fp32 master weights, grads, AdamW: 16 bytes/param); "
           f"activations ×{act_ratio_bf16:.2f}, plus 2-byte weight copies; peak "
           f"×{peak_ratio_bf16:.2f} at 32 rows, ×{peak_ratio_small:.2f} in the small runs; "
@@ -751,15 +751,15 @@ claims = [
           f"rank {err.rank}, step {err.step}: '{nan_event['module']}' ({nan_event['phase']}); "
           "poisoned: rank 1, step 3, blocks.1.mlp.proj",
           (err.rank, err.step, nan_event["module"]) == (1, 3, "blocks.1.mlp.proj")),
-    claim("\"accumulation = large batch\" (Q2)", "interview answer; Goyal et al. 2017",
+    claim("\"accumulation = large batch\"", "interview answer; Goyal et al. 2017",
           f"same losses to {max(accum_diff, alone_diff):.0e} (micro-batches of 1 … 32 rows; "
           f"tolerance {ACCUM_TOL:g}); peak {peak_saved_accum:.0%} lower at 1 row",
           max(accum_diff, alone_diff) < ACCUM_TOL),
-    claim("\"32× slower\" at 1 row × 32 (Q2)", "interview answer",
+    claim("\"32× slower\" at 1 row × 32", "interview answer",
           f"step time ×{R['accumulation alone']['step_s'] / R['fp32']['step_s']:.1f}: a 1-row "
           "micro-batch costs less than a 32-row one",
           R["accumulation alone"]["step_s"] / R["fp32"]["step_s"] >= 0.5 * 32),
-    claim("recipe (Q2): bf16 → checkpointing → accumulation → more ranks fits batch 32",
+    claim("recipe: bf16 → checkpointing → accumulation → more ranks fits batch 32",
           "interview answer",
           f"fits with micro-batches of {b_fit} rows (fp32: 1): peak "
           f"{mib(R['+ accumulation']['peak'])} and {mib(R['+ more ranks']['peak'])} MiB on "

@@ -236,7 +236,7 @@ assert param_diff <= TOL and loss_diff <= TOL
 # DELAY_S so the stages cost the same, as the formula assumes.
 #
 # > *"GPUs idle 50% of the time with pipeline parallelism. Root cause: not enough
-# > micro-batches. More micro-batches: increase from 4 to 16."* (Challenge 3)
+# > micro-batches. More micro-batches: increase from 4 to 16."* (an answer to a production challenge)
 
 # %%
 brows = bubble_rows({k: r for k, r in runs.items() if k.startswith("bubble")})
@@ -246,9 +246,9 @@ bubble_curve(brows, f"3d {DP}×{TP}×{PP}, GPipe, p={PP}: measured bubble vs mic
 measured_curve = [r["measured"] for r in brows]
 assert all(abs(r["measured"] - r["total"]) <= BUBBLE_TOL for r in brows)
 assert all(a > b for a, b in zip(measured_curve, measured_curve[1:]))
-# Challenge 3: 50% idle at m = 4 is p = 5 stages: (5-1)/(4+5-1) = 0.5
+# The challenge: 50% idle at m = 4 is p = 5 stages: (5-1)/(4+5-1) = 0.5
 idle4, idle16 = bubble_formula("gpipe", 5, 4), bubble_formula("gpipe", 5, 16)
-print(f"Challenge 3: p=5, m=4 idles {idle4:.0%}; m=16 idles {idle16:.0%}. Its trade-off, "
+print(f"The challenge: p=5, m=4 idles {idle4:.0%}; m=16 idles {idle16:.0%}. Its trade-off, "
       f"more micro-batches = more activation memory, is GPipe's (all m stashed); 1F1B "
       f"stashes at most p (measured in 06_pipeline_parallel)")
 
@@ -280,8 +280,8 @@ assert abs(optim_ratio - 1 / DP) < 1e-3  # 1/dp, up to padding and the step coun
 # InfiniBand HDR (25 GB/s per GPU, between nodes), in two placements.
 #
 # > *"NVLink: high-speed interconnect between GPUs on the same node. Crucial for Tensor
-# > Parallelism."* (Q12) · *"Tensor parallelism slower than expected due to communication:
-# > reduce TP degree, use NVLink or InfiniBand."* (Challenge 4)
+# > Parallelism."* · *"Tensor parallelism slower than expected due to communication:
+# > reduce TP degree, use NVLink or InfiniBand."* (an answer to a production challenge)
 
 # %%
 NV = LINKS["NVLink 3 (A100)"]
@@ -321,7 +321,7 @@ assert tp_in_node < pp_in_node and tp_ib > 5 * tp_nv
 # ### 7.1 GPT-3's 64 × 8 × 8
 #
 # > *"What is 3D parallelism? Example (GPT-3): 64-way data parallelism, 8-way pipeline
-# > parallelism, 8-way tensor parallelism. Total: 64 × 8 × 8 = 4,096 GPUs."* (Q3)
+# > parallelism, 8-way tensor parallelism. Total: 64 × 8 × 8 = 4,096 GPUs."*
 #
 # What is published: Brown et al. 2020 (§2.3) trained GPT-3 on V100 GPUs, "on part of a
 # high-bandwidth cluster provided by Microsoft", with "a mixture of model parallelism within
@@ -350,7 +350,7 @@ assert row_888.fits and gap < 0.05 and all(r.tp == 8 for r in g3_rows[:5])
 #
 # > *"Don't know how to configure 3D parallelism for 512 GPUs. Start simple: DP=64, PP=8,
 # > TP=1. Add TP if needed: DP=64, PP=4, TP=2. Rule of thumb: maximize DP, minimize TP
-# > (TP has most communication)."* (Challenge 5)
+# > (TP has most communication)."* (an answer to a production challenge)
 #
 # The question names no model. Four GPT shapes (s = 2048) and three global batches: the
 # planner's fastest layout, and where the two suggested layouts rank among all layouts.
@@ -404,8 +404,8 @@ assert split[0].states == split[1].states and split[1].activations < split[0].ac
 # %% [markdown]
 # ### 7.3 A 70B model on 8 GPUs
 #
-# > *"70B model, 8 GPUs → FSDP stores ~9B params per GPU."* (Q3 of Day 52, Q1 of Day 58)
-# > · *"70B model, 64 GPUs: with ZeRO-3 ~4 GB per GPU."* (Q4, Day 58)
+# > *"70B model, 8 GPUs → FSDP stores ~9B params per GPU."*
+# > · *"70B model, 64 GPUs: with ZeRO-3 ~4 GB per GPU."*
 #
 # 70B/8 = 8.75B parameters per GPU, right; but training holds 16 bytes per parameter with
 # mixed-precision Adam. Shape: 80 layers, h = 8192, 64 heads, s = 4096, global batch 64.
@@ -435,7 +435,7 @@ assert not fits8 and grow[8] is None and grow[16] is not None and offload[0].fit
 #
 # > *"You have 8× A100 GPUs (80GB each). Your model is 60GB. DDP: batch_size=4 per GPU,
 # > 65K tokens per step. FSDP: 72.5 GB free, batch_size=14, 229K tokens per step (3.5×
-# > more!) ... Training 1T tokens: 1T / 16K tokens/sec ≈ 17 hours."* (Q5, Day 7)
+# > more!) ... Training 1T tokens: 1T / 16K tokens/sec ≈ 17 hours."*
 #
 # Reading "60 GB" as mixed-Adam model states: Ψ = 3.75B (16 bytes each); 18 layers,
 # h = 4096, 32 heads, s = 2048. Largest micro-batch per GPU the memory allows:
@@ -462,7 +462,7 @@ assert ddp.tokens_per_s >= fsdp.tokens_per_s and days_1t > 100
 # ### 7.5 How long will training take?
 #
 # > *"How do you estimate training time? Time per step × steps per epoch × epochs. Factor
-# > in communication overhead."* (Q20, Day 24)
+# > in communication overhead."*
 #
 # Two ways for GPT-3 175B on 300B tokens with 1024 A100s: the FLOP count C ≈ 6·N·D
 # (Kaplan et al. 2020; 8·N·D with full recomputation, Narayanan et al. 2021 Section 5.1)

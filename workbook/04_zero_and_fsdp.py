@@ -82,7 +82,7 @@ from distlab.estimate import (
     zero_model_states,
     zero_table,
 )
-from distlab.lab.common import KiB, table
+from distlab.lab.common import KiB, claim, claims_table, table
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lab.zero_and_fsdp import (
     WIRE_GLOO,
@@ -321,12 +321,16 @@ table(["strategy", "params", "grads", "optimizer (device / host)", "activations"
 # %%
 exact = {s: four[f"{s} mem"] for s in ("ddp", "zero1", "zero2", "zero3", "fsdp-torch")}
 exact["zero3 offload"] = four["zero3 mem offload"]
+state_checks, state_misses = 0, []
 for s, run in exact.items():
     expect = estimate_memory(run.cfg)[0]
     for e in run.history("step"):
-        assert model_states(e["memory"]) == model_states(expect), (s, e["rank"], e["step"])
+        state_checks += 1
+        if model_states(e["memory"]) != model_states(expect):
+            state_misses.append((s, e["rank"], e["step"]))
         if s != "fsdp-torch":
             assert e["memory"]["activations"] == expect["activations"], (s, e["rank"])
+assert not state_misses, state_misses
 m0 = {s: mem[s][0] for s in mem}
 # ZeRO's stages, one category at a time (fp32 AdamW, no padding, T tensors, U units)
 assert m0["zero1"]["optim"] == 8 * psi // WORLD + 4          # one flat buffer, one step counter
@@ -672,61 +676,69 @@ assert 3 < free_ratio < 4
 
 # %%
 fmt = lambda b: f"{b / GB:.1f} GB"
-table(["textbook claim", "what this run measured"], [
-    ["ZeRO, FSDP and torch's references train exactly as one process does",
-     f"fp32 SGD, {WORLD} ranks, {STEPS} steps: largest per-step loss gap "
-     f"{max(loss_gap.values()):.1e} (tolerance {LOSS_TOL:g}), worst parameter gap "
-     f"{max(param_gap.values()):.1e} (tolerance {PARAM_TOL:g}); global-norm clipping across "
-     f"shards logs single's norm to rel 1e-5"],
-    ["ZeRO-1 cuts memory 4×, ZeRO-2 8×",
-     f"holds for model states only, with K = 12 (mixed-precision Adam) and N_d → ∞: "
-     f"{red(1, 64, MIXED_ADAM):.2f}× and {red(2, 64, MIXED_ADAM):.2f}× at N_d = 64. Here, "
-     f"fp32 AdamW at N = {WORLD}: measured {measured_ratio['zero1']:.3f}× and "
-     f"{measured_ratio['zero2']:.3f}× (formula {red(1, WORLD, FP32_ADAM):.3f}×, "
-     f"{red(2, WORLD, FP32_ADAM):.3f}×; at most 2× and 4× for fp32 AdamW)"],
-    ["ZeRO-3 divides model states by N",
-     f"measured {measured_ratio['zero3']:.3f}× at N = {WORLD} (AdamW's step counters are "
-     f"per unit and not divided)"],
-    ["model-state memory per rank is the ZeRO paper's formula",
-     "equal byte for byte, every rank and step, for ddp, zero1/2/3 (padded flat buffers) "
-     "and FSDP2 (dim-0 shards); the paper's 7.5B / N_d = 64 row reproduced: "
-     + ", ".join(f"{v / GB:.1f}" for v in paper.values()) + " GB"],
-    ["ZeRO-1 and ZeRO-2 communicate what DDP does",
-     f"booked (the ring formulas): ddp {sent['ddp']:,.0f} B, zero1 {sent['zero1']:,.0f} B, "
-     f"zero2 {sent['zero2']:,.0f} B per rank per step. "
-     + ("on the wire: not measured here" if blind else
-        f"On gloo's wire: zero1 {wire_over_ddp['zero1']:.2f}×, zero2 "
-        f"{wire_over_ddp['zero2']:.2f}× ddp's {on_wire['ddp']:,} B (its reduce-scatter writes "
-        f"as much as an all-reduce): **not on gloo**")],
-    ["ZeRO-3 = 1.5× DDP communication",
-     f"booked: zero3 {sent['zero3']:,.0f} B = {z3_over_ddp:g}× ddp at N = 4 and at N = 2. "
-     + ("on the wire: not measured here" if blind else
-        f"On gloo's wire: {wire_over_ddp['zero3']:.2f}× (fsdp-torch "
-        f"{wire_over_ddp['fsdp-torch']:.2f}×)")],
-    ["DDP moves 2× the model per step, FSDP 3×",
-     f"per rank 2(N−1)/N and 3(N−1)/N × 4Ψ: booked {sent['ddp'] / B:g} and "
-     f"{sent['zero3'] / B:g} at N = {WORLD}, {other_n['ddp'][2] / B:g} and "
-     f"{other_n['zero3'][2] / B:g} at N = 2; → 2 and 3 as N grows. "
-     + ("" if blind else
-        f"On the wire at N = {WORLD}: ddp {on_wire['ddp'] / B:.3f}, zero3 "
-        f"{on_wire['zero3'] / B:.3f}, fsdp-torch {on_wire['fsdp-torch'] / B:.3f}, "
-        f"zero1-torch {on_wire['zero1-torch'] / B:.3f} (its DDP all-reduce plus "
-        f"ZeroRedundancyOptimizer's broadcasts)")],
-    ["offload moves the optimizer state to CPU memory",
-     f"zero3 at N = {WORLD}: optimizer state on the device 0 B, offloaded "
-     f"{m0['zero3 offload']['optim_offloaded']:,} B (= zero3's {m0['zero3']['optim']:,}); "
-     f"on a CPU run the bytes are only marked, nothing moves. FSDP2 offload "
-     f"(widget, N = 2): device model states 0 B. 70B on 8 GPUs: ZeRO-3 + ZeRO-Offload "
-     f"leaves {fmt(z3_8_off.device)} on each GPU"],
-    ["70B on 8 GPUs: FSDP stores ~9B parameters per GPU",
-     f"{per_gpu / 1e9:.2f}B parameters; with Adam (K = 12) {fmt(z3_8.device)} per GPU: "
-     f"does not fit 80 GB without offload"],
-    ["70B on 64 GPUs: 280 GB per GPU without ZeRO, ~4 GB with ZeRO-3",
-     f"{fmt(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (weights, "
-     f"or weights + grads in bf16; no optimizer state); training with Adam: "
-     f"{fmt(adam_dp)} and {fmt(adam_z3)}"],
-    ["60 GB model on 8× A100 80 GB: DDP 65K tokens per step, FSDP 229K",
-     f"assumptions stated in section 6 (Ψ = {psi_q5 / 1e9:.2f}B, L = {L}, h = {H}, s = {S}): "
-     f"no recomputation {none_d['tokens']:,} vs {none_f['tokens']:,}; selective "
-     f"recomputation {sel_d['tokens']:,} vs {sel_f['tokens']:,}"],
-])
+wire_txt = lambda s: "" if blind else f"; on gloo's wire {wire_over_ddp[s]:.2f}× ddp"
+rows = [
+    claim("ZeRO, FSDP and torch's references train exactly as one process does",
+          "Rajbhandari et al. 2020; Zhao et al. 2023 (FSDP)",
+          f"fp32 SGD, {WORLD} ranks, {STEPS} steps: largest per-step loss gap "
+          f"{max(loss_gap.values()):.1e} (tolerance {LOSS_TOL:g}), worst parameter gap "
+          f"{max(param_gap.values()):.1e} (tolerance {PARAM_TOL:g})",
+          max(loss_gap.values()) <= LOSS_TOL and max(param_gap.values()) <= PARAM_TOL),
+    claim("ZeRO-1 cuts memory 4×, ZeRO-2 8×", "Rajbhandari et al. 2020, Figure 1",
+          f"model states, fp32 AdamW at N = {WORLD}: measured {measured_ratio['zero1']:.3f}× and "
+          f"{measured_ratio['zero2']:.3f}× (formula {red(1, WORLD, FP32_ADAM):.3f}×, "
+          f"{red(2, WORLD, FP32_ADAM):.3f}×); the paper's 4× and 8× need K = 12 and N_d → ∞ "
+          f"({red(1, 64, MIXED_ADAM):.2f}× and {red(2, 64, MIXED_ADAM):.2f}× at N_d = 64)",
+          measured_ratio["zero1"] >= 4 and measured_ratio["zero2"] >= 8),
+    claim("ZeRO-3 divides model states by N", "Rajbhandari et al. 2020",
+          f"measured {measured_ratio['zero3']:.3f}× at N = {WORLD} (AdamW's step counters are "
+          f"per unit and not divided)", abs(measured_ratio["zero3"] / WORLD - 1) < 0.02),
+    claim("model-state memory per rank is the ZeRO paper's formula", "Rajbhandari et al. 2020",
+          f"{state_checks - len(state_misses)} of {state_checks} rank-steps equal the estimate "
+          f"byte for byte (ddp, zero1/2/3 padded flat buffers, FSDP2 dim-0 shards)",
+          state_checks > 0 and not state_misses),
+    claim("ZeRO-1 and ZeRO-2 communicate what DDP does", "Rajbhandari et al. 2020, Section 7",
+          f"booked: ddp {sent['ddp']:,.0f} B, zero1 {sent['zero1']:,.0f} B, zero2 "
+          f"{sent['zero2']:,.0f} B per rank per step" + wire_txt("zero1")
+          + ("" if blind else f" (zero2 {wire_over_ddp['zero2']:.2f}×)"),
+          (sent["zero1"] == sent["zero2"] == sent["ddp"]) if blind else
+          all(abs(wire_over_ddp[s] - 1) < 0.05 for s in ("zero1", "zero2"))),
+    claim("ZeRO-3 = 1.5× DDP communication", "Rajbhandari et al. 2020, Section 7",
+          f"booked {z3_over_ddp:g}× ddp" + wire_txt("zero3")
+          + ("" if blind else f" (fsdp-torch {wire_over_ddp['fsdp-torch']:.2f}×)"),
+          (z3_over_ddp == 1.5) if blind else abs(wire_over_ddp["zero3"] - 1.5) < 0.05),
+    claim("DDP moves 2× the model per step, FSDP 3×", "interview answer",
+          f"per rank, booked: {sent['ddp'] / B:g} and {sent['zero3'] / B:g} × 4Ψ at N = {WORLD},"
+          f" {other_n['ddp'][2] / B:g} and {other_n['zero3'][2] / B:g} at N = 2 (2(N−1)/N and "
+          f"3(N−1)/N: 2 and 3 only as N grows)"
+          + ("" if blind else f"; on the wire at N = {WORLD}: ddp {on_wire['ddp'] / B:.3f}, "
+             f"zero3 {on_wire['zero3'] / B:.3f}, fsdp-torch {on_wire['fsdp-torch'] / B:.3f}"),
+          abs(sent["ddp"] / B - 2) < 0.05 and abs(sent["zero3"] / B - 3) < 0.05),
+    claim("offload moves the optimizer state to CPU memory", "Ren et al. 2021 (ZeRO-Offload)",
+          f"zero3 at N = {WORLD}: optimizer state on the device "
+          f"{m0['zero3 offload']['optim']:,} B, offloaded "
+          f"{m0['zero3 offload']['optim_offloaded']:,} B (zero3 keeps {m0['zero3']['optim']:,}"
+          f" B); on a CPU run the bytes are only marked, nothing moves",
+          m0["zero3 offload"]["optim"] == 0
+          and m0["zero3 offload"]["optim_offloaded"] == m0["zero3"]["optim"]),
+    claim("70B on 8 GPUs: FSDP stores ~9B parameters per GPU", "interview answer",
+          f"{per_gpu / 1e9:.2f}B parameters; with Adam (K = 12) {fmt(z3_8.device)} per GPU, "
+          f"{fmt(z3_8_off.device)} with ZeRO-Offload", round(per_gpu / 1e9) == 9,
+          basis="modelled"),
+    claim("70B on 64 GPUs: 280 GB per GPU without ZeRO, ~4 GB with ZeRO-3", "interview answer",
+          f"{fmt(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (no "
+          f"optimizer state); training with Adam: {fmt(adam_dp)} and {fmt(adam_z3)}",
+          abs(adam_z3 / GB - 4) < 1, basis="modelled"),
+    claim("60 GB model on 8× A100 80 GB: DDP 65K tokens per step, FSDP 229K",
+          "interview answer",
+          f"assumptions of section 6 (Ψ = {psi_q5 / 1e9:.2f}B, L = {L}, h = {H}, s = {S}): "
+          f"no recomputation {none_d['tokens']:,} vs {none_f['tokens']:,}; selective "
+          f"recomputation {sel_d['tokens']:,} vs {sel_f['tokens']:,}",
+          abs(none_d["tokens"] / 65536 - 1) < 0.2 and abs(none_f["tokens"] / 229e3 - 1) < 0.2,
+          basis="modelled"),
+]
+claims_table(rows)
+# the interview answers and the limits of the "4×/8×" and "1.5×" rules may read no; the
+# measurements of this run must hold
+must = (0, 2, 3, 7)
+assert all(rows[i]["holds"] for i in must), [rows[i]["claim"] for i in must]

@@ -45,8 +45,10 @@ TRACES_JS = """(gd) => gd.data.filter(t => / #\\d+$/.test(t.name || ''))
                                   .map(t => ({name: t.name, n: (t.x || []).length}))"""
 
 
-# Bytes each rank sent in the latest step, from the bar trace of the bytes subplot.
-SENT_JS = """(gd) => gd.data.find(t => t.name === 'bytes sent').customdata"""
+# Bytes each rank sent in the latest step, from the bar traces of the bytes subplot: booked by
+# distlab.comm, and on the wire (the kernel's count, Linux only).
+SENT_JS = """(gd) => gd.data.find(t => t.name === 'booked').customdata"""
+WIRE_JS = """(gd) => gd.data.find(t => t.name === 'on the wire').customdata"""
 
 
 def choose(scope, description: str, label: str):
@@ -149,6 +151,8 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
                        == [QUICK_STEPS] * 2, 15, "the second run's points were not all drawn")
             sent = panel.locator(".js-plotly-plot").first.evaluate(SENT_JS)
             assert len(sent) == 2 and all(b > 0 for b in sent), sent
+            wire = panel.locator(".js-plotly-plot").first.evaluate(WIRE_JS)
+            assert len(wire) == 2 and all(w >= b for w, b in zip(wire, sent)), (wire, sent)
             time.sleep(0.5)  # let plotly finish painting before the screenshot
             shot(panel, shots_dir / "01_control_panel_done.png", shots)
             shot(page, shots_dir / "02_page.png", shots)

@@ -313,8 +313,9 @@ def _make_figure() -> go.FigureWidget:
                       legend=dict(font=dict(size=11), y=1.0, yanchor="top", traceorder="normal"),
                       legend2=dict(font=dict(size=11), y=0.0, yanchor="bottom",
                                    traceorder="reversed"),
-                      legend3=dict(font=dict(size=11), orientation="h", x=1.0, xanchor="right",
-                                   y=0.47, yanchor="bottom"))
+                      # bytes: booked vs on the wire, right of the bytes chart, at its top
+                      legend3=dict(font=dict(size=11), x=1.02, xanchor="left", y=0.44,
+                                   yanchor="top", title=dict(text="bytes"), traceorder="normal"))
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
     fig.update_yaxes(title_text="MiB", row=2, col=1)

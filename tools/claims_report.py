@@ -125,8 +125,11 @@ def read_rows(claims_file: Path) -> list[dict]:
     return [json.loads(line) for line in claims_file.read_text().splitlines() if line.strip()]
 
 
-def run_notebook(path: Path, quick: bool, timeout: int | None) -> dict:
-    """Execute one notebook in a fresh kernel; its claims rows, time and status."""
+def run_notebook(path: Path, quick: bool, timeout: int | None,
+                 executed: Path | None = None) -> dict:
+    """Execute one notebook in a fresh kernel; its claims rows, time and status. With
+    `executed`, the executed copy (outputs included) is written there, never over the
+    source, so the run can be read in JupyterLab without running it again."""
     nb = nbformat.read(path, as_version=4)  # the copy in memory is the only one executed
     with tempfile.TemporaryDirectory(prefix="distlab-claims-") as tmp:
         claims_file = Path(tmp) / "claims.jsonl"
@@ -144,6 +147,12 @@ def run_notebook(path: Path, quick: bool, timeout: int | None) -> dict:
             error = {"ename": type(e).__name__, "evalue": str(e).strip(), "cell": None}
         seconds = time.perf_counter() - t0
         rows = read_rows(claims_file)
+    if executed is not None:
+        executed.mkdir(parents=True, exist_ok=True)
+        if executed.resolve() == path.parent.resolve():
+            raise ValueError("--executed must not be the workbook folder: the sources stay "
+                             "unwritten")
+        nbformat.write(nb, executed / path.name)
     return {"notebook": path.stem, "seconds": round(seconds, 1),
             "status": "fail" if error else "pass", "error": error, "rows": rows}
 
@@ -235,6 +244,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the raw rows go beside it as .json")
     p.add_argument("--timeout-per-cell", type=int, default=1800, metavar="S",
                    help="seconds one cell may run before the notebook is failed (default 1800)")
+    p.add_argument("--executed", type=Path, metavar="DIR",
+                   help="also write each executed notebook (with its outputs) into DIR")
     p.add_argument("--workbook", type=Path, default=WORKBOOK, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -249,7 +260,7 @@ def main(argv=None) -> int:
     results = []
     for path in paths:
         print(f"{path.stem}: running ({mode} mode)...", flush=True)
-        r = run_notebook(path, args.quick, args.timeout_per_cell)
+        r = run_notebook(path, args.quick, args.timeout_per_cell, args.executed)
         results.append(r)
         err = f"  {r['error']['ename']}: {r['error']['evalue'][:200]}" if r["error"] else ""
         print(f"{path.stem}: {r['status']} in {r['seconds']:.0f} s, {len(r['rows'])} claims, "

@@ -10,6 +10,8 @@ from distlab.resume import resume
 from distlab.config import RunConfig
 from distlab.launch import launch, run_ranks
 from distlab.run import Run, RunError
+from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 
-__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError"]
+__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError",
+           "DistributedDataParallel"]
 __version__ = "0.1.0"

@@ -145,8 +145,8 @@ def grouped_bars(groups: dict[str, dict[str, float]], title: str, yaxis: str,
 def bucket_plan(cfg: RunConfig) -> list[dict]:
     """The buckets of `ddp` for cfg's GPT, in launch order: {"tensors": parameter names,
     "bytes": gradient bytes}. The gradients in reverse registration order, cut by
-    distlab.parallel.data_parallel.ddp.assign_buckets at cfg.bucket_mb, as DDP.wrap does (built here on the
-    caller's side, without a process group)."""
+    distlab.parallel.data_parallel.ddp.assign_buckets at cfg.bucket_mb, as DistributedDataParallel
+    does (built here on the caller's side, without a process group)."""
     from distlab.models import GPT, GPTConfig
     from distlab.parallel.data_parallel.ddp import MiB as DDP_MiB, assign_buckets
 

@@ -2,37 +2,49 @@
 
 `allreduce` waits for backward to end, then all-reduces the gradients: during backward the wire
 is idle, and during communication the cores are. DDP (Li et al. 2020, "PyTorch Distributed:
-Experiences on Accelerating Data Parallel Training") overlaps the two:
+Experiences on Accelerating Data Parallel Training") overlaps the two. It is written here once,
+as `DistributedDataParallel`, a wrapper for any module on any process group (exported as
+`distlab.DistributedDataParallel`); the `ddp` strategy of the training loop is built on it.
 
-1. wrap: rank 0 broadcasts its parameters and buffers, so every replica starts equal. The
-   gradients are cut into buckets of at most `bucket_mb` MiB, in reverse registration order,
-   which is about the order backward produces them (the head's first, the embeddings' last).
-2. backward: a hook on each parameter (register_post_accumulate_grad_hook) marks its gradient
+1. construction: rank 0 broadcasts its parameters and buffers, so every replica starts equal.
+   The gradients are cut into buckets of at most `bucket_mb` MiB, in reverse registration
+   order, which is about the order backward produces them (the head's first, the embeddings'
+   last). A bucket is one flat buffer, so it holds one dtype: parameters of another dtype
+   (fp64 next to fp32) are bucketed on their own.
+2. forward: rank 0's buffers (BatchNorm's running statistics) are broadcast first, as torch's
+   broadcast_buffers=True does: before a forward that follows a synchronising one (with grad
+   enabled, outside no_sync), i.e. once per optimizer step, at its first micro-batch.
+3. backward: a hook on each parameter (register_post_accumulate_grad_hook) marks its gradient
    ready. When every gradient of a bucket is ready, the bucket is flattened into one buffer and
    its all-reduce is started asynchronously, while backward goes on to earlier layers. Buckets
    start in index order on every rank (collectives must match across ranks), so a bucket that
    is ready early waits for the ones before it.
-3. reduce_gradients: wait for every bucket, divide by N, copy back into each .grad.
+4. end of backward: the first hook asked autograd for a callback when this backward finishes
+   (`queue_callback`, what torch's own Reducer uses); it launches the buckets whose gradients
+   never came (unused parameters send zeros), waits for every bucket, divides by N and copies
+   back into each .grad. So the gradients are the global batch's when `loss.backward()`
+   returns, as with torch's DDP: no call to remember.
 
     backward  |■■ head, last block ■■■■■■■■■■ first block ■■■■■■■■■■ embeddings ■|
     ready              b0 ▲                      b1 ▲                        b2 ▲
     wire                  [=== b0 ===]              [==== b1 ====]              [= b2 =]
                           |<------ hidden under backward ------->|  exposed |<------>|
 
-no_sync (gradient accumulation): the hooks do nothing, gradients add up in .grad, and the last
-micro-batch's backward launches the buckets: one all-reduce per bucket per optimizer step.
+no_sync (gradient accumulation): a forward inside `no_sync()` makes its backward's hooks do
+nothing (decided at forward, as torch does), gradients add up in .grad, and the next
+synchronising backward launches the buckets: one all-reduce per bucket per optimizer step.
 
-compress="topk": each bucket sends its top-k entries with error feedback instead, as an
-all-gather of values and indices (distlab.parallel.data_parallel.compression); every rank then averages the
-same sparse sum.
+compression="topk": each bucket sends its top-k entries with error feedback instead, as an
+all-gather of values and indices (distlab.parallel.data_parallel.compression); every rank then
+averages the same sparse sum.
 
-The timeline, `step_info()["ddp"]`, in seconds from the start of the (last micro-batch's)
-backward on this rank:
+The timeline (`DistributedDataParallel.timeline`, logged by the `ddp` strategy as
+`step_info()["ddp"]`), in seconds from the start of the last synchronising backward:
 
     backward   [0, end]
     buckets    per bucket: params, bytes, ready (its last gradient arrived), start (its
-               collective was issued), done (it finished; see comm.Pending), waited (when
-               reduce_gradients's wait returned)
+               collective was issued), done (it finished; see comm.Pending), waited (when the
+               end-of-backward callback's wait returned)
     overlap    the fraction of communication time hidden under backward:
                    C = ∪_b [start_b, done_b]     the time some bucket was on the wire
                    overlap = |C ∩ [0, end]| / |C|
@@ -44,17 +56,18 @@ backward on this rank:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from distlab.comm import Pending
+from distlab.comm import Comm, Pending
 from distlab.estimate import MiB
 from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
-from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.data_parallel.compression import TopK
-
+from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
 def assign_buckets(sizes: list[int], cap_bytes: float) -> list[list[int]]:
@@ -73,6 +86,20 @@ def assign_buckets(sizes: list[int], cap_bytes: float) -> list[list[int]]:
     return buckets
 
 
+def plan_buckets(params: list[torch.Tensor], cap_bytes: float) -> list[list[int]]:
+    """assign_buckets within each (dtype, device) of `params` (in launch order), since a bucket
+    is one flat buffer; the buckets ordered by their first parameter. With one dtype this is
+    assign_buckets over all of them."""
+    kinds: dict = {}
+    for i, p in enumerate(params):
+        kinds.setdefault((p.dtype, p.device), []).append(i)
+    buckets = []
+    for idx in kinds.values():
+        sizes = [params[i].numel() * params[i].element_size() for i in idx]
+        buckets += [[idx[j] for j in b] for b in assign_buckets(sizes, cap_bytes)]
+    return sorted(buckets, key=lambda b: b[0])
+
+
 def overlap_fraction(intervals: list[tuple[float, float]], window: tuple[float, float]):
     """(hidden, total): total = |∪ intervals|, hidden = the part of it inside `window`."""
     total = hidden = 0.0
@@ -89,7 +116,7 @@ def overlap_fraction(intervals: list[tuple[float, float]], window: tuple[float, 
 @dataclass(eq=False)
 class Bucket:
     index: int
-    params: list[torch.nn.Parameter]
+    params: list[nn.Parameter]
     buffer: torch.Tensor  # flat, the bucket's gradients side by side
     views: list[torch.Tensor]  # views of buffer shaped like each parameter
     gathered: torch.Tensor | None = None  # topk: every rank's payload
@@ -103,79 +130,125 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-class DDP(ReplicatedDP):
-    name = "ddp"
-    supports = ReplicatedDP.supports | {"no_buffer_broadcast"}
+def _make_bucket(index: int, params: list[nn.Parameter]) -> Bucket:
+    p0 = params[0]
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+    views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in params]), params)]
+    return Bucket(index, params, buffer, views)
 
-    def __init__(self, cfg, comm):
-        super().__init__(cfg, comm)
-        self.buckets: list[Bucket] = []
-        self.compressor = TopK(cfg.topk_ratio) if cfg.compress == "topk" else None
-        self._sync = True  # False inside no_sync
-        self._open = False  # a syncing backward has started and not been reduced yet
+
+class DistributedDataParallel(nn.Module):
+    """Data parallel for any module on any process group: gradients are averaged over the
+    group's ranks, in buckets, while backward runs, and are complete when backward returns.
+
+        model = distlab.DistributedDataParallel(module)      # group=None: the default group
+        loss_fn(model(x), y).backward()                      # .grad: the global batch's mean
+        optimizer.step()
+
+    module             any nn.Module; its trainable parameters get one hook each
+    group              a torch.distributed process group (default: the whole world)
+    bucket_mb          bucket cap in MiB (torch's bucket_cap_mb; a larger gradient is a bucket
+                       of its own)
+    compression        None, or "topk": each bucket sends its top `topk_ratio` entries with
+                       error feedback (distlab.parallel.data_parallel.compression)
+    broadcast_buffers  rank 0's buffers to every rank before the first forward of each step
+    comm               a distlab.comm.Comm to communicate (and book bytes) through, instead of
+                       one made over `group`
+
+    `no_sync()` skips the all-reduce for the backward of forwards run inside it (gradient
+    accumulation). `module` is the wrapped model; state_dict keys start with "module.", as
+    torch's. Differences from torch's: gradients of parameters that no rank used are zeros,
+    not None; buckets stay in reverse registration order (torch rebuilds them after the first
+    step in the order gradients arrived).
+    """
+
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0,
+                 compression: str | None = None, topk_ratio: float = 0.01,
+                 broadcast_buffers: bool = True, comm: Comm | None = None):
+        super().__init__()
+        if compression not in (None, "topk"):
+            raise ValueError(f"compression={compression!r} is not one of None, 'topk'")
+        if getattr(module, "_distlab_ddp", False):
+            raise ValueError("this module is already wrapped by a DistributedDataParallel: its "
+                             "gradient hooks would all-reduce every gradient twice; wrap a "
+                             "fresh module (or keep using the first wrapper)")
+        module._distlab_ddp = True
+        self.module = module
+        self.comm = comm if comm is not None else Comm(group)
+        self.world = self.comm.world
+        self.broadcast_buffers = broadcast_buffers
+        self.compressor = TopK(topk_ratio) if compression == "topk" else None
+        self._sync = True  # False inside no_sync()
+        self._backward_syncs = True  # set by each forward: does its backward all-reduce?
+        self._buffers_due = True  # broadcast buffers before the next forward
+        self._open = False  # a synchronising backward has started and not finished
         self._next = 0  # next bucket to launch (buckets launch in index order)
         self._t0 = self._t_end = 0.0
-        self._timeline: dict = {}
-
-    # -- setup -----------------------------------------------------------------------------
-    def wrap(self, model):
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
+        self.timeline: dict = {}  # the last synchronising backward's (see the module's doc)
+        with torch.no_grad():  # every replica starts from rank 0's state
+            for t in list(module.parameters()) + list(module.buffers()):
                 self.comm.broadcast(t.data, src=0)
-        params = [p for p in model.parameters() if p.requires_grad][::-1]
-        sizes = [p.numel() * p.element_size() for p in params]
-        for i, idx in enumerate(assign_buckets(sizes, self.cfg.bucket_mb * MiB)):
-            self.buckets.append(self._make_bucket(i, [params[j] for j in idx]))
+        params = self._trainable()[::-1]  # about the order backward produces gradients
+        self.buckets = [_make_bucket(i, [params[j] for j in idx])
+                        for i, idx in enumerate(plan_buckets(params, bucket_mb * MiB))]
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
-        model.register_forward_hook(self._after_forward)
-        attach_comm(model, self.comm)  # SyncBatchNorm shares statistics over these ranks
-        self.model = model
-        return model
+        self._layout = self._param_layout()
+        attach_comm(module, self.comm)  # distlab's SyncBatchNorm shares statistics over these
 
-    def batch(self, data, step):
-        # like torch DDP's broadcast_buffers=True: rank 0's buffers (BatchNorm's running
-        # statistics) at each step's start, so every rank evaluates with the same ones
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        if buffers and self.cfg.broadcast_buffers:
-            broadcast_buffers(self.comm, self.model, 0)
-        # what this rank's floating buffers sum to as the step starts: equal on every rank
-        # when they were broadcast (logged with the step, see step_info)
-        self._buffer_sum = float(sum(b.double().sum() for b in buffers)) if buffers else None
-        return read_batch(self, data, step)
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _make_bucket(self, index, params) -> Bucket:
-        p0 = params[0]
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
-        views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in params]), params)]
-        return Bucket(index, params, buffer, views)
+    def _param_layout(self) -> list[tuple]:
+        return [(id(p), p.dtype, p.shape, p.device) for p in self._trainable()]
 
-    def no_sync(self, model):
-        return self._hooks_paused()
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self._param_layout() != self._layout:
+            raise RuntimeError(
+                "the wrapped module's trainable parameters changed after it was wrapped (added, "
+                "frozen, or moved to another dtype/device): its gradient buckets no longer match "
+                "them. Change the module first, then wrap it in DistributedDataParallel")
+        if self._buffers_due and self.broadcast_buffers and any(True for _ in self.buffers()):
+            broadcast_buffers(self.comm, self.module, 0)
+        self._open = False  # a backward that raised midway never finished; start afresh
+        output = self.module(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        # torch's rule: the next forward broadcasts buffers if this one will synchronise
+        self._buffers_due = grad and self._sync
+        if grad:
+            self._backward_syncs = self._sync
+        if grad and self._sync and torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(self._backward_start)  # fires first in backward: time zero
+        return output
 
-    # -- during backward -------------------------------------------------------------------
-    def _after_forward(self, module, inputs, output):
-        # A hook on the output (the loss) fires first in backward: the timeline's zero.
-        if self._sync and torch.is_tensor(output) and output.requires_grad:
-            output.register_hook(self._backward_start)
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forwards inside: their backward only accumulates into .grad; the next synchronising
+        backward all-reduces the sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
 
+    # -- during backward ---------------------------------------------------------------------
     def _backward_start(self, grad):
         self._begin()
 
-    def _begin(self, in_backward: bool = True):
-        """First event of a syncing backward: reset the step's state, and ask autograd to call
-        _backward_end when this backward finishes."""
+    def _begin(self):
+        """First event of a synchronising backward: reset the step's state, and ask autograd
+        to call _finish_backward when this backward finishes."""
         if self._open:
             return
         self._open, self._next, self._t0 = True, 0, time.perf_counter()
         for b in self.buckets:
             b.pending, b.handle, b.ready, b.start = len(b.params), None, None, None
-        if in_backward:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _grad_ready(self, bucket: Bucket):
-        if not self._sync:
+        if not self._backward_syncs:
             return  # no_sync: the gradient just accumulates in .grad
         self._begin()
         bucket.pending -= 1
@@ -205,15 +278,12 @@ class DDP(ReplicatedDP):
             b.handle = self.comm.all_gather_async(b.gathered, payload)
         b.start = b.handle.issued
 
-    def _backward_end(self):
+    # -- end of backward (autograd's final callback) -----------------------------------------
+    def _finish_backward(self):
+        """Launch what is left (unused parameters), wait for every bucket, average, and copy
+        into .grad: the gradients are complete when backward returns."""
         self._t_end = time.perf_counter()
-        self._launch_ready(force=True)  # buckets whose gradients never came (unused params)
-
-    # -- after backward --------------------------------------------------------------------
-    def reduce_gradients(self, model):
-        if not self._open:  # no syncing backward ran: reduce what .grad holds
-            self._begin(in_backward=False)
-            self._backward_end()
+        self._launch_ready(force=True)
         for b in self.buckets:
             b.handle.wait()
             if self.compressor is None:
@@ -227,7 +297,7 @@ class DDP(ReplicatedDP):
                     p.grad.copy_(v)
         self.comm.note_buffer(sum(b.nbytes + (b.gathered.numel() * 4 if b.gathered is not None
                                               else 0) for b in self.buckets))
-        self._timeline = self._make_timeline()
+        self.timeline = self._make_timeline()
         self._open = False
 
     def _make_timeline(self) -> dict:
@@ -240,8 +310,44 @@ class DDP(ReplicatedDP):
         return {"buckets": rows, "backward": [0.0, end], "comm_s": total, "hidden_s": hidden,
                 "overlap": hidden / total if total > 0 else 0.0}
 
+
+class DDP(ReplicatedDP):
+    """The training loop's `ddp`: the loop's model wrapped in DistributedDataParallel, with
+    RunConfig's bucket_mb, compress and broadcast_buffers. Gradients are complete when the last
+    micro-batch's backward returns, so reduce_gradients has nothing left to do."""
+    name = "ddp"
+    supports = ReplicatedDP.supports | {"no_buffer_broadcast"}
+    _buffer_sum: float | None = None
+
+    def wrap(self, model):
+        cfg = self.cfg
+        self.model = DistributedDataParallel(
+            model, bucket_mb=cfg.bucket_mb, broadcast_buffers=cfg.broadcast_buffers,
+            compression=None if cfg.compress == "none" else cfg.compress,
+            topk_ratio=cfg.topk_ratio, comm=self.comm)
+        # runs inside the wrapper's forward, after its buffer broadcast
+        model.register_forward_pre_hook(self._note_buffer_sum)
+        return self.model
+
+    def batch(self, data, step):
+        self._buffer_sum = None  # noted by the step's first forward
+        return read_batch(self, data, step)
+
+    def _note_buffer_sum(self, module, args):
+        """What this rank's floating buffers sum to as the step's first forward starts: equal on
+        every rank when they were broadcast (logged with the step, see step_info)."""
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        if buffers and self._buffer_sum is None:
+            self._buffer_sum = float(sum(b.double().sum() for b in buffers))
+
+    def no_sync(self, model):
+        return self.model.no_sync()
+
+    def reduce_gradients(self, model):
+        """Nothing: DistributedDataParallel averaged the gradients as backward ended."""
+
     def step_info(self) -> dict:
-        info = {"ddp": self._timeline}
-        if getattr(self, "_buffer_sum", None) is not None:
+        info = {"ddp": self.model.timeline}
+        if self._buffer_sum is not None:
             info["buffer_sum_at_start"] = self._buffer_sum
         return info

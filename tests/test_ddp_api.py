@@ -7,7 +7,8 @@ no_sync accumulates locally and the next backward averages the sum; the wrapper 
 process group other than the world.
 
 Launches: one of 2 ranks runs every case (ours, torch's, no_sync, the guard rails), one of 4
-ranks runs two groups of 2 side by side. The single-process reference runs in this process.
+ranks runs two groups of 2 side by side, and torchrun runs the README's snippet. The
+single-process reference runs in this process.
 
 Tolerance: ATOL = 1e-6 on parameters, buffers and gradients, float32, 5 SGD steps at lr 0.1 on
 values of order 1. Against one process only the summation order differs (the gradient of the
@@ -20,6 +21,11 @@ same gradients are averaged over 2 ranks, (a + b) / 2 here and a / 2 + b / 2 the
 in binary floating point: measured 0. A wrong gradient (a bucket not averaged, a rank's
 gradient missing, a bucket copied into the wrong parameters) is off by ~1e-2 or more.
 """
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -272,3 +278,17 @@ def test_any_process_group():
             print(f"group {g} rank {r}: vs one process from rank {2 * g}'s init: {worst:.1e}")
             assert worst <= ATOL
     assert _worst(res[0]["state"], res[2]["state"]) > 1e-2  # the groups did train apart
+
+
+def test_the_readme_snippet_runs_under_torchrun(tmp_path):
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    marker = "# train_ddp.py: run with"
+    assert marker in readme, "the README's 'Use it on your model' snippet moved"
+    (tmp_path / "train_ddp.py").write_text(marker + readme.split(marker, 1)[1].split("```")[0])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(tmp_path / "train_ddp.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
+        f"step {s}" for s in range(10)]

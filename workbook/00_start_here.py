@@ -39,8 +39,6 @@ STEPS = 30 if QUICK else 200
 MODEL = dict(n_layer=2, n_embd=64, n_head=4) if QUICK else {}  # {}: RunConfig's GPT
 
 # %%
-from IPython.display import Markdown, display
-
 from distlab import Run, RunConfig, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab.common import claim, claims_table

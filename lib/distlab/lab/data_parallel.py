@@ -294,20 +294,21 @@ def buffer_broadcast_claim(on: dict, off: dict) -> dict:
 
 def straggler_claim(strag: dict, noise_s: float, delay_s: float) -> dict:
     """A synchronous update waits for the slowest worker, a backup worker's does not (Chen et
-    al. 2016). `strag`: stragglers.summarize rows by layout; `noise_s`: the time between
-    updates of the same layout run without the delay, the yardstick the delay must dwarf."""
+    al. 2016). `strag`: stragglers.summarize rows by layout; `noise_s`: how much the time
+    between updates varies in the same layout run without the delay (max - min), the
+    yardstick the delay must dwarf."""
     from distlab.lab.common import claim
     sync, backup = strag["ps-sync"], strag["ps-sync + 1 backup"]
     dwarfs = delay_s > 5 * noise_s
     waits = all(strag[k]["update_s"] >= 0.9 * delay_s for k in ("allreduce", "ps-sync"))
     spared = backup["update_s"] < 0.5 * sync["update_s"]
-    judged = ("" if dwarfs else f"; the delay is under 5× the {noise_s * 1e3:.0f} ms between "
-              "updates without it, too close to judge")
+    judged = ("" if dwarfs else f"; the delay is under 5× the {noise_s * 1e3:.0f} ms spread "
+              "of the times between updates without it, too close to judge")
     return claim(
         "a synchronous step waits for the slowest worker; backup workers do not",
         "Chen et al. 2016",
-        f"one worker +{delay_s * 1e3:.0f} ms/step (without it: {noise_s * 1e3:.0f} ms between "
-        f"updates): between updates ps-sync {sync['update_s'] * 1e3:.0f} ms, allreduce "
+        f"one worker +{delay_s * 1e3:.0f} ms/step (without it the time between updates varies "
+        f"by {noise_s * 1e3:.0f} ms): between updates ps-sync {sync['update_s'] * 1e3:.0f} ms, allreduce "
         f"{strag['allreduce']['update_s'] * 1e3:.0f} ms, with 1 backup "
         f"{backup['update_s'] * 1e3:.0f} ms ({backup['dropped']} late gradients dropped)"
         + judged,

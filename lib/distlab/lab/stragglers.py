@@ -65,6 +65,10 @@ def summarize_events(events: list[dict], cfg: RunConfig) -> dict:
             by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["step_s"])
         intervals = [by_step[s] for s in sorted(by_step)]
     row["update_s"] = med(intervals) if intervals else None
+    # how much the time between updates varies (the first update warms up): the noise a
+    # straggler's delay must stand out from
+    later = intervals[1:]
+    row["update_spread_s"] = max(later) - min(later) if len(later) >= 2 else None
     fast = [e["step_s"] for e in workers if e["rank"] != straggler]
     slow = [e["step_s"] for e in workers if e["rank"] == straggler]
     row["worker_step_s"] = med(fast) if fast else None

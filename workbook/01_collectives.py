@@ -285,10 +285,10 @@ if blind:
 else:
     wk = wire_by_kind(wire_rows(wire_results), WIRE_BYTES)
     table(["collective", "booked per rank (·S)", "on the wire per rank (·S)",
-           f"formula holds on the wire (±{WIRE_TOL:.0%})"],
+           "wire vs booked, worst rank", f"formula holds on the wire (±{WIRE_TOL:.0%})"],
           [[k, " / ".join(f"{b:.3f}" for b in v["booked"]),
-            " / ".join(f"{w:.3f}" for w in v["wire"]), "yes" if v["holds"] else "**no**"]
-           for k, v in wk.items()])
+            " / ".join(f"{w:.3f}" for w in v["wire"]), f"{v['off']:.3%}",
+            "yes" if v["holds"] else "**no**"] for k, v in wk.items()])
     fig = go.Figure([
         go.Bar(name="booked (formula or count)", x=list(wk),
                y=[max(v["booked"]) for v in wk.values()], marker_color="#a5d8d3"),

@@ -147,14 +147,17 @@ def wire_rows(results) -> list[dict]:
 
 
 def wire_by_kind(rows, S) -> dict:
-    """Per collective: each rank's booked and wire bytes in units of S, and whether the formula
-    holds on the wire within `WIRE_TOL` on every rank (a rank that books nothing must write
+    """Per collective: each rank's booked and wire bytes in units of S, the largest
+    |wire / booked - 1| over the ranks ("off"), and whether the formula holds on the wire
+    within `WIRE_TOL` on every rank (a rank that books nothing must write
     under 1% of S: a header or an acknowledgement, no payload)."""
     out = {}
     for r in rows:
-        k = out.setdefault(r["kind"], {"booked": [], "wire": [], "holds": True})
+        k = out.setdefault(r["kind"], {"booked": [], "wire": [], "holds": True, "off": 0.0})
         k["booked"].append(r["booked"] / S)
         k["wire"].append(r["wire"] / S)
+        if r["booked"]:  # how far the wire is from the formula, the worst rank
+            k["off"] = max(k["off"], abs(r["ratio"] - 1))
         ok = (abs(r["ratio"] - 1) <= WIRE_TOL if r["booked"] else r["wire"] < 0.01 * S)
         k["holds"] = k["holds"] and ok
     return out

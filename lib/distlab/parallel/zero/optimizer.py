@@ -175,6 +175,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     optimizer_class  a torch.optim.Optimizer class (or any callable(params, **defaults))
     stage            1: optimizer state sharded; 2: gradients too
     group            a torch.distributed process group (default: the whole world)
+    offload          keep the master shards and their optimizer state on the CPU (ZeRO-Offload,
+                     Ren et al. 2021): on an accelerator each step copies the gradient shards to
+                     the CPU, steps there and copies the updated shards back; on a CPU, nothing
     comm             a distlab.comm.Comm to communicate (and book bytes) through instead
     **defaults       optimizer_class's arguments (lr, weight_decay, betas, ...)
 
@@ -186,12 +189,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     each step (stage 1 refuses a backward over the previous step's reduced buffers).
     """
 
+    stages = (1, 2)  # ZeRO-3 shards the parameters too: the zero3 strategy's subclass
+
     def __init__(self, params, optimizer_class, stage: int = 1, group=None,
-                 comm: Comm | None = None, **defaults):
-        if stage not in (1, 2):
-            raise ValueError(f"stage={stage!r} is not one of 1, 2 (ZeRO-3 shards the "
-                             "parameters too: the zero3 strategy)")
-        self.stage, self.optim = stage, None
+                 offload: bool = False, comm: Comm | None = None, **defaults):
+        if stage not in self.stages:
+            raise ValueError(f"stage={stage!r} is not one of {', '.join(map(str, self.stages))}"
+                             " (ZeRO-3 shards the parameters too: the zero3 strategy)")
+        self.stage, self.offload, self.optim = stage, offload, None
         self.comm = comm if comm is not None else Comm(group)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.units: list[Unit] = []
@@ -217,10 +222,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p in g["params"]:
             if p.requires_grad:
                 kinds.setdefault((p.dtype, p.device), []).append(p)
-        claim([p for ps in kinds.values() for p in ps], f"distlab.ZeroOptimizer (stage "
-              f"{self.stage})", "Step that ZeroOptimizer instead (it takes the optimizer class "
-              "and its arguments, and parameter groups for per-group settings), and build no "
-              "other optimizer over these parameters.")
+        claim([p for ps in kinds.values() for p in ps],
+              f"a ZeRO-{self.stage} optimizer (distlab.ZeroOptimizer)",
+              "Step that ZeroOptimizer instead (it takes the optimizer class and its arguments, "
+              "and parameter groups for per-group settings), and build no other optimizer over "
+              "these parameters.")
         name = g.get("name", f"group{len(self._group_units)}")
         units = []
         for (dtype, _), ps in kinds.items():
@@ -232,7 +238,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._fill_settings(g, self.optim.param_groups[-1])
 
     def _new_unit(self, name: str, params: list) -> Unit:
-        u = make_unit(len(self.units), name, params, self.comm)
+        u = make_unit(len(self.units), name, params, self.comm, own_shard=self.stage == 3,
+                      master_on_cpu=self.offload and params[0].device.type != "cpu")
         S = u.shard.numel()
         if self.stage == 1:  # persistent gradients; the shard's is a view (in-place reduce)
             u.grad_full = torch.zeros_like(u.full)
@@ -240,7 +247,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._attach_views(u)
         else:
             u.grad_shard = torch.zeros_like(u.shard)
-        u.master.grad = u.grad_shard
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, u, i))
         self.units.append(u)
@@ -359,13 +365,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.comm.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
             self._stale = True
         else:
+            while self._inflight:  # the last backward's
+                self._finish_reduce(self._inflight.pop(0))
             for u in self.units:  # local gradients no syncing backward sent (no_sync)
+                self._take_loose_grads(u)
                 if u.grad_full is not None or not u.reduced:
                     self._launch_reduce(u)
             while self._inflight:
                 self._finish_reduce(self._inflight.pop(0))
-        for u in self.units:
-            u.master.grad = u.grad_shard
+
+    def _take_loose_grads(self, u: Unit):
+        """Stage 2: a .grad that no hook moved (set by hand) joins the flat gradient."""
+        for i, p in enumerate(u.params):
+            if p.grad is not None:
+                if u.grad_full is None:
+                    u.grad_full = torch.zeros_like(u.full)
+                    self._track_grads(u.nbytes)
+                u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
+                p.grad = None
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """This rank's shards of the mean gradient, after reduce_gradients() (what a loss
@@ -402,7 +419,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reduce_gradients()
         for g, inner in zip(self.param_groups, self.optim.param_groups):
             inner.update({k: v for k, v in g.items() if k != "params"})  # lr schedules etc.
+        for u in self.units:  # offload: to the CPU master (else the same tensor, no copy)
+            u.master.grad = u.grad_shard.to(u.master.device)
         self.optim.step()
+        for u in self.units:
+            if u.master.data_ptr() != u.shard.data_ptr():  # offloaded: back from the CPU
+                u.shard.copy_(u.master.detach())
         self._gather_params()
         return loss
 

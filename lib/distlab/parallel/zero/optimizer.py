@@ -155,7 +155,7 @@ def _refuse_outside_step(optimizer, args, kwargs):
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step() over a parameter (shape "
                     f"{tuple(p.shape)}) sharded by {mark[0]}: its gradient is reduced into "
-                    "that optimizer's shards (ZeRO-2: .grad is None here, so nothing would "
+                    "that optimizer's shards (ZeRO-2/3: .grad is None here, so nothing would "
                     "move; ZeRO-1: each rank would step its own local gradient and the ranks "
                     f"would drift apart). {mark[1]}")
 

@@ -310,6 +310,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._bwd_open:
             return
         self._bwd_open = True
+        while self._inflight:  # the last backward's: its flat gradients are about to refill
+            self._finish_reduce(self._inflight.pop(0))
         for u in self.units:
             u.waiting = sum(p.requires_grad for p in u.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._close_backward)

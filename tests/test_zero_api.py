@@ -19,9 +19,11 @@ tensors does. Against one process only the gradient's summation order differs (t
 the mean over 8 rows vs the mean of two 4-row means): a few float32 ulps (1.2e-7 relative) per
 step; SGD at lr 0.1 does not amplify it, nor does AdamW at lr 1e-2, whose update
 m/(√v + ε) is scale-free in the gradient (no gradient entry here is near 0, where the ratio
-would be sensitive). Measured on torch 2.13 CPU with gloo: printed by the tests, at most a few
-1e-8. Against ZeroRedundancyOptimizer over DDP, (a + b) / 2 here and a / 2 + b / 2 there are
-both exact in binary floating point. A wrong gradient (not averaged, a rank's missing, a shard
+would be sensitive). Measured on torch 2.13 CPU with gloo (printed by the tests): at most
+1.2e-7 (two groups, SGD), 7.5e-9 to 3e-8 with AdamW: 8x under ATOL or more; the inputs are
+seeded, so the figures do not vary from run to run. Against ZeroRedundancyOptimizer over DDP,
+(a + b) / 2 here and a / 2 + b / 2 there are both exact in binary floating point: measured 0
+(it refuses fp32 next to fp64). A wrong gradient (not averaged, a rank's missing, a shard
 reduced into the wrong place) or a group's settings lost is off by ~1e-2 or more.
 """
 

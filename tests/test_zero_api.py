@@ -30,6 +30,7 @@ reduced into the wrong place) or a group's settings lost is off by ~1e-2 or more
 """
 
 import copy
+import functools
 import os
 import pathlib
 import subprocess
@@ -149,6 +150,7 @@ def train(name, model, module, opt, rank, world, steps=STEPS, seed=0):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+@functools.cache  # the tests only read it
 def single(name, opt_name, steps=STEPS, seed=0, init_seed=0):
     """One process on the whole global batch, the plain optimizer: the reference."""
     cls, kw = OPTIMIZERS[opt_name]

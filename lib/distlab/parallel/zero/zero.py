@@ -106,7 +106,7 @@ from distlab.nan import tensors_in
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
-from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401
+from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401 (tests)
 
 
 # -- units -------------------------------------------------------------------------------------
@@ -421,7 +421,7 @@ class ZeRO(Strategy):
         self.optimizer.grad_bytes_peak = self.optimizer.grad_bytes_live
         return {"zero": info}
 
-    # -- training checkpoints: each unit's flat shard, as DCP's DTensor slice ----------------------
+    # -- training checkpoints: each unit's flat shard, as DCP's DTensor slice -------------------
     def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
         """This rank's shards of each unit's parameters and optimizer state, as DTensor Shard(0)
         slices of the unit's unpadded flat vector (our shard r is DTensor's chunk r: both cut

@@ -288,7 +288,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("ZeroOptimizer (stage 1): backward after step() without "
                                    "zero_grad(): the flat gradient buffers hold the last "
                                    "step's reduce-scatter. Call optimizer.zero_grad() after "
-                                   "each step")
+                                   "each step (model.zero_grad() does not reach them)")
             return  # accumulated in place in the flat buffer (a view), or copied at step
         self._open_backward()
         if u.grad_full is None:

@@ -11,7 +11,8 @@ from distlab.config import RunConfig
 from distlab.launch import launch, run_ranks
 from distlab.run import Run, RunError
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
+from distlab.parallel.zero.optimizer import ZeroOptimizer
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError",
-           "DistributedDataParallel"]
+           "DistributedDataParallel", "ZeroOptimizer"]
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ The loop in distlab.train calls, in order:
     checkpoints (distlab.checkpoint): strategy.checkpoint_state / load_checkpoint_state
 
 Composite strategies (distlab.parallel.mesh's 3d) build their parts on their groups' Comms and
-call the parts' public hooks (after_model_split, attach_gradients) and plug points.
+call the parts' public hook (after_model_split) and plug points.
 """
 
 from __future__ import annotations
@@ -103,11 +103,6 @@ class Strategy:
         """Composition hook: a composite (3d) changed the model after this strategy wrapped it
         (a pipeline kept some blocks; ZeRO re-pointed parameters into its flat buffers). Bring
         what this strategy remembers about the model up to date. Default: nothing kept."""
-
-    def attach_gradients(self, model) -> None:
-        """Composition hook: called before a forward that does not go through model.forward
-        (a pipeline calling its stages), so a strategy that points each .grad into its own
-        buffers from a forward hook (ZeRO-1) can do it. Default: nothing to attach."""
 
     def build_optimizer(self, model, make):
         """The optimizer over what this rank updates; `make(params)` builds RunConfig's

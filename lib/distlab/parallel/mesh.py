@@ -128,16 +128,17 @@ class ThreeD(Strategy):
         model = self.tp_s.wrap(model)  # every block split by columns/rows (tp group)
         model = self.pp_s.wrap(model)  # then keep this stage's blocks (pp group)
         self.tp_s.after_model_split(model)  # TP forgets the blocks other stages hold
-        model = self.dp_s.wrap(model)  # flat buffer over what is left, optimizer state sharded
+        return self.dp_s.wrap(model)  # ZeRO-1's unit: what is left
+
+    def build_optimizer(self, model, make):
+        # ZeRO's optimizer: a flat buffer over this stage's parameters, its state sharded
+        optimizer = self.dp_s.build_optimizer(model, make)
         # parameters now view ZeRO's flat buffer: the pipeline must not count them as activations
         self.pp_s.after_model_split(model)
         # setup traffic (ZeRO's broadcast of rank 0's weights over dp) is not a step's: drop
         # it, as train() does for its own Comm, or step 0 would report it
         self.mesh.take_step_stats()
-        return model
-
-    def build_optimizer(self, model, make):
-        return self.dp_s.build_optimizer(model, make)
+        return optimizer
 
     def batch(self, data, step):
         return data.rank_batch(step, self.cfg.global_batch, self.dp_rank, self.dp)
@@ -146,9 +147,6 @@ class ThreeD(Strategy):
         return self.dp_s.no_sync(model)
 
     def forward_backward(self, model, x, y, scale_loss):
-        # the pipeline calls stages, not model.forward, so ZeRO's pre-forward hook (which points
-        # each .grad into its flat gradient buffer) is run here
-        self.dp_s.attach_gradients(model)
         return self.pp_s.forward_backward(model, x, y, scale_loss)
 
     def reduce_gradients(self, model):

@@ -35,6 +35,13 @@ optimizer (`build_optimizer`) is built over one fp32 master tensor per unit, the
 of `full` (zero1/2: a view into it, so no copy; zero3: the only copy), so its state (AdamW's
 exp_avg, exp_avg_sq, step) is S_u-sized.
 
+**One implementation.** The units, the gradient path (zero1's in-place reduce-scatter, the
+zero2/3 hooks below) and the step are distlab.parallel.zero.optimizer's ZeroOptimizer, the
+public `distlab.ZeroOptimizer`: `build_optimizer` makes one over one parameter group per unit.
+This strategy adds what needs the model: the units' cut, the replicated rest (frozen
+parameters, buffers), and zero3's gathering of parameters around each unit's forward and
+backward (a ZeroOptimizer subclass whose units own their shard).
+
 **zero1.** Gradients accumulate into a persistent flat gradient buffer per unit (`.grad` of each
 parameter is a view into it, as DDP's gradient_as_bucket_view). After backward, one
 reduce-scatter, in place: shard r of the buffer becomes the mean gradient of shard r. Each rank
@@ -91,16 +98,15 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from distlab.comm import Pending
 from distlab.nan import tensors_in
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401 (tests)
 
 
 # -- units -------------------------------------------------------------------------------------
@@ -125,48 +131,6 @@ def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return units
 
 
-def padded_size(numel: int, world: int) -> int:
-    """numel rounded up to a multiple of world: the flat buffer every rank's shard cuts."""
-    return -(-numel // world) * world
-
-
-@dataclass(eq=False)
-class Unit:
-    """One flat group of parameters and its shard on this rank (see the module docstring)."""
-    index: int
-    name: str
-    modules: list[nn.Module]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    full: torch.Tensor  # (P,) the parameters side by side; each param's .data views into it
-    shard: torch.Tensor  # (S,) this rank's block of full (zero1/2: a view of it)
-    master: torch.Tensor  # what the optimizer steps: the shard, or a CPU copy (offload on CUDA)
-    grad_shard: torch.Tensor | None = None  # (S,) this rank's block of the mean gradient
-    grad_full: torch.Tensor | None = None  # (P,) local gradients waiting for the reduce-scatter
-    gather: Pending | None = None  # zero3: an all-gather into full in flight
-    gather_record: dict = field(default_factory=dict)  # its entry in the step's timeline
-    reduce: Pending | None = None  # a reduce-scatter of grad_full in flight
-    live: bool = True  # full has storage (zero3 frees it outside forward and backward)
-    waiting: int = 0  # gradients of the running backward not yet arrived
-    reduced: bool = False  # this step's reduce-scatter was issued
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-    @property
-    def padded(self) -> int:
-        return self.full.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.padded * self.full.element_size()
-
-    def piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's entries of a (P,) flat tensor."""
-        return flat[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
-
-
 def _in_backward() -> bool:
     """True inside autograd's backward (e.g. a checkpointed block recomputing its forward)."""
     return torch._C._current_graph_task_id() != -1
@@ -185,6 +149,35 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
+# -- zero3: ZeroOptimizer's gradient path, with the parameters sharded too --------------------
+class _Zero3Optimizer(ZeroOptimizer):
+    """The zero3 strategy's optimizer: ZeroOptimizer's units, gradient hooks and step, where
+    each unit's full parameters exist only while the strategy's forward hooks gather them."""
+    stages = (3,)
+
+    def __init__(self, params, optimizer_class, strategy, **kwargs):
+        self.strategy = strategy
+        super().__init__(params, optimizer_class, stage=3, **kwargs)
+
+    def _new_unit(self, name, params):
+        u = super()._new_unit(name, params)  # the shard is its own copy (stage 3)
+        u.full.untyped_storage().resize_(0)  # from now on parameters exist only while used
+        u.live = False
+        return u
+
+    def _unit_backward_done(self, u):
+        self.strategy._free(u)  # its last gradient is in: its parameters are not needed
+        super()._unit_backward_done(u)
+
+    def _close_backward(self):
+        super()._close_backward()
+        for u in self.units:  # nothing stays gathered after backward
+            self.strategy._free(u)
+
+    def _gather_params(self):
+        """Nothing: the next forward gathers each unit when it needs it."""
+
+
 # -- the strategy ------------------------------------------------------------------------------
 class ZeRO(Strategy):
     """ZeRO stage `stage` (1, 2 or 3); see the module docstring. ZeRO1/ZeRO2/ZeRO3 below."""
@@ -195,31 +188,30 @@ class ZeRO(Strategy):
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
-        self.units: list[Unit] = []
+        self.units: list[Unit] = []  # the optimizer's (build_optimizer)
+        self.optimizer: ZeroOptimizer | None = None
         self.frozen: list[nn.Parameter] = []  # requires_grad=False: replicated, not sharded
-        self._sync = True  # False inside no_sync
-        self._bwd_open = False  # a backward has begun and its end callback is queued
-        self._inflight: list[Unit] = []  # units whose reduce-scatter is in flight
-        self._grads_stale = False  # zero1: the gradient buffers hold the last step's
         self._current: Unit | None = None  # zero3: the unit whose forward is running
         self._order: list[Unit] = []  # zero3: units in the order the first forward used them
         self._order_done = False
         self._gathers: list[dict] = []  # zero3: this step's all-gathers (for step_info)
-        self._live = {"params": 0, "grads": 0}  # bytes of transient flat buffers alive now
-        self._peak = {"params": 0, "grads": 0}
+        self._live = {"params": 0}  # zero3: bytes of gathered parameters alive now
+        self._peak = {"params": 0}
 
     # -- setup -----------------------------------------------------------------------------
     def wrap(self, model):
+        """Decide the units and make the replicated part (frozen parameters, buffers) rank 0's;
+        build_optimizer flattens the units (ZeroOptimizer)."""
         device = next(model.parameters()).device
         self.offload_to_cpu = self.cfg.offload and device.type == "cuda"
         specs = ([("model", [model])] if self.stage == 1 else find_units(model))
-        owned = set()
+        owned, self._groups = set(), []
         for name, modules in specs:
             params = [p for m in modules for p in m.parameters()
                       if p.requires_grad and id(p) not in owned]
             owned |= {id(p) for p in params}
-            if params:
-                self.units.append(self._make_unit(len(self.units), name, modules, params))
+            if params:  # one parameter group per unit: the optimizer flattens each
+                self._groups.append(({"params": params, "name": name}, modules))
         loose = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
         if loose:
             raise ValueError(f"zero{self.stage}: parameters {loose} belong to no unit (the root "
@@ -230,65 +222,43 @@ class ZeRO(Strategy):
                 self.comm.broadcast(p.data, src=0)
         broadcast_buffers(self.comm, model, 0)
         attach_comm(model, self.comm)  # SyncBatchNorm shares statistics over these ranks
-        self._install_hooks(model)
         self.model = model
         return model
 
-    def _make_unit(self, index, name, modules, params) -> Unit:
-        """Flatten `params` into a padded buffer, make each param a view of it, keep shard r."""
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"unit {name}: parameters of several dtypes {dtypes}")
-        numel = sum(p.numel() for p in params)
-        full = torch.zeros(padded_size(numel, self.world), dtype=params[0].dtype,
-                           device=params[0].device)
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
-        with torch.no_grad():
-            for p, off in zip(params, offsets):
-                full[off: off + p.numel()].copy_(p.reshape(-1))
-            self.comm.broadcast(full, src=0)  # every rank starts from rank 0's weights
-        for p, off in zip(params, offsets):
-            p.data = full[off: off + p.numel()].view_as(p)
-        S = full.numel() // self.world
-        shard = full[self.rank * S: (self.rank + 1) * S]
+    def build_optimizer(self, model, make):
+        """ZeroOptimizer over one parameter group per unit, stepping `make`'s optimizer (the
+        run's) over this rank's shards only: its state is 1/N of the model's."""
+        groups = [g for g, _ in self._groups]
+        inner = lambda groups, **defaults: make(groups)  # noqa: E731 (RunConfig's settings)
         if self.stage == 3:
-            shard = shard.clone()  # the rank's only copy once full is freed
-        master = shard.detach().cpu().clone() if self.offload_to_cpu else shard
-        unit = Unit(index, name, modules, params, offsets[:-1], full, shard,
-                    nn.Parameter(master))
-        if self.stage == 1:  # persistent gradients; the shard's is a view (in-place reduce)
-            unit.grad_full = torch.zeros_like(full)
-            unit.grad_shard = unit.grad_full[self.rank * S: (self.rank + 1) * S]
+            opt = _Zero3Optimizer(groups, inner, self, offload=self.offload_to_cpu,
+                                  comm=self.comm)
         else:
-            unit.grad_shard = torch.zeros_like(shard)
-        if self.stage == 3:  # from now on the parameters exist only while a unit computes
-            full.untyped_storage().resize_(0)
-            unit.live = False
-        return unit
+            opt = ZeroOptimizer(groups, inner, stage=self.stage, offload=self.offload_to_cpu,
+                                comm=self.comm)
+        for units, (g, modules) in zip(opt._group_units, self._groups):
+            if len(units) > 1:
+                raise ValueError(f"unit {g['name']}: parameters of several dtypes "
+                                 f"{sorted(str(u.full.dtype) for u in units)}")
+            units[0].modules = modules
+        self.optimizer, self.units = opt, opt.units
+        self._install_hooks(model)
+        return opt
 
     def _install_hooks(self, model):
+        if self.stage < 3:
+            return  # zero1/2: the optimizer's gradient hooks are all there is
         model.register_forward_pre_hook(self._before_forward)
-        if self.stage >= 2:
-            for u in self.units:
-                for i, p in enumerate(u.params):
-                    p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, u, i))
-        if self.stage == 3:
-            for u in self.units:
-                for m in u.modules:
-                    m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
-                    m.register_forward_hook(functools.partial(self._post_forward, u))
-            model.register_forward_hook(self._after_forward)
-            # a state_dict has the full parameters: gather, copy, free (FSDP's FULL_STATE_DICT)
-            pre = lambda module, prefix, keep_vars: self._gather_all()  # noqa: E731
-            post = lambda module, sd, prefix, meta: self._full_state_dict(sd)  # noqa: E731
-            model.register_state_dict_pre_hook(pre)
-            model.register_state_dict_post_hook(post)
-
-    def build_optimizer(self, model, make):
-        """The optimizer over this rank's master shards only: its state is 1/N of the model's."""
-        return make([u.master for u in self.units])
+        for u in self.units:
+            for m in u.modules:
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+                m.register_forward_hook(functools.partial(self._post_forward, u))
+        model.register_forward_hook(self._after_forward)
+        # a state_dict has the full parameters: gather, copy, free (FSDP's FULL_STATE_DICT)
+        pre = lambda module, prefix, keep_vars: self._gather_all()  # noqa: E731
+        post = lambda module, sd, prefix, meta: self._full_state_dict(sd)  # noqa: E731
+        model.register_state_dict_pre_hook(pre)
+        model.register_state_dict_post_hook(post)
 
     def batch(self, data, step):
         if any(True for _ in self.model.buffers()):  # as DDP: rank 0's buffers every step
@@ -296,7 +266,7 @@ class ZeRO(Strategy):
         return read_batch(self, data, step)
 
     def no_sync(self, model):
-        return self._hooks_paused()
+        return self.optimizer.no_sync()
 
     # -- bookkeeping of transient buffers ---------------------------------------------------
     def _track(self, kind: str, nbytes: int):
@@ -356,23 +326,8 @@ class ZeRO(Strategy):
         return order[i] if 0 <= i < len(order) else None
 
     def _before_forward(self, module, args):
-        if _in_backward():
-            return
-        if self.stage == 1:
-            self.attach_gradients()
-        self._current = None
-
-    def attach_gradients(self, model=None):
-        """zero1: .grad of each parameter is a view into its unit's flat gradient buffer,
-        zeroed once the last step's reduce-scatter consumed it (re-attached if someone set
-        .grad to None, e.g. model.zero_grad())."""
-        for u in self.units:
-            if self._grads_stale:
-                u.grad_full.zero_()
-            for i, p in enumerate(u.params):
-                if p.grad is None:
-                    p.grad = u.piece(u.grad_full, i).view_as(p)
-        self._grads_stale = False
+        if not _in_backward():
+            self._current = None
 
     def _pre_forward(self, u: Unit, module, args):
         if _in_backward():  # a checkpointed unit recomputing its forward
@@ -406,113 +361,24 @@ class ZeRO(Strategy):
             self._prefetch(self._order[-1], "backward")  # backward starts with the last unit
 
     def _pre_backward(self, u: Unit, grad):
-        self._open_backward()
+        self.optimizer._open_backward()
         self._gather(u, "backward")
         self._prefetch(self._next(u, -1), "backward")
 
-    # -- zero2/3: gradients leave during backward -------------------------------------------
-    def _open_backward(self):
-        if self._bwd_open:
-            return
-        self._bwd_open = True
-        for u in self.units:
-            u.waiting = sum(p.requires_grad for p in u.params)
-        torch.autograd.Variable._execution_engine.queue_callback(self._close_backward)
-
-    def _grad_ready(self, u: Unit, i: int, p: nn.Parameter):
-        """Parameter i of unit u has its gradient: move it into u's flat gradient buffer."""
-        self._open_backward()
-        if u.grad_full is None:
-            u.grad_full = torch.zeros_like(u.full)
-            self._track("grads", u.nbytes)
-        u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
-        p.grad = None
-        u.waiting -= 1
-        if u.waiting == 0:
-            self._unit_backward_done(u)
-
-    def _unit_backward_done(self, u: Unit):
-        if self.stage == 3:
-            self._free(u)
-        if self._sync:
-            self._launch_reduce(u)
-
-    def _launch_reduce(self, u: Unit):
-        """Start u's reduce-scatter; first finish the one before, freeing its flat gradient."""
-        while self._inflight:
-            self._finish_reduce(self._inflight.pop(0))
-        if u.grad_full is None:  # no gradient reached this unit: it contributes zeros
-            u.grad_full = torch.zeros_like(u.full)
-            self._track("grads", u.nbytes)
-        u.reduce = self.comm.reduce_scatter_async(u.grad_shard, u.grad_full)
-        u.reduced = True
-        self._inflight.append(u)
-
-    def _finish_reduce(self, u: Unit):
-        u.reduce.wait()
-        u.reduce = None
-        u.grad_shard.div_(self.world)  # the sum over ranks -> the global batch's mean
-        u.grad_full = None
-        self._track("grads", -u.nbytes)
-
-    def _close_backward(self):
-        """End of a backward: units some of whose gradients never came (unused parameters)."""
-        for u in self.units:
-            if u.waiting > 0:
-                u.waiting = 0
-                self._unit_backward_done(u)
-        if self.stage == 3:
-            for u in self.units:  # nothing stays gathered after backward
-                self._free(u)
-        self._bwd_open = False
-
-    # -- the step ----------------------------------------------------------------------------
+    # -- the step: the optimizer's ------------------------------------------------------------
     def reduce_gradients(self, model):
-        if self.stage == 1:  # one in-place reduce-scatter per unit: shard r gets the mean
-            for u in self.units:
-                self.comm.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
-            self._grads_stale = True
-        else:
-            for u in self.units:
-                if not u.reduced:  # no syncing backward reached it
-                    self._launch_reduce(u)
-            while self._inflight:
-                self._finish_reduce(self._inflight.pop(0))
-            for u in self.units:
-                u.reduced = False
-        for u in self.units:
-            u.master.grad = u.grad_shard if not self.offload_to_cpu else None
+        """Each unit's gradient shard: the global batch's mean (ZeroOptimizer)."""
+        self.optimizer.reduce_gradients()
         # transient buffers of this step: gathered parameters and flat gradients (zero2/3)
-        self.comm.note_buffer(self._peak["params"] + self._peak["grads"])
+        self.comm.note_buffer(self._peak["params"] + self.optimizer.grad_bytes_peak)
 
     def step_gradients(self, model) -> list:
         """The gradient shards the step reads (loss scaling unscales and checks these)."""
-        return [u.grad_shard for u in self.units]
+        return self.optimizer.gradient_shards()
 
     def clip_gradients(self, model, max_norm: float) -> float:
         """Clip by the global norm: ‖g‖² = Σ over ranks of Σ over shards (one all-reduce)."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.units[0].full.device)
-        for u in self.units:
-            sq += u.grad_shard.float().pow(2).sum()
-        self.comm.all_reduce_async(sq, kind="clip.norm_sq").wait()
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for u in self.units:
-            u.grad_shard.mul_(coef.to(u.grad_shard.dtype))
-        return float(norm)
-
-    def optimizer_step(self, optimizer):
-        if self.offload_to_cpu:  # ZeRO-Offload: the step runs on the CPU
-            for u in self.units:
-                u.master.grad = u.grad_shard.to("cpu")
-        optimizer.step()
-        if self.offload_to_cpu:
-            for u in self.units:
-                u.shard.copy_(u.master.detach(), non_blocking=False)
-        if self.stage < 3:  # every rank gets every rank's updated shard (in place)
-            pending = [self.comm.all_gather_async(u.full, u.shard) for u in self.units]
-            for h in pending:
-                h.wait()
+        return float(self.optimizer.clip_grad_norm_(max_norm))
 
     # -- what this rank holds ----------------------------------------------------------------
     def state_bytes(self, model, optimizer) -> dict:
@@ -541,7 +407,7 @@ class ZeRO(Strategy):
                 "shard": sum(u.shard.numel() for u in self.units),
                 "units": [[u.name, u.numel, u.padded] for u in self.units],
                 "gathered_peak_bytes": self._peak["params"],
-                "grad_buffer_peak_bytes": self._peak["grads"],
+                "grad_buffer_peak_bytes": self.optimizer.grad_bytes_peak,
                 "offload": ("cpu" if self.offload_to_cpu else
                             "cpu (marked only: nothing to move on a CPU run)" if self.cfg.offload
                             else "none")}
@@ -552,9 +418,10 @@ class ZeRO(Strategy):
                                 "blocked_s": sum(g["blocked_s"] for g in done)}
         self._gathers = []
         self._peak = dict(self._live)
+        self.optimizer.grad_bytes_peak = self.optimizer.grad_bytes_live
         return {"zero": info}
 
-    # -- training checkpoints: each unit's flat shard, as DCP's DTensor slice ----------------------
+    # -- training checkpoints: each unit's flat shard, as DCP's DTensor slice -------------------
     def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
         """This rank's shards of each unit's parameters and optimizer state, as DTensor Shard(0)
         slices of the unit's unpadded flat vector (our shard r is DTensor's chunk r: both cut
@@ -565,6 +432,7 @@ class ZeRO(Strategy):
         from distlab.checkpoint.store import CheckpointError
         if for_load:
             materialize_optimizer_state(optimizer)  # tensors for DCP to fill
+            optimizer.zero_grad()  # that step's (zero) gradients are not the next step's
         state = {}
         names = {id(p): n for n, p in model.named_parameters()}
         for u in self.units:
@@ -585,7 +453,7 @@ class ZeRO(Strategy):
     def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
         """DCP filled the shards in place: refresh what they feed."""
         for u in self.units:
-            if u.master is not u.shard:  # offloaded: the CPU master was loaded
+            if u.master.data_ptr() != u.shard.data_ptr():  # offloaded: the CPU master was loaded
                 u.shard.copy_(u.master.detach())
             if self.stage < 3:  # every rank's full parameters from the loaded shards
                 self.comm.all_gather(u.full, u.shard)

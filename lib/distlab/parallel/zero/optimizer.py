@@ -1,0 +1,528 @@
+"""ZeRO-1 and ZeRO-2 as a torch optimizer: `distlab.ZeroOptimizer`, and the flat padded buffers
+(units) every ZeRO stage of distlab.parallel.zero.zero is cut into.
+
+Rajbhandari et al. 2020 (the stages, their bytes and the wire: distlab.parallel.zero.zero's
+docstring). Stages 1 and 2 leave the parameters whole on every rank, so they need nothing from
+the model: they are an optimizer over parameters, used as torch's are,
+
+    opt = distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+and the training loop's `zero1` and `zero2` strategies are this optimizer over the loop's model
+(one implementation).
+
+**Units.** Each parameter group's trainable parameters are flattened into one flat buffer per
+dtype (and device), a unit, padded with zeros to a multiple of N and cut into N shards; rank r
+owns shard r. Each parameter's .data becomes a view of the unit's buffer `full`, so an
+all-gather into `full` updates the parameters in place. The inner optimizer (`optimizer_class`)
+is built over one master tensor per unit, the rank's shard (a view: no copy), one inner group
+per outer group: per-group settings (no weight decay on norms, another lr) hold, and its state
+(AdamW's moments) is 1/N of the model's. Construction broadcasts rank 0's values, so every rank
+starts from the same parameters.
+
+**step()**, after backward on every rank:
+
+    stage 1  gradients accumulate in a flat gradient buffer per unit (each .grad is a view of
+             it); step() reduce-scatters it in place: shard r becomes shard r's mean gradient
+    stage 2  a hook on each parameter moves its gradient into the unit's flat gradient buffer
+             as backward produces it and drops .grad; when the unit's last gradient is in, its
+             reduce-scatter starts (async) and the flat gradient is freed once it is done: what
+             stays between steps is the S-sized shard of the mean gradient
+    then     the inner optimizer steps the shards; an all-gather (in place) gives every rank
+             every rank's updated shard
+
+Gradient accumulation: several backwards before one step add up, as torch's do. Stage 2
+reduce-scatters after each backward (accumulating the mean shards); `no_sync()` around every
+backward but the last keeps them local until then (one reduce-scatter per step).
+
+**Outside optimizers.** Stepping parameters this optimizer shards with another optimizer would
+train wrong in silence (stage 2: .grad is None, nothing moves; stage 1: each rank steps its own
+local gradient, and the ranks drift apart). Every sharded parameter is marked, and a global
+step pre-hook (torch.optim.optimizer.register_optimizer_step_pre_hook) makes any other
+optimizer's step() over a marked parameter raise an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from distlab.comm import Comm, Pending
+
+
+# -- units: flat padded buffers and their shards -------------------------------------------------
+def padded_size(numel: int, world: int) -> int:
+    """numel rounded up to a multiple of world: the flat buffer every rank's shard cuts."""
+    return -(-numel // world) * world
+
+
+@dataclass(eq=False)
+class Unit:
+    """One flat group of parameters and its shard on this rank (see the module docstring)."""
+    index: int
+    name: str
+    modules: list[nn.Module]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    full: torch.Tensor  # (P,) the parameters side by side; each param's .data views into it
+    shard: torch.Tensor  # (S,) this rank's block of full (zero1/2: a view of it)
+    master: torch.Tensor  # what the optimizer steps: the shard, or a CPU copy (offload on CUDA)
+    grad_shard: torch.Tensor | None = None  # (S,) this rank's block of the mean gradient
+    grad_full: torch.Tensor | None = None  # (P,) local gradients waiting for the reduce-scatter
+    gather: Pending | None = None  # zero3: an all-gather into full in flight
+    gather_record: dict = field(default_factory=dict)  # its entry in the step's timeline
+    reduce: Pending | None = None  # a reduce-scatter of grad_full in flight
+    reduce_out: torch.Tensor | None = None  # where it lands (grad_shard, or a scratch to add)
+    live: bool = True  # full has storage (zero3 frees it outside forward and backward)
+    waiting: int = 0  # gradients of the running backward not yet arrived
+    reduced: bool = False  # grad_shard holds a reduced gradient since the last zero_grad
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def padded(self) -> int:
+        return self.full.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    def piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's entries of a (P,) flat tensor."""
+        return flat[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
+
+
+def make_unit(index: int, name: str, params: list, comm: Comm, modules=(),
+              own_shard: bool = False, master_on_cpu: bool = False) -> Unit:
+    """Flatten `params` (one dtype) into a zero-padded buffer, broadcast rank 0's values, make
+    each parameter's .data a view of it, and keep this rank's shard. own_shard: the shard is a
+    copy (zero3 frees the buffer); master_on_cpu: the master is a CPU copy (ZeRO-Offload)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"unit {name}: parameters of several dtypes {dtypes}")
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    full = torch.zeros(padded_size(offsets[-1], comm.world), dtype=params[0].dtype,
+                       device=params[0].device)
+    with torch.no_grad():
+        for p, off in zip(params, offsets):
+            full[off: off + p.numel()].copy_(p.reshape(-1))
+        comm.broadcast(full, src=0)  # every rank starts from rank 0's weights
+    for p, off in zip(params, offsets):
+        p.data = full[off: off + p.numel()].view_as(p)
+    S = full.numel() // comm.world
+    shard = full[comm.rank * S: (comm.rank + 1) * S]
+    if own_shard:
+        shard = shard.clone()
+    master = shard.detach().cpu().clone() if master_on_cpu else shard
+    return Unit(index, name, list(modules), list(params), offsets[:-1], full, shard,
+                nn.Parameter(master))
+
+
+# -- the guard rail: no other optimizer steps a sharded parameter -----------------------------
+_GUARD = []  # the global step pre-hook's handle, once a parameter was claimed
+
+
+def claim(params, owner: str, fix: str) -> None:
+    """Mark `params` as sharded by `owner` (words naming it); any other optimizer's step() over
+    one of them raises, naming `fix`."""
+    for p in params:
+        if getattr(p, "_distlab_zero", None):
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is already sharded by "
+                             f"{p._distlab_zero[0]}: shard each parameter once (build one "
+                             "ZeroOptimizer over all of them, with parameter groups if needed)")
+    for p in params:
+        p._distlab_zero = (owner, fix)
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_refuse_outside_step))
+
+
+def _refuse_outside_step(optimizer, args, kwargs):
+    if isinstance(optimizer, ZeroOptimizer):
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            mark = getattr(p, "_distlab_zero", None)
+            if mark:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() over a parameter (shape "
+                    f"{tuple(p.shape)}) sharded by {mark[0]}: its gradient is reduced into "
+                    "that optimizer's shards (ZeRO-2/3: .grad is None here, so nothing would "
+                    "move; ZeRO-1: each rank would step its own local gradient and the ranks "
+                    f"would drift apart). {mark[1]}")
+
+
+# -- the optimizer -----------------------------------------------------------------------------
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO-1/2 (P_os, P_os+g): any torch optimizer with its state, and with stage 2 its
+    gradients, sharded over the ranks of a process group; the parameters stay whole.
+
+        opt = distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        loss_fn(model(x), y).backward()    # each rank on its own rows of the global batch
+        opt.step()                         # the global batch's mean gradient, then the update
+        opt.zero_grad()
+
+    params           parameters or parameter groups (dicts, as torch's optimizers take); a
+                     group may carry "name" (the units' name, default "group<i>")
+    optimizer_class  a torch.optim.Optimizer class (or any callable(params, **defaults))
+    stage            1: optimizer state sharded; 2: gradients too
+    group            a torch.distributed process group (default: the whole world)
+    offload          keep the master shards and their optimizer state on the CPU (ZeRO-Offload,
+                     Ren et al. 2021): on an accelerator each step copies the gradient shards to
+                     the CPU, steps there and copies the updated shards back; on a CPU, nothing
+    comm             a distlab.comm.Comm to communicate (and book bytes) through instead
+    **defaults       optimizer_class's arguments (lr, weight_decay, betas, ...)
+
+    Construction makes each parameter's .data a view of a flat buffer (and broadcasts rank
+    0's values): build it after moving the model to its device and dtype. `state` is this
+    rank's inner optimizer state (keyed by its shards); `state_dict()` is this rank's shard
+    and `consolidated_state_dict()` (a collective) the whole state in the form a plain
+    optimizer over the same groups has; load_state_dict takes either. Call `zero_grad()` after
+    each step (stage 1 refuses a backward over the previous step's reduced buffers).
+    """
+
+    stages = (1, 2)  # ZeRO-3 shards the parameters too: the zero3 strategy's subclass
+
+    def __init__(self, params, optimizer_class, stage: int = 1, group=None,
+                 offload: bool = False, comm: Comm | None = None, **defaults):
+        if stage not in self.stages:
+            raise ValueError(f"stage={stage!r} is not one of {', '.join(map(str, self.stages))}"
+                             " (ZeRO-3 shards the parameters too: the zero3 strategy)")
+        self.stage, self.offload, self.optim = stage, offload, None
+        self.comm = comm if comm is not None else Comm(group)
+        self.rank, self.world = self.comm.rank, self.comm.world
+        self.units: list[Unit] = []
+        self._group_units: list[list[Unit]] = []  # the units of each param group
+        self._sync = True  # False inside no_sync()
+        self._bwd_open = False  # stage 2: a backward began; its end callback is queued
+        self._inflight: list[Unit] = []  # stage 2: reduce-scatters in flight
+        self._stale = False  # stage 1: the flat gradients hold the last step's reduction
+        self.grad_bytes_live = self.grad_bytes_peak = 0  # stage 2: flat gradients alive
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self.optim = optimizer_class([self._inner_group(g, us) for g, us in
+                                      zip(self.param_groups, self._group_units)], **defaults)
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            self._fill_settings(g, inner)
+        self.defaults = {**self.optim.defaults, **defaults}
+        self.state = self.optim.state  # what this rank holds: the shards' state
+
+    # -- setup -------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)  # torch's checks (duplicates, defaults)
+        g = self.param_groups[-1]
+        kinds: dict = {}  # a flat buffer holds one dtype
+        for p in g["params"]:
+            if p.requires_grad:
+                kinds.setdefault((p.dtype, p.device), []).append(p)
+        claim([p for ps in kinds.values() for p in ps],
+              f"a ZeRO-{self.stage} optimizer (distlab.ZeroOptimizer)",
+              "Step that ZeroOptimizer instead (it takes the optimizer class and its arguments, "
+              "and parameter groups for per-group settings), and build no other optimizer over "
+              "these parameters.")
+        name = g.get("name", f"group{len(self._group_units)}")
+        units = []
+        for (dtype, _), ps in kinds.items():
+            uname = name if len(kinds) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
+            units.append(self._new_unit(uname, ps))
+        self._group_units.append(units)
+        if self.optim is not None:  # a group added after construction
+            self.optim.add_param_group(self._inner_group(g, units))
+            self._fill_settings(g, self.optim.param_groups[-1])
+
+    def _new_unit(self, name: str, params: list) -> Unit:
+        u = make_unit(len(self.units), name, params, self.comm, own_shard=self.stage == 3,
+                      master_on_cpu=self.offload and params[0].device.type != "cpu")
+        S = u.shard.numel()
+        if self.stage == 1:  # persistent gradients; the shard's is a view (in-place reduce)
+            u.grad_full = torch.zeros_like(u.full)
+            u.grad_shard = u.grad_full[self.rank * S: (self.rank + 1) * S]
+            self._attach_views(u)
+        else:
+            u.grad_shard = torch.zeros_like(u.shard)
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, u, i))
+        self.units.append(u)
+        return u
+
+    @staticmethod
+    def _inner_group(g: dict, units: list[Unit]) -> dict:
+        return {**{k: v for k, v in g.items() if k != "params"},
+                "params": [u.master for u in units]}
+
+    @staticmethod
+    def _fill_settings(outer: dict, inner: dict) -> None:
+        """The outer group shows every setting the inner optimizer uses (its defaults too)."""
+        for k, v in inner.items():
+            if k != "params":
+                outer.setdefault(k, v)
+
+    # -- gradients ---------------------------------------------------------------------------
+    def _attach_views(self, u: Unit) -> None:
+        """Stage 1: each .grad is a view of the unit's flat gradient buffer."""
+        for i, p in enumerate(u.params):
+            p.grad = u.piece(u.grad_full, i).view_as(p)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate locally (stage 2: in the flat gradient buffers);
+        the next backward outside, or step(), reduce-scatters the sum. Stage 1 always waits
+        for step(), so this changes nothing there."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _grad_ready(self, u: Unit, i: int, p: nn.Parameter):
+        """Parameter i of unit u has its gradient (a hook, during backward)."""
+        if self.stage == 1:
+            if self._stale:
+                raise RuntimeError("ZeroOptimizer (stage 1): backward after step() without "
+                                   "zero_grad(): the flat gradient buffers hold the last "
+                                   "step's reduce-scatter. Call optimizer.zero_grad() after "
+                                   "each step (model.zero_grad() does not reach them)")
+            return  # accumulated in place in the flat buffer (a view), or copied at step
+        self._open_backward()
+        if u.grad_full is None:
+            u.grad_full = torch.zeros_like(u.full)
+            self._track_grads(u.nbytes)
+        u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
+        p.grad = None
+        u.waiting -= 1
+        if u.waiting == 0:
+            self._unit_backward_done(u)
+
+    def _track_grads(self, nbytes: int):
+        self.grad_bytes_live += nbytes
+        self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes_live)
+
+    def _open_backward(self):
+        """First gradient of a backward: count what each unit waits for, and ask autograd to
+        call _close_backward when this backward ends."""
+        if self._bwd_open:
+            return
+        self._bwd_open = True
+        while self._inflight:  # the last backward's: its flat gradients are about to refill
+            self._finish_reduce(self._inflight.pop(0))
+        for u in self.units:
+            u.waiting = sum(p.requires_grad for p in u.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._close_backward)
+
+    def _unit_backward_done(self, u: Unit):
+        if self._sync:
+            self._launch_reduce(u)
+
+    def _close_backward(self):
+        """End of a backward: units some of whose gradients never came (unused parameters)."""
+        for u in self.units:
+            if u.waiting > 0:
+                u.waiting = 0
+                self._unit_backward_done(u)
+        self._bwd_open = False
+
+    def _launch_reduce(self, u: Unit):
+        """Start u's reduce-scatter; first finish the one before, freeing its flat gradient.
+        Every rank launches units in the same order (backward's), as collectives must."""
+        while self._inflight:
+            self._finish_reduce(self._inflight.pop(0))
+        if u.grad_full is None:  # no gradient reached this unit: it contributes zeros
+            u.grad_full = torch.zeros_like(u.full)
+            self._track_grads(u.nbytes)
+        # a second backward before the step adds its mean to the first one's
+        u.reduce_out = torch.empty_like(u.grad_shard) if u.reduced else u.grad_shard
+        u.reduce = self.comm.reduce_scatter_async(u.reduce_out, u.grad_full)
+        self._inflight.append(u)
+
+    def _finish_reduce(self, u: Unit):
+        u.reduce.wait()
+        u.reduce_out.div_(self.world)  # the sum over ranks -> the global batch's mean
+        if u.reduce_out is not u.grad_shard:
+            u.grad_shard.add_(u.reduce_out)
+        u.reduce = u.reduce_out = u.grad_full = None
+        u.reduced = True
+        self._track_grads(-u.nbytes)
+
+    def reduce_gradients(self) -> None:
+        """Make each unit's grad_shard this rank's shard of the global batch's mean gradient
+        (step() calls it; a loop that clips or unscales gradients calls it first). Every rank
+        must call it. Nothing to do if it already ran since the last zero_grad()."""
+        if self.stage == 1:
+            if self._stale:
+                return
+            for u in self.units:
+                for i, p in enumerate(u.params):  # a .grad that is not the view: copy it in
+                    view = u.piece(u.grad_full, i)
+                    if p.grad is None:
+                        view.zero_()
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad.reshape(-1))
+                self.comm.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
+            self._stale = True
+        else:
+            while self._inflight:  # the last backward's
+                self._finish_reduce(self._inflight.pop(0))
+            for u in self.units:  # local gradients no syncing backward sent (no_sync)
+                self._take_loose_grads(u)
+                if u.grad_full is not None or not u.reduced:
+                    self._launch_reduce(u)
+            while self._inflight:
+                self._finish_reduce(self._inflight.pop(0))
+
+    def _take_loose_grads(self, u: Unit):
+        """Stage 2: a .grad that no hook moved (set by hand) joins the flat gradient."""
+        for i, p in enumerate(u.params):
+            if p.grad is not None:
+                if u.grad_full is None:
+                    u.grad_full = torch.zeros_like(u.full)
+                    self._track_grads(u.nbytes)
+                u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
+                p.grad = None
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """This rank's shards of the mean gradient, after reduce_gradients() (what a loss
+        scaler unscales and checks)."""
+        return [u.grad_shard for u in self.units]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so the global gradient's L2 norm is at most max_norm;
+        return the norm before clipping (torch.nn.utils.clip_grad_norm_'s coefficient). No rank
+        sees the whole gradient: ‖g‖² is the sum over ranks of the shards' squares (one
+        all-reduce of one number; padding is zero and adds nothing). Every rank must call it."""
+        self.reduce_gradients()
+        sq = torch.zeros((), dtype=torch.float32, device=self.units[0].full.device)
+        for u in self.units:
+            sq += u.grad_shard.float().pow(2).sum()
+        self.comm.all_reduce_async(sq, kind="clip.norm_sq").wait()
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for u in self.units:
+            u.grad_shard.mul_(coef.to(u.grad_shard.dtype))
+        return norm
+
+    # -- the step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce-scatter the gradients (if not done yet), step this rank's shards with the
+        inner optimizer, all-gather every rank's updated shard into the parameters. Every rank
+        must call it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            inner.update({k: v for k, v in g.items() if k != "params"})  # lr schedules etc.
+        for u in self.units:  # offload: to the CPU master (else the same tensor, no copy)
+            u.master.grad = u.grad_shard.to(u.master.device)
+        self.optim.step()
+        for u in self.units:
+            if u.master.data_ptr() != u.shard.data_ptr():  # offloaded: back from the CPU
+                u.shard.copy_(u.master.detach())
+        self._gather_params()
+        return loss
+
+    def _gather_params(self):
+        """Every rank gets every rank's updated shard, in place (the master is the shard)."""
+        pending = [self.comm.all_gather_async(u.full, u.shard) for u in self.units]
+        for h in pending:
+            h.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients. Stage 1 zeroes its flat buffers and keeps each .grad a
+        view of them whatever set_to_none says (one memset; no allocation in backward)."""
+        while self._inflight:  # a backward's reduce-scatters that no step() waited for
+            self._finish_reduce(self._inflight.pop(0))
+        for u in self.units:
+            if self.stage == 1:
+                u.grad_full.zero_()
+                self._attach_views(u)
+            else:
+                if u.grad_full is not None:  # local gradients of a no_sync backward
+                    self._track_grads(-u.nbytes)
+                u.grad_full, u.reduced = None, False
+                u.grad_shard.zero_()
+                for p in u.params:
+                    p.grad = None
+        self._stale = False
+
+    # -- state dicts -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (the inner optimizer's state_dict), with
+        the layout it belongs to; load it back at the same world size and groups."""
+        return {"zero_shard": self.optim.state_dict(), "layout": self._layout()}
+
+    def _layout(self) -> dict:
+        return {"world": self.world, "rank": self.rank, "stage": self.stage,
+                "units": [[u.name, u.numel] for u in self.units]}
+
+    def consolidated_state_dict(self) -> dict:
+        """The whole optimizer state, as a plain optimizer over the same parameter groups would
+        have it (per parameter, keyed by its index in the groups): each shard-shaped state
+        tensor is all-gathered and cut back into parameters; scalars (AdamW's step) are the same
+        on every rank. A collective: every rank calls it, every rank gets the result."""
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state: dict = {}
+        for u in self.units:
+            for key, v in self.optim.state.get(u.master, {}).items():
+                whole = None
+                if torch.is_tensor(v) and v.shape == u.master.shape:
+                    whole = torch.empty_like(u.full)
+                    self.comm.all_gather(whole, v.to(u.full.device))
+                for i, p in enumerate(u.params):
+                    state.setdefault(index[id(p)], {})[key] = (
+                        u.piece(whole, i).view_as(p).clone() if whole is not None
+                        else v.clone() if torch.is_tensor(v) else v)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load state_dict() of this rank (same world size, rank and groups), or a consolidated
+        one (consolidated_state_dict(), or a plain optimizer's over the same groups: this rank
+        keeps its shard of it)."""
+        if "zero_shard" in state_dict:
+            if state_dict["layout"] != self._layout():
+                raise ValueError(f"this shard was saved with layout {state_dict['layout']}, "
+                                 f"not this optimizer's {self._layout()}: load a consolidated "
+                                 "state dict (consolidated_state_dict()) to change world size")
+            inner = state_dict["zero_shard"]
+        else:
+            inner = self._shard_of(state_dict)
+        self.optim.load_state_dict(inner)
+        for g, ig in zip(self.param_groups, self.optim.param_groups):
+            g.update({k: v for k, v in ig.items() if k != "params"})
+
+    def _shard_of(self, sd: dict) -> dict:
+        """This rank's inner state dict cut from a consolidated one."""
+        if len(sd["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(sd['param_groups'])} parameter groups, "
+                             f"this optimizer {len(self.param_groups)}")
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state = {}
+        for j, u in enumerate(self.units):
+            per_param = [sd["state"].get(index[id(p)], {}) for p in u.params]
+            S = u.shard.numel()
+            state[j] = {}
+            for key in per_param[0]:
+                v0 = per_param[0][key]
+                if torch.is_tensor(v0) and v0.shape == u.params[0].shape:
+                    whole = torch.zeros_like(u.full, dtype=v0.dtype)
+                    for i, s in enumerate(per_param):
+                        u.piece(whole, i).copy_(s[key].reshape(-1))
+                    state[j][key] = whole[self.rank * S: (self.rank + 1) * S].clone()
+                else:
+                    state[j][key] = v0
+        masters = {id(u.master): j for j, u in enumerate(self.units)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [masters[id(u.master)] for u in units]}
+                  for g, units in zip(sd["param_groups"], self._group_units)]
+        return {"state": {j: s for j, s in state.items() if s}, "param_groups": groups}

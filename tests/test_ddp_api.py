@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from api_models import Mixed, RootParams, Tied
 from torch import nn
 
 from distlab import DistributedDataParallel, run_ranks
@@ -43,43 +44,6 @@ BUCKET_MB = 5e-5  # 52 bytes: several buckets per model (a larger gradient is on
 
 
 # -- the models and their data --------------------------------------------------------------
-class Tied(nn.Module):
-    """Embedding and output head share one weight (as GPT-2 does)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb, self.mix = nn.Embedding(16, 8), nn.Linear(8, 8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.mix(self.emb(x))))
-
-
-class RootParams(nn.Module):
-    """Parameters on the root module itself, next to a child's."""
-
-    def __init__(self):
-        super().__init__()
-        self.w, self.b = nn.Parameter(torch.randn(6, 5) * 0.4), nn.Parameter(torch.zeros(5))
-        self.out = nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.out(torch.relu(x @ self.w + self.b))
-
-
-class Mixed(nn.Module):
-    """An fp64 parameter next to fp32 ones: buckets must not mix them."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(6, 3)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
-
-    def forward(self, x):
-        return (self.lin(x).double() * self.scale).float()
-
-
 def batchnorm_net():
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 

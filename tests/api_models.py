@@ -1,0 +1,43 @@
+"""Small models the public-API tests share (tests/test_ddp_api.py, tests/test_zero_api.py):
+the shapes of parameters that trip distributed wrappers up. A module here, not in a test
+file, so the ranks those tests spawn import it by name too."""
+
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    """Embedding and output head share one weight (as GPT-2 does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.emb(x))))
+
+
+class RootParams(nn.Module):
+    """Parameters on the root module itself, next to a child's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(6, 5) * 0.4), nn.Parameter(torch.zeros(5))
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(x @ self.w + self.b))
+
+
+class Mixed(nn.Module):
+    """An fp64 parameter next to fp32 ones: buckets and flat buffers are kept per dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.lin(x).double() * self.scale).float()

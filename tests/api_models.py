@@ -1,9 +1,12 @@
-"""Small models the public-API tests share (tests/test_ddp_api.py, tests/test_zero_api.py):
-the shapes of parameters that trip distributed wrappers up. A module here, not in a test
-file, so the ranks those tests spawn import it by name too."""
+"""Small models, their data and losses, shared by the public-API tests (test_ddp_api.py,
+test_zero_api.py): the shapes of parameters that trip distributed wrappers up. A module
+here, not in a test file, so the ranks those tests spawn import it by name too."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+ROWS = 8  # the global batch; each of 2 ranks takes a block of 4
 
 
 class Tied(nn.Module):
@@ -41,3 +44,22 @@ class Mixed(nn.Module):
 
     def forward(self, x):
         return (self.lin(x).double() * self.scale).float()
+
+
+def batch(name, step, seed=0):
+    """The step's global batch (ROWS rows), the same in every process."""
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    if name == "tied":
+        return torch.randint(16, (ROWS, 4), generator=g), torch.randint(16, (ROWS, 4), generator=g)
+    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
+
+
+def loss_of(name, out, y):
+    if name == "tied":
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.mse_loss(out, y)
+
+
+def rows(x, rank, world):
+    n = len(x) // world
+    return x[rank * n:(rank + 1) * n]

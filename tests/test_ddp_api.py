@@ -30,8 +30,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from api_models import Mixed, RootParams, Tied
+from api_models import Mixed, RootParams, Tied, batch, loss_of, rows
 from torch import nn
 
 from distlab import DistributedDataParallel, run_ranks
@@ -39,7 +38,7 @@ from distlab.parallel.data_parallel.ddp import plan_buckets
 from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
 
 ATOL = 1e-6
-STEPS, LR, ROWS = 5, 0.1, 8  # ROWS: the global batch; each of 2 ranks takes a block of 4
+STEPS, LR = 5, 0.1
 BUCKET_MB = 5e-5  # 52 bytes: several buckets per model (a larger gradient is one alone)
 
 
@@ -56,25 +55,6 @@ NO_SYNC_CASES = ("bare linear", "tied", "root params", "mixed dtypes")  # BatchN
 def make(name, seed=0):
     torch.manual_seed(seed)
     return MODELS[name]()
-
-
-def batch(name, step, seed=0):
-    """The step's global batch (ROWS rows), the same in every process."""
-    g = torch.Generator().manual_seed(1000 * seed + step)
-    if name == "tied":
-        return torch.randint(16, (ROWS, 4), generator=g), torch.randint(16, (ROWS, 4), generator=g)
-    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
-
-
-def loss_of(name, out, y):
-    if name == "tied":
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-    return F.mse_loss(out, y)
-
-
-def rows(x, rank, world):
-    n = len(x) // world
-    return x[rank * n:(rank + 1) * n]
 
 
 def train(name, model, module, rank, world, seed=0):

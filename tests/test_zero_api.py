@@ -38,15 +38,14 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
-from api_models import Mixed, RootParams, Tied
+from api_models import Mixed, RootParams, Tied, batch, loss_of, rows
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distlab import RunConfig, ZeroOptimizer, run_ranks
 
 ATOL = 1e-6
-STEPS, ROWS = 5, 8  # ROWS: the global batch; each of 2 ranks takes a block of 4
+STEPS = 5
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
               "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01})}
 STAGES = (1, 2)
@@ -80,25 +79,6 @@ def groups(name, model, lr):
     decay = [model.inp.weight, model.out.weight]
     rest = [model.inp.bias, model.norm.weight, model.norm.bias, model.out.bias]
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 3 * lr}]
-
-
-def batch(name, step, seed=0):
-    """The step's global batch (ROWS rows), the same in every process."""
-    g = torch.Generator().manual_seed(1000 * seed + step)
-    if name == "tied":
-        return torch.randint(16, (ROWS, 4), generator=g), torch.randint(16, (ROWS, 4), generator=g)
-    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
-
-
-def loss_of(name, out, y):
-    if name == "tied":
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-    return F.mse_loss(out, y)
-
-
-def rows(x, rank, world):
-    n = len(x) // world
-    return x[rank * n:(rank + 1) * n]
 
 
 def train(name, model, module, opt, rank, world, steps=STEPS, seed=0):

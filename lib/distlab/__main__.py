@@ -18,7 +18,7 @@ import sys
 from distlab.config import RunConfig
 
 
-def parse_config(argv) -> tuple[RunConfig, str | None]:
+def parse_config(argv) -> tuple[dict, str | None, int]:
     p = argparse.ArgumentParser(prog="python -m distlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(RunConfig):
@@ -29,38 +29,42 @@ def parse_config(argv) -> tuple[RunConfig, str | None]:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             p.add_argument(flag, type=kind, default=f.default)
     p.add_argument("--run-dir", default=None, help="folder for the run's events")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="print progress every this many steps (0: only the final JSON line)")
     args = vars(p.parse_args(argv))
-    run_dir = args.pop("run_dir")
-    return args, run_dir
+    return args, args.pop("run_dir"), args.pop("log_every")
 
 
 def main(argv=None) -> int:
+    from distlab import factory
     from distlab.launch import launch, rank_body, runs_root
+    from distlab.progress import train_rank_with_progress
     from distlab.run import RunError
-    from distlab.train import train_rank
 
-    fields, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
+    fields, run_dir, every = parse_config(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         fields["world_size"] = world
         cfg = RunConfig(**fields)
+        if factory.is_spec(cfg.model):  # a clean error from every rank, before rendezvous
+            factory.check(cfg)
         run_dir = os.path.abspath(run_dir or os.path.join(
             runs_root(cfg.runs_root), "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "job")))
         os.makedirs(run_dir, exist_ok=True)
         if rank == 0:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
                 f.write(cfg.to_json())
-        spec = {"fn": train_rank, "args": (cfg.to_dict(),), "run_dir": run_dir,
-                "backend": cfg.backend, "device": cfg.device, "timeout_s": cfg.timeout_s,
-                "threads": cfg.threads_per_rank, "debug": cfg.debug}
+        spec = {"fn": train_rank_with_progress, "args": (cfg.to_dict(), every),
+                "run_dir": run_dir, "backend": cfg.backend, "device": cfg.device,
+                "timeout_s": cfg.timeout_s, "threads": cfg.threads_per_rank, "debug": cfg.debug}
         rank_body(rank, world, spec, {"env": True})  # exits non-zero on failure
         sys.stdout.flush()
         os._exit(0)  # logged and flushed: skip teardown (see launch._spawned_rank)
-    cfg = RunConfig(**fields)
     try:
-        run = launch(cfg, block=True,
-                     run_dir=run_dir and os.path.abspath(run_dir))
-    except RunError as e:
+        cfg = RunConfig(**fields)
+        run = launch(cfg, block=True, run_dir=run_dir and os.path.abspath(run_dir),
+                     progress_every=every)
+    except (RunError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
     losses = run.losses()

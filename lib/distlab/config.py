@@ -75,9 +75,11 @@ class RunConfig:
     compress: str = "none"  # ddp: gradient compression ("topk": top-k with error feedback)
     topk_ratio: float = 0.01  # fraction of each bucket's entries that topk sends
     backup_workers: int = 0  # ps-sync: extra workers; each step uses the first gradients to arrive
-    # model: the tiny GPT (distlab.models.gpt) or a small BatchNorm net (distlab.models.bnnet)
+    # model: the tiny GPT (distlab.models.gpt), a small BatchNorm net (distlab.models.bnnet),
+    # or yours: "package.module:function" or "file.py:function" (distlab.factory)
     model: str = "gpt"
-    sync_bn: bool = False  # bnnet: BatchNorm statistics over the global batch (SyncBatchNorm)
+    data: str = ""  # with your model: your data, "package.module:function" (distlab.factory)
+    sync_bn: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm)
     broadcast_buffers: bool = True  # ddp: rank 0's buffers to every rank at each step's start
     hidden_layers: int = 2  # bnnet: hidden Linear+BatchNorm layers (width n_embd)
     bn_classes: int = 4  # bnnet's data (distlab.dataset.ClusterData): Gaussian clusters, one
@@ -137,7 +139,7 @@ class RunConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("fault", self.fault, FAULTS)
-        _choice("model", self.model, MODELS)
+        self._check_model()
         _choice("compress", self.compress, COMPRESSIONS)
         _choice("loss_scale", self.loss_scale, LOSS_SCALES)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
@@ -211,6 +213,39 @@ class RunConfig:
                 raise ValueError(f"fault_rank={self.fault_rank} must be in [0, {self.world_size})")
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
+
+    def _check_model(self):
+        """A built-in model, or a model and data factory named by import path (their import
+        and a first forward are checked by launch(), distlab.factory.check)."""
+        from distlab import factory
+        if not isinstance(self.model, str) or not isinstance(self.data, str):
+            raise ValueError(f"model={self.model!r} and data={self.data!r} must be strings")
+        if not factory.is_spec(self.model):
+            if self.model not in MODELS:
+                raise ValueError(f"model={self.model!r} is not one of: "
+                                 f"{', '.join(map(repr, MODELS))}, nor 'package.module:function' "
+                                 "(a model of your own, distlab.factory)")
+            if self.data:
+                raise ValueError(f"data={self.data!r} feeds a model of your own; model="
+                                 f"{self.model!r} brings its data (set data='')")
+            return
+        factory.parse("model", self.model)
+        if not self.data:
+            raise ValueError(f"model={self.model!r} needs its data: set data='package.module:"
+                             "function' (a function returning an object with "
+                             "global_batch(step, batch) -> (x, y))")
+        factory.parse("data", self.data)
+        cls = strategy_class(self.strategy)
+        if not cls.any_model:
+            mine = [s for s in strategies() if strategy_class(s).any_model]
+            raise ValueError(f"strategy={self.strategy!r} splits distlab's GPT by its layer "
+                             f"names; a model of your own runs under: {', '.join(mine)}")
+        gpt_only = [n for n in ("checkpointing", "lora_rank", "init_from", "task", "eval_every",
+                                "dataset_size")
+                    if getattr(self, n) not in (0, "", "none")]
+        if gpt_only:
+            raise ValueError(f"{', '.join(gpt_only)}: written for distlab's GPT and its data, "
+                             f"not model={self.model!r}")
 
     def _check_checkpoints(self):
         _positive_int("checkpoint_every", self.checkpoint_every, minimum=0)

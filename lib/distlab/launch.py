@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -110,6 +111,8 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         log.write("error", step=log.last_step + 1, error=f"{type(e).__name__}: {e}",
                   traceback=traceback.format_exc())
         log.close()
+        if "env" in init:  # torchrun: no Run reads the log, so the terminal gets the traceback
+            print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         os._exit(1)  # skip interpreter teardown: peers may be wedged in a collective with us
     log.close()
 
@@ -169,18 +172,27 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
     return procs, store
 
 
-def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None):
+def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
+           progress_every: int = 0):
     """Start a training run of `cfg` and return its `Run` handle at once (or, with block=True,
-    after it finished; failures then raise RunError)."""
+    after it finished; failures then raise RunError). progress_every > 0: one rank prints a
+    line every that many steps and a summary on stdout (distlab.progress; the command line's)."""
+    from distlab import factory
     from distlab.run import Run
     from distlab.train import train_rank
 
+    if factory.is_spec(cfg.model):  # import it and run one forward here, before any rank
+        factory.check(cfg)
     run_dir = run_dir or new_run_dir(runs_root(cfg.runs_root),
                                      cfg.name or f"{cfg.strategy}-w{cfg.world_size}")
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write(cfg.to_json())
-    procs, store = start_ranks(train_rank, cfg.processes, (cfg.to_dict(),), run_dir,
+    fn, args = train_rank, (cfg.to_dict(),)
+    if progress_every > 0:
+        from distlab.progress import train_rank_with_progress
+        fn, args = train_rank_with_progress, (cfg.to_dict(), progress_every)
+    procs, store = start_ranks(fn, cfg.processes, args, run_dir,
                                backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout_s,
                                threads=cfg.threads_per_rank, debug=cfg.debug)
     run = Run(run_dir, cfg=cfg, processes=procs, store=store)

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from distlab import wire
+from distlab import factory, wire
 from distlab.checkpoint.checkpointer import Checkpointer
 from distlab.comm import Comm
 from distlab.config import RunConfig
@@ -54,6 +54,12 @@ def autocast(cfg: RunConfig, device: torch.device):
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
+    if factory.is_spec(cfg.model):  # the user's own (distlab.factory)
+        model = factory.build_model(cfg)
+        if cfg.sync_bn:
+            from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
+            model = convert_sync_batchnorm(model)
+        return model
     if cfg.model == "bnnet":
         from distlab.models.bnnet import build_bnnet
         return build_bnnet(cfg)
@@ -89,7 +95,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model, lambda params: build_optimizer(cfg, params))
     scaler = make_loss_scaler(cfg, comm)
-    data = finetune.data(make_data(cfg))
+    data = finetune.data(factory.build_data(cfg) if cfg.data else make_data(cfg))
     meter = StepMeter(cfg, model, comm, device)  # time, bytes and memory of each step
     drills = Drills(cfg, rank, log)  # faults, a straggler, a delay per step: on purpose
     comm.take_step_stats()  # setup traffic (the initial broadcast) is not a step's

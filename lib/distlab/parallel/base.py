@@ -73,6 +73,9 @@ class Strategy:
     # ZeroRedundancyOptimizer, FSDP2, DTensor, pipelining): the step's wire bytes that no
     # measured call explains are then labelled "not booked" (distlab.wire.Ledger)
     books_all_traffic = True
+    # False where the strategy reaches into distlab's GPT (its layer names, its logits): it
+    # cannot run a model of your own (RunConfig.model="package.module:function")
+    any_model = True
 
     @classmethod
     def dp_degree(cls, cfg) -> int:

@@ -103,6 +103,7 @@ class ThreeD(Strategy):
     """`3d`: tensor parallel in the tp group, pipeline across the pp group, ZeRO-1 over the
     dp group (see the module docstring)."""
     name = "3d"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"tp", "pp"})
     supports = frozenset({"loss_scaling"})  # not sp, grad_clip, a finite dataset (docstring)
 

@@ -348,6 +348,7 @@ class DataParallelModule(nn.Module):
 class DataParallel(Strategy):
     """RunConfig(strategy="dp", world_size=n): n replicas in one process (cfg.processes == 1)."""
     name = "dp"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
 
     @classmethod
     def processes(cls, cfg) -> int:

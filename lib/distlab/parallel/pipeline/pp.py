@@ -186,6 +186,7 @@ def pipeline_shape(cfg) -> tuple[int, int, int, int]:
 class PipelineParallel(Strategy):
     """`pp`: this rank holds stages rank_stages(rank, pp, v) and runs cfg.schedule."""
     name = "pp"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"pp"})
 
     def __init__(self, cfg, comm):

@@ -39,6 +39,7 @@ def _loss(logits, targets):
 
 class TorchPP(Strategy):
     name = "pp-torch"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
     books_all_traffic = False  # torch sends bytes of its own
     degrees = frozenset({"pp"})
 

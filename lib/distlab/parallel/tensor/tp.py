@@ -233,6 +233,7 @@ def tp_plan(model, tp: int, sp: bool = False) -> list:
 class TensorParallel(Strategy):
     """`tp`: Megatron tensor parallelism over all ranks (tp = world), optional sp."""
     name = "tp"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"tp"})
     supports = Strategy.supports | {"sp"}
 

@@ -44,6 +44,7 @@ def torch_tp_plan(n_layer: int, sp: bool = False) -> dict:
 
 class TorchTP(Strategy):
     name = "tp-torch"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
     books_all_traffic = False  # torch sends bytes of its own
     degrees = frozenset({"tp"})
     supports = Strategy.supports | {"sp"}

@@ -152,3 +152,16 @@ def test_torchrun_shows_the_failing_rank_traceback(tmp_path):
                       "factory_models:fails_at_step_2", "--data", MINE["data"]], tmp_path)
     assert proc.returncode != 0
     assert "[rank 0] Traceback" in proc.stderr and "made to fail in step 2" in proc.stderr
+
+
+def test_the_control_panel_offers_only_strategies_that_run_your_model():
+    from distlab.lab.panel import ControlPanel
+    panel = ControlPanel(strategy="ddp", world_size=2, **MINE)
+    offered = panel.knobs["strategy"].options
+    assert "ddp" in offered and "zero3" in offered
+    assert not {"tp", "tp-torch", "pp", "pp-torch", "3d", "dp"} & set(offered)
+    cfg = panel.config()
+    assert (cfg.model, cfg.data) == (MINE["model"], MINE["data"])
+    assert "tp" in ControlPanel().knobs["strategy"].options  # distlab's GPT: all of them
+    with pytest.raises(ValueError, match="returned str"):
+        ControlPanel(**{**MINE, "model": "factory_models:not_a_module"})

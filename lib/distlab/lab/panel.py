@@ -34,6 +34,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 from plotly.subplots import make_subplots
 
+from distlab import factory
 from distlab.config import ALLREDUCE_ALGORITHMS, PRECISIONS, STRATEGIES, RunConfig
 from distlab.lab.common import MEMORY_CATEGORIES, MEMORY_COLORS, MiB, RUN_COLORS
 from distlab.launch import launch
@@ -381,6 +382,8 @@ class ControlPanel:
     def __init__(self, dashboard: LiveDashboard | None = None, extra_widgets: dict | None = None,
                  **defaults):
         self.base = RunConfig(**defaults)  # bad defaults fail here, with RunConfig's message
+        if factory.is_spec(self.base.model):  # a model of your own: import it, one forward
+            factory.check(self.base)
         self.dashboard = dashboard or LiveDashboard()
         self.runs: list[Run] = []
         self.last_run: Run | None = None
@@ -472,7 +475,7 @@ class ControlPanel:
         # 'single' is one process by definition: more ranks means a parallel strategy.
         strategy = self.knobs["strategy"]
         if change["new"] > 1 and strategy.value == "single":
-            parallel = next(s for s in STRATEGIES if s != "single")
+            parallel = next(s for s in self.knobs["strategy"].options if s != "single")
             strategy.value = parallel
             self.status.value = html.escape(f"strategy set to '{parallel}': 'single' runs "
                                             f"exactly one process")
@@ -505,12 +508,22 @@ class ControlPanel:
         return f"ControlPanel({len(self.runs)} runs)"
 
 
+def strategies_for(cfg: RunConfig) -> tuple[str, ...]:
+    """The strategies that can run cfg's model: all of them for distlab's GPT; for a model of
+    your own (RunConfig.model="package.module:function") those that do not reach into the GPT's
+    layers (Strategy.any_model)."""
+    from distlab.parallel import strategy_class
+    if not factory.is_spec(cfg.model):
+        return STRATEGIES
+    return tuple(s for s in STRATEGIES if strategy_class(s).any_model)
+
+
 def _make_knobs(cfg: RunConfig) -> dict:
     """One widget per RunConfig field the panel exposes, keyed by the field's name."""
     style = {"description_width": "initial"}
     return {
-        "strategy": W.Dropdown(options=STRATEGIES, value=cfg.strategy, description="strategy",
-                               style=style),
+        "strategy": W.Dropdown(options=strategies_for(cfg), value=cfg.strategy,
+                               description="strategy", style=style),
         "world_size": W.Dropdown(options=sorted({*WORLD_SIZES, cfg.world_size}),
                                  value=cfg.world_size, description="world size", style=style),
         "steps": W.BoundedIntText(value=cfg.steps, min=1, max=100_000, description="steps",

@@ -2,9 +2,12 @@
 
 How a launch keeps processes safe from a notebook:
 
-* Ranks are spawned (not forked) from torch.multiprocessing, so a notebook's threads and
-  OpenMP pool are never copied into them; the function they run is the library's, because a
-  spawned process cannot import a notebook's `__main__`.
+* Ranks are never forked from the caller (a notebook's threads and OpenMP pool would be copied
+  into them half-held): they are forked from a fork server, a clean process started on the first
+  launch that only imported torch and distlab (`rank_context`), or spawned as fresh
+  interpreters where there is no fork server. Either way the function they run is the
+  library's, because such a process cannot import a notebook's `__main__`. A warm launch of 4
+  ranks then skips importing torch four times (benchmarks/launch_latency.py prints the figures).
 * Rendezvous is a TCPStore that the caller itself opens on 127.0.0.1 with port 0: the OS picks a
   free port and the caller holds it for the whole run, so two runs launched at once can never
   pick the same one (a "find a free port, close it, hope" scheme can race).
@@ -23,6 +26,7 @@ The same rank body runs under `torchrun -m distlab ...` (env:// rendezvous); see
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import threading
@@ -64,13 +68,50 @@ def choose_device(device: str, local_rank: int, local_world: int) -> torch.devic
     return torch.device("cpu")
 
 
-def _watch_parent(parent_pid: int):
-    """Exit when the launching process is gone. os._exit works even while the main thread is
-    blocked inside a gloo collective, because gloo releases the GIL while it waits."""
+def _watch_parent(launcher_pid: int):
+    """Exit when the launching process is gone. A spawned rank's parent is the launcher; a
+    forked one's is the fork server, which exits when the launcher does: either way the parent
+    changes (the rank is re-parented) when the launcher is gone. os._exit works even while the
+    main thread is blocked inside a gloo collective, because gloo releases the GIL while it
+    waits."""
+    parent = os.getppid()
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent or not _alive(launcher_pid):
             os._exit(3)
         time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the check that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else (the pid was reused)
+        return False
+    return True
+
+
+# What the fork server imports once, so each rank forked from it starts with them loaded.
+PRELOAD = ["torch", "torch.distributed", "distlab.train", "distlab.launch"]
+START_ENV = "DISTLAB_START"  # "spawn" forces a fresh interpreter per rank
+
+
+def rank_context():
+    """Where the platform has one (Linux, macOS), a fork server: one clean process, started on
+    the first launch, that has imported torch and distlab (PRELOAD) and forks every rank from
+    itself. Importing torch costs each spawned rank ~1.5 s of CPU; a forked rank shares the
+    server's imported modules, so a launch no longer pays it per rank. The server never runs a
+    notebook's threads or an OpenMP pool (it is not the notebook's process; it only imports),
+    so forking it is as safe as spawning. Elsewhere (Windows), or with DISTLAB_START=spawn,
+    each rank is a fresh interpreter."""
+    method = os.environ.get(START_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_ENV}={method!r} is not 'forkserver' nor 'spawn'")
+    if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
 
 
 def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
@@ -131,6 +172,16 @@ def init_under_torchrun_agent_store(backend: str, rank: int, world: int, timeout
 
 def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
+    # the launcher's environment now, as a spawned process gets it (the fork server's is that of
+    # the first launch)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    # and fresh Python and NumPy global generators, as a new interpreter seeds them from the OS
+    # (a fork copies the server's); torch's default generator is untouched in the server, so
+    # a forked rank starts from torch's default seed, as a spawned one does
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     rank_body(rank, world, spec, {"port": port})
     # Everything is logged and flushed; skip interpreter teardown, where C++ threads of the
@@ -156,13 +207,13 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
                           wait_for_workers=False)
     spec = {"fn": fn, "args": args, "run_dir": run_dir, "backend": backend, "device": device,
             "timeout_s": timeout_s, "threads": threads, "debug": debug,
-            "save_result": save_result}
-    ctx = mp.get_context("spawn")
+            "save_result": save_result, "env": dict(os.environ)}
+    ctx = rank_context()
     procs = []
     try:
         for rank in range(world):
-            p = ctx.Process(target=_spawned_rank, args=(rank, world, spec, store.port, os.getpid()),
-                            name=f"distlab-rank{rank}", daemon=False)
+            p = ctx.Process(target=_spawned_rank, name=f"distlab-rank{rank}", daemon=False,
+                            args=(rank, world, spec, store.port, os.getpid()))
             p.start()
             procs.append(p)
     except BaseException:

@@ -53,3 +53,57 @@ def test_micro_batches_must_divide_evenly():
     assert RunConfig(strategy="allreduce", world_size=2, global_batch=16, grad_accum=4).micro_batch == 2
     with pytest.raises(ValueError, match="grad_accum=3"):
         RunConfig(strategy="allreduce", world_size=2, global_batch=16, grad_accum=3)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"lr": float("inf")}, ["lr=inf", "finite"]),
+    ({"grad_clip": float("nan")}, ["grad_clip=nan"]),
+    ({"weight_decay": float("nan")}, ["weight_decay=nan"]),
+    ({"bucket_mb": float("nan")}, ["bucket_mb=nan"]),
+    ({"steps": 10 ** 15}, ["steps=", "at most"]),
+    ({"seed": "abc"}, ["seed='abc'", "integer"]),
+    ({"steps": True}, ["steps=True", "not a bool"]),
+    ({"lr": "0.1"}, ["lr='0.1'", "number"]),
+    ({"world_size": 2.0}, ["world_size=2.0"]),
+    ({"strategy": "ddp", "world_size": 2, "broadcast_buffers": "no"}, ["broadcast_buffers='no'"]),
+    ({"sync_bn": "no"}, ["sync_bn='no'", "True or False"]),
+    ({"strategy": "ddp", "world_size": 2, "microbatches": 2}, ["microbatches=2", "'ddp'", "pp"]),
+    ({"strategy": "zero2", "world_size": 2, "bucket_mb": 1.0}, ["bucket_mb=1.0", "ddp"]),
+    ({"strategy": "ddp", "world_size": 2, "allreduce": "ring"}, ["allreduce='ring'"]),
+    ({"sync_bn": True}, ["sync_bn=True", "GPT has no BatchNorm"]),
+])
+def test_types_non_finite_numbers_and_ignored_knobs_are_refused(changes, words):
+    with pytest.raises(ValueError) as e:
+        RunConfig(**changes)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_numpy_numbers_are_taken_as_python_numbers():
+    import numpy as np
+    cfg = RunConfig(steps=np.int64(3), lr=np.float32(0.5))
+    assert type(cfg.steps) is int and type(cfg.lr) is float
+    assert RunConfig.from_dict(__import__("json").loads(cfg.to_json())) == cfg
+    with pytest.raises(ValueError, match="extra='notadict' must be a dict"):
+        RunConfig.from_dict({"extra": "notadict"})
+
+
+def test_launch_checks_this_machine_before_starting_a_rank(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    cases = [
+        (dict(runs_root=str(a_file)), "runs_root="),
+        (dict(runs_root=str(a_file / "below")), "is a file, not a folder"),
+        (dict(strategy="ddp", world_size=2, checkpoint_every=1, checkpoint_dir=str(a_file)),
+         "checkpoint_dir="),
+        (dict(strategy="ddp", world_size=2, resume_from=str(tmp_path)),
+         "no complete checkpoint"),
+        (dict(init_from=str(tmp_path / "missing.pt")), "init_from="),
+        (dict(strategy="ddp", world_size=4, n_layer=48, n_embd=4096, n_head=32),
+         "more than this machine's"),
+    ]
+    for changes, words in cases:
+        runs = tmp_path / "runs"
+        with pytest.raises(ValueError, match=words):
+            launch(RunConfig(**{"runs_root": str(runs), **changes}))
+        assert not runs.exists() or not any(runs.iterdir()), changes  # nothing started

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import re
 from dataclasses import dataclass, fields
 
 # Each strategy names how the one training loop is parallelised. What a strategy supports, its
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
 from distlab.parallel import STRATEGIES  # noqa: F401  (re-exported: the panel lists them)
-from distlab.parallel import FEATURES, strategies, strategy_class
+from distlab.parallel import FEATURES, KNOBS, strategies, strategy_class
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 MODELS = ("gpt", "bnnet")
@@ -132,6 +134,7 @@ class RunConfig:
     resume_from: str = ""  # a checkpoint, a checkpoints folder (its latest), or "auto"
 
     def __post_init__(self):
+        self._check_types()
         strategy_class(self.strategy)  # ValueError naming the registry's strategies
         _choice("allreduce", self.allreduce, ALLREDUCE_ALGORITHMS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -145,6 +148,7 @@ class RunConfig:
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dp_gather", self.dp_gather, DP_GATHERS)
+        self._check_knobs()
         for name in ("epochs", "hidden_layers", "bn_classes", "bn_features"):
             _positive_int(name, getattr(self, name))
         for name in ("pp_op_delay_s", "bn_cluster_std", "bn_separation"):
@@ -213,6 +217,41 @@ class RunConfig:
                 raise ValueError(f"fault_rank={self.fault_rank} must be in [0, {self.world_size})")
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
+
+    def _check_types(self):
+        """Each field holds what it declares: an int is not a bool nor a float, a number is not
+        a string, a float is finite; steps and sizes are not absurd."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if kind == "bool":
+                ok = isinstance(value, bool)
+            elif kind == "int":
+                ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            elif kind == "float":
+                ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                      and math.isfinite(value))
+            else:
+                ok = isinstance(value, str)
+            if not ok:
+                raise ValueError(f"{f.name}={value!r} must be {_KINDS[kind]}")
+            if kind in ("int", "float"):  # NumPy's scalars as Python's: configs are JSON
+                setattr(self, f.name, int(value) if kind == "int" else float(value))
+        for name, most in _AT_MOST.items():
+            if getattr(self, name) > most:
+                raise ValueError(f"{name}={getattr(self, name)!r} is more than this tool is for "
+                                 f"(at most {most:,})")
+
+    def _check_knobs(self):
+        """A knob only other strategies read would be ignored in silence: refuse it."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, readers in KNOBS.items():
+            if self.strategy not in readers and getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r}: strategy {self.strategy!r} "
+                                 f"does not read it (only {', '.join(readers)}); leave it at "
+                                 f"{defaults[name]!r}")
+        if self.sync_bn and self.model == "gpt":
+            raise ValueError("sync_bn=True: distlab's GPT has no BatchNorm (model='bnnet' or a "
+                             "model of your own does)")
 
     def _check_model(self):
         """A built-in model, or a model and data factory named by import path (their import
@@ -385,9 +424,14 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"a RunConfig is read from a dict, not {type(d).__name__}")
         d = dict(d)
         # configs written before every knob was a field kept some in "extra": read them as fields
-        d.update({_LEGACY_EXTRA.get(k, k): v for k, v in d.pop("extra", {}).items()})
+        extra = d.pop("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError(f"extra={extra!r} must be a dict of RunConfig fields")
+        d.update({_LEGACY_EXTRA.get(k, k): v for k, v in extra.items()})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -400,6 +444,15 @@ class RunConfig:
 
 _LEGACY_EXTRA = {"classes": "bn_classes", "features": "bn_features",
                  "cluster_std": "bn_cluster_std", "separation": "bn_separation"}
+
+
+_KINDS = {"bool": "True or False", "int": "an integer (not a bool)",
+          "float": "a finite number", "str": "a string"}
+# Beyond these a run would not finish on any machine this workbook runs on (nor fit in memory:
+# launch() also checks the estimate against this machine's RAM)
+_AT_MOST = {"steps": 10_000_000, "world_size": 4096, "global_batch": 1 << 24,
+            "seq_len": 1 << 20, "n_layer": 10_000, "n_embd": 1 << 20, "vocab_size": 1 << 24,
+            "dataset_size": 1 << 31, "epochs": 100_000}
 
 
 def _with_degree(degree: str) -> list[str]:

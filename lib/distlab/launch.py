@@ -228,12 +228,11 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
     """Start a training run of `cfg` and return its `Run` handle at once (or, with block=True,
     after it finished; failures then raise RunError). progress_every > 0: one rank prints a
     line every that many steps and a summary on stdout (distlab.progress; the command line's)."""
-    from distlab import factory
+    from distlab import preflight
     from distlab.run import Run
     from distlab.train import train_rank
 
-    if factory.is_spec(cfg.model):  # import it and run one forward here, before any rank
-        factory.check(cfg)
+    preflight.check(cfg)  # what depends on this machine: paths, your model, memory
     run_dir = run_dir or new_run_dir(runs_root(cfg.runs_root),
                                      cfg.name or f"{cfg.strategy}-w{cfg.world_size}")
     os.makedirs(run_dir, exist_ok=True)

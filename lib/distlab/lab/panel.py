@@ -425,7 +425,8 @@ class ControlPanel:
         """The RunConfig the knobs describe now (overrides win). Raises ValueError if invalid."""
         values = self.base.to_dict()
         for name, widget in self.knobs.items():
-            values[name] = widget.value
+            if not getattr(widget, "disabled", False):  # a knob this strategy does not read
+                values[name] = widget.value
         values["lr"] = float(f"{values['lr']:.3g}")  # undo the slider's snapping (see _make_knobs)
         values.update(overrides)
         return RunConfig.from_dict(values)

@@ -40,6 +40,16 @@ REGISTRY = {
 }
 STRATEGIES = tuple(REGISTRY)
 
+# RunConfig knobs that only some strategies read. Under any other strategy a value other than
+# the default would be silently ignored, so RunConfig refuses it.
+KNOBS = {
+    "allreduce": ("allreduce",),
+    "dp_threads": ("dp",), "dp_gather": ("dp",),
+    "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp",), "topk_ratio": ("ddp",),
+    "microbatches": ("pp", "pp-torch", "3d"), "schedule": ("pp", "pp-torch", "3d"),
+    "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
+}
+
 
 @functools.cache
 def strategy_class(name: str) -> type[Strategy]:

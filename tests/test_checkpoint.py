@@ -226,7 +226,7 @@ def test_torchrun_restarts_workers_that_resume_on_their_own(refs, tmp_path):
     # torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m distlab <cfg's flags>
     proc = torchrun(cfg, str(run_dir), max_restarts=1)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    events = LogTail(rank_log_path(str(run_dir), 0)).read_new()  # both attempts append here
+    events = LogTail(rank_log_path(str(run_dir), 0)).read_all()  # both attempts append here
     assert [e["kind"] for e in events].count("start") == 2  # torchrun started workers twice
     i = next(i for i, e in enumerate(events) if e["kind"] == "resume")
     assert events[i]["steps_done"] == 6  # the second attempt found step_000006 on its own

@@ -37,23 +37,54 @@ class EventLog:
 
 
 class LogTail:
-    """Reader side: returns the complete lines appended to one file since the last call."""
+    """Reader side: returns the complete lines appended to one file since the last call.
+
+    The file stays open once it has been opened, so a run folder deleted while the run goes on
+    (a user cleaning runs/) does not hide what the ranks still write: the open handle reads the
+    unlinked file to its end. A line that is not JSON (a disk that filled mid-line, an edit by
+    hand) is skipped and described in `skipped`, never raised: the reader is a monitor thread.
+    """
 
     def __init__(self, path: str):
-        self.path, self._offset, self._partial = path, 0, b""
+        self.path, self._partial = path, b""
+        self._f = None
+        self._closed = False
+        self.skipped: list[str] = []
 
     def read_new(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
+        if self._closed:  # reopening would read the file again from its start
             return []
-        self._offset += len(data)
-        data = self._partial + data
+        if self._f is None:
+            try:
+                self._f = open(self.path, "rb")
+            except FileNotFoundError:
+                return []
+        data = self._partial + self._f.read()
         lines = data.split(b"\n")
         self._partial = lines.pop()  # an incomplete last line waits for the next read
-        return [json.loads(line) for line in lines if line.strip()]
+        events = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                events.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                self.skipped.append(f"{self.path}: skipped a line that is not JSON ({e}): "
+                                    f"{line[:80]!r}")
+        return events
+
+    def read_all(self) -> list[dict]:
+        """Every complete line now, then close: for a file read once."""
+        try:
+            return self.read_new()
+        finally:
+            self.close()
+
+    def close(self):
+        self._closed = True
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 def rank_log_path(run_dir: str, rank: int) -> str:
@@ -64,7 +95,7 @@ def step_events_per_run(run_dir: str, rank: int) -> list[list[dict]]:
     """A rank's step events from its log, one list per training run in it: a launch that
     trains several configs one after another (train_with_state) starts each with "start"."""
     runs: list[list[dict]] = []
-    for e in LogTail(rank_log_path(run_dir, rank)).read_new():
+    for e in LogTail(rank_log_path(run_dir, rank)).read_all():
         if e["kind"] == "start":
             runs.append([])
         elif e["kind"] == "step":

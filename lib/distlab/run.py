@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+import warnings
 import weakref
 
 from distlab.config import RunConfig
@@ -68,6 +69,8 @@ class Run:
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self._stopping = False
+        self.problems: list[str] = []  # what went wrong around the run, not in it (reported once)
+        self._reported = False
         if self.processes:
             _live_runs.add(self)
             self._monitor = threading.Thread(target=self._watch, daemon=True,
@@ -79,6 +82,9 @@ class Run:
     # -- reading ---------------------------------------------------------------------------
     def _read(self) -> list[dict]:
         new = [e for t in self._tails for e in t.read_new()]
+        for t in self._tails:
+            self.problems += t.skipped
+            t.skipped = []
         if new:
             with self._lock:
                 self.events.extend(new)
@@ -133,8 +139,10 @@ class Run:
                 time.sleep(POLL_S)
         except BaseException as e:  # noqa: BLE001 - the monitor must never die silently
             self.error = RunError(-1, f"run monitor crashed: {e!r}")
-            self._end_processes()
-            self._finish("failed")
+            try:
+                self._end_processes()
+            finally:
+                self._finish("failed")
 
     def _fail(self):
         deadline = time.time() + FAILURE_GRACE_S
@@ -192,17 +200,26 @@ class Run:
                 p.join(5.0)
 
     def _finish(self, status: str):
-        for p in self.processes:
-            p.join(5.0)
-        self.status = status
-        self.ended = time.time()
-        self._store = None  # closes the rendezvous port
+        """Record the outcome. Never raises: a folder deleted, made read-only or on a full disk
+        costs status.json (noted in `problems`), not the outcome."""
+        if self._finished.is_set():
+            return
         try:
+            for p in self.processes:
+                p.join(5.0)
+            self.status = status
+            self.ended = time.time()
+            self._store = None  # closes the rendezvous port
+            for t in self._tails:
+                t.close()
             with open(os.path.join(self.dir, "status.json"), "w") as f:
                 json.dump({"status": status, "started": self.started, "ended": self.ended,
                            "pids": self.pids,
                            "error": self.error.as_dict() if self.error else None}, f, indent=1)
-        finally:  # a folder deleted under a live run must not leave wait() hanging
+        except OSError as e:
+            self.problems.append(f"could not write {self.dir}/status.json ({e}): the run "
+                                 f"ended {status}, but Run.load will not know it")
+        finally:  # nothing may leave wait() hanging
             self._finished.set()
 
     # -- control ---------------------------------------------------------------------------
@@ -216,9 +233,18 @@ class Run:
         except BaseException:
             self.stop()
             raise
+        self._report_problems()
         if self.error is not None:
             raise self.error
         return self
+
+    def _report_problems(self):
+        """Once, in the caller's thread: what went wrong around the run (its folder deleted,
+        a full disk, a corrupt event line), as a warning; the outcome is still the ranks'."""
+        if self.problems and not self._reported:
+            self._reported = True
+            warnings.warn(f"run {os.path.basename(self.dir)}: " + "; ".join(self.problems),
+                          RuntimeWarning, stacklevel=3)
 
     def preempt(self, grace_s: float = 120.0) -> "Run":
         """Preempt the whole job as a cloud reclaims a spot instance: SIGTERM to every rank (the
@@ -265,6 +291,8 @@ class Run:
         world = cfg.processes if cfg else len(glob.glob(os.path.join(path, "rank*.jsonl")))
         run = cls(path, cfg=cfg, world_size=world)
         run._read()
+        for t in run._tails:  # a snapshot: the files are not watched
+            t.close()
         status_path = os.path.join(path, "status.json")
         if os.path.exists(status_path):
             with open(status_path) as f:

@@ -62,7 +62,7 @@ def attempts(run_dir: str, rank: int = 0) -> list[list[dict]]:
     """A rank's events cut at each "start": one list per worker process torchrun started, or
     per config of a launch that trained several in turn."""
     out: list[list[dict]] = []
-    for e in LogTail(rank_log_path(run_dir, rank)).read_new():
+    for e in LogTail(rank_log_path(run_dir, rank)).read_all():
         if e["kind"] == "start":
             out.append([])
         if out:

@@ -1,0 +1,49 @@
+"""Nothing kills a run's monitor: a run folder deleted while the run goes on, or a line in an
+event log that is not JSON. The ranks and the caller keep their state, wait() returns the real
+outcome with every step the ranks reported, and the problem is reported once, as a warning."""
+
+import shutil
+import time
+import warnings
+
+import pytest
+
+from distlab import RunConfig, launch
+from distlab.events import rank_log_path
+
+TINY = dict(global_batch=4, seq_len=8, n_layer=1, n_embd=16, n_head=2, timeout_s=30)
+
+
+def _wait_for_steps(run, n):
+    deadline = time.time() + 60
+    while run.steps_done() < n and time.time() < deadline:
+        time.sleep(0.05)
+    assert run.steps_done() >= n
+
+
+def test_a_run_folder_deleted_mid_run_still_reports_every_step(tmp_path):
+    cfg = RunConfig(strategy="allreduce", world_size=2, steps=30, step_delay_s=0.05,
+                    runs_root=str(tmp_path), **TINY)
+    run = launch(cfg)
+    _wait_for_steps(run, 2)
+    shutil.rmtree(run.dir)  # a user cleaning runs/
+    with pytest.warns(RuntimeWarning, match="status.json") as seen:
+        run.wait(timeout=120)
+    assert run.status == "done" and run.error is None
+    assert len(run.losses()) == 30  # the ranks' open files were read to their end
+    run.wait()  # reported once: a second wait() warns no more
+    assert len([w for w in seen if "status.json" in str(w.message)]) == 1
+
+
+def test_a_corrupt_event_line_is_skipped_and_reported(tmp_path):
+    cfg = RunConfig(strategy="allreduce", world_size=2, steps=20, step_delay_s=0.05,
+                    runs_root=str(tmp_path), **TINY)
+    run = launch(cfg)
+    _wait_for_steps(run, 2)
+    with open(rank_log_path(run.dir, 1), "a") as f:  # a line no rank wrote
+        f.write("{not json\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run.wait(timeout=120)
+    assert run.status == "done" and len(run.losses()) == 20
+    assert any("not JSON" in str(w.message) and "rank1.jsonl" in str(w.message) for w in seen)

@@ -4,7 +4,9 @@ chunks per rank, interleaved), activations sent forward and gradients sent back 
     rank 0: tok/pos emb + blocks[0:L/p]  --act-->  rank 1: blocks[L/p:2L/p]  ...  rank p-1: ... + ln_f, head, loss
             <--grad--                                <--grad--
 
-A schedule is data: for each rank, the list of (op, microbatch, chunk) it runs in order, op "F"
+The executor is written once, for any stage modules: `PipelineSchedule` (exported from distlab;
+step(x, y) as torch.distributed.pipelining's schedules); the `pp` strategy gives it the GPT's
+stages (GPTStage). A schedule is data: for each rank, the list of (op, microbatch, chunk) it runs in order, op "F"
 (forward) or "B" (backward); chunk c of rank r is global stage s = c·p + r (Megatron's loop
 placement). `make_schedule` is a pure function, so schedules are unit-tested and plotted
 without processes; `simulate` runs one with fixed op costs to give its ideal timeline.

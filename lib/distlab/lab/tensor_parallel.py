@@ -94,6 +94,11 @@ class _Recorder:
         return self._done(kind, out)
 
 
+def _on_grad(out, rec, name):
+    if out.requires_grad:
+        out.register_hook(lambda g: rec.events.append(("grad", name)))
+
+
 def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
     """One forward and backward of cfg's GPT wrapped by TensorParallel (one rank, recording):
     one row per collective in the order issued, {"phase", "kind", "inside", "after",
@@ -113,7 +118,9 @@ def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
         if name and not list(m.children()):  # leaves: linears, LayerNorms, embeddings
             m.register_forward_pre_hook(lambda *_, n=name: rec.events.append(("enter", n)))
             m.register_forward_hook(lambda *_, n=name: rec.events.append(("leave", n)))
-            m.register_full_backward_pre_hook(lambda *_, n=name: rec.events.append(("grad", n)))
+            # the output's gradient, by a tensor hook: a module backward hook would wrap the
+            # inputs in new tensors, and q, k, v would no longer share one f (tp._RegionEntry)
+            m.register_forward_hook(lambda m, i, out, n=name: _on_grad(out, rec, n))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     with warnings.catch_warnings():  # token ids need no gradient: hooks fire on outputs
         warnings.simplefilter("ignore", UserWarning)

@@ -4,7 +4,9 @@ chunks per rank, interleaved), activations sent forward and gradients sent back 
     rank 0: tok/pos emb + blocks[0:L/p]  --act-->  rank 1: blocks[L/p:2L/p]  ...  rank p-1: ... + ln_f, head, loss
             <--grad--                                <--grad--
 
-A schedule is data: for each rank, the list of (op, microbatch, chunk) it runs in order, op "F"
+The executor is written once, for any stage modules: `PipelineSchedule` (exported from distlab;
+step(x, y) as torch.distributed.pipelining's schedules); the `pp` strategy gives it the GPT's
+stages (GPTStage). A schedule is data: for each rank, the list of (op, microbatch, chunk) it runs in order, op "F"
 (forward) or "B" (backward); chunk c of rank r is global stage s = c·p + r (Megatron's loop
 placement). `make_schedule` is a pure function, so schedules are unit-tested and plotted
 without processes; `simulate` runs one with fixed op costs to give its ideal timeline.
@@ -29,9 +31,11 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.comm import Comm
 from distlab.parallel.base import Strategy
 
 # The convention each textbook formula uses (see bubble_formula).
@@ -176,38 +180,155 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = N
     return ideal if of == "ideal" else ideal / (1 + ideal)
 
 
-# -- the strategy ------------------------------------------------------------------------------
-def pipeline_shape(cfg) -> tuple[int, int, int, int]:
-    """(p ranks, m micro-batches, v model chunks per rank, S = p·v stages) of a config."""
-    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-    return cfg.pp, cfg.microbatches, v, cfg.pp * v
+# -- the schedule, run over any stage modules -------------------------------------------------
+# A stage's output shape travels once, in a header sent before its first activation: dtype (an
+# index into _DTYPES), the number of dims, the dims. Fixed size, so the receiver can post it.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.bool)
+_MAX_DIMS = 6
 
 
-class PipelineParallel(Strategy):
-    """`pp`: this rank holds stages rank_stages(rank, pp, v) and runs cfg.schedule."""
-    name = "pp"
-    any_model = False  # distlab's GPT only (Strategy.any_model)
-    degrees = frozenset({"pp"})
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise TypeError(f"a stage's output goes to the next stage as one tensor of at most "
+                        f"{_MAX_DIMS} dims and a dtype in {_DTYPES}; got {t.dtype}, "
+                        f"{t.dim()} dims")
+    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
 
-    def __init__(self, cfg, comm):
-        super().__init__(cfg, comm)
-        self.p, self.m, self.v, self.S = pipeline_shape(cfg)
-        self.schedule = make_schedule(cfg.schedule, self.p, self.m, self.v)[self.rank]
-        self.delay = cfg.pp_op_delay_s
-        self._info = {}
 
-    def wrap(self, model):
-        model = split_model(model, self.rank, self.p, self.v)
-        self.after_model_split(model)
-        return model
+def _from_header(h: torch.Tensor) -> tuple[tuple, torch.dtype]:
+    n = int(h[1])
+    return tuple(int(d) for d in h[2:2 + n]), _DTYPES[int(h[0])]
 
-    def after_model_split(self, model) -> None:
-        """Remember where the parameters' storage is, so stashed activations do not count it
-        (called again in 3d once ZeRO has moved the parameters into its flat buffers)."""
-        self._param_ptrs = {q.untyped_storage().data_ptr() for q in model.parameters()}
 
-    def batch(self, data, step):
-        return data.rank_batch(step, self.cfg.global_batch, 0, 1)  # every stage: whole batch
+class PipelineSchedule:
+    """A pipeline over stage modules the caller built, one group rank per stage (or v stages
+    per rank, interleaved), modelled on torch.distributed.pipelining's ScheduleGPipe /
+    Schedule1F1B `step()`:
+
+        sched = distlab.PipelineSchedule(my_stage, schedule="1f1b", n_microbatches=4,
+                                         loss_fn=F.mse_loss)
+        loss = sched.step(x, y)   # the loss on the rank holding the last stage, else None
+
+    stages          this rank's stage: a module taking one tensor and returning one; or a
+                    list of v modules for "interleaved" (chunk c is global stage c·p + rank)
+    schedule        "naive", "gpipe", "1f1b" or "interleaved" (make_schedule)
+    n_microbatches  m: step() cuts x and y into m equal micro-batches along dim 0
+    loss_fn         loss_fn(last stage's output, y's micro-batch), a mean over its rows
+    group / comm    a process group (default: the world), or a distlab Comm to go through
+    n_stages        optional: the total the caller built, checked against ranks × v
+    timed           barriers at both ends of step() and a timeline in `info` (events, busy,
+                    bubble, stashed activation bytes); op_delay_s: a sleep per op (demos)
+
+    step(x, y) leaves in each stage's .grad the gradient of the mean of the m micro-batch
+    losses (each loss is divided by m before its backward), i.e. of the whole batch's mean
+    loss; the rank holding stage 0 needs x, the one holding the last stage y (others may
+    pass them too). Activation shapes are not assumed: each stage learns its input's shape
+    and dtype from a small header its predecessor sends with its first activation (one per
+    stage boundary, first step only, booked as "pp_shapes" on a Comm of its own so a step's
+    pp bytes stay the activations' and gradients'). Every later step must use the first
+    step's micro-batch shape (as in torch's pipelining): a change raises.
+    """
+
+    def __init__(self, stages, schedule: str = "1f1b", n_microbatches: int = 1, loss_fn=None,
+                 group=None, n_stages: int | None = None, comm: Comm | None = None,
+                 timed: bool = False, op_delay_s: float = 0.0):
+        self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        self.comm = comm if comm is not None else Comm(group)
+        self.p, self.rank, self.v, self.m = (self.comm.world, self.comm.rank, len(self.stages),
+                                             n_microbatches)
+        self.S, self.kind, self.loss_fn = self.p * self.v, schedule, loss_fn
+        self._agree(self._problem(n_stages))
+        self.ids = rank_stages(self.rank, self.p, self.v)
+        self.ops = make_schedule(schedule, self.p, self.m, self.v)[self.rank]
+        self.meta = Comm(self.comm.group, name=self.comm.name)  # the shape headers
+        self.inputs: dict[int, tuple] = {}  # stage -> (shape, dtype) of its input micro-batch
+        self.outputs: dict[int, tuple] = {}  # stage -> (shape, dtype) its header announced
+        self.timed, self.delay, self.info = timed, op_delay_s, {}
+        self._in_step = False
+        for c, st in enumerate(self.stages):
+            st._distlab_pipeline = self
+            st.register_forward_pre_hook(lambda mod, args, s=self.ids[c]: self._outside(s))
+
+    # -- construction checks: every rank raises the same error, none waits on a peer ----------
+    def _problem(self, n_stages) -> str | None:
+        if self.kind not in FORMULA_CONVENTION:
+            return f"schedule={self.kind!r} is not one of {', '.join(FORMULA_CONVENTION)}"
+        if not self.stages or not all(isinstance(s, nn.Module) for s in self.stages):
+            return "stages must be this rank's stage module, or a list of them (interleaved)"
+        if self.v > 1 and self.kind != "interleaved":
+            return (f"schedule {self.kind!r} runs one stage per rank and this rank has "
+                    f"{self.v}: pass one module, or use schedule='interleaved'")
+        if n_stages is not None and n_stages != self.S:
+            return (f"n_stages={n_stages} stages do not fit {self.p} ranks holding {self.v} "
+                    f"each ({self.S}): launch {n_stages // self.v or 1} ranks, or build "
+                    f"{self.S} stages")
+        if self.m < 1:
+            return f"n_microbatches={self.m}: need at least 1"
+        if any(getattr(s, "_distlab_pipeline", None) is not None for s in self.stages):
+            return ("a stage module is already in a PipelineSchedule: one schedule per stage "
+                    "(its hooks and shape headers belong to the first)")
+        if self.kind == "interleaved" and self.m % self.p:
+            return (f"interleaved needs n_microbatches ({self.m}) divisible by the {self.p} "
+                    f"ranks")
+        return None
+
+    def _agree(self, problem):
+        last = (self.S - 1) % self.p  # holds the last stage, which needs loss_fn
+        if problem is None and self.rank == last and self.loss_fn is None:
+            problem = "the rank holding the last stage needs loss_fn (loss_fn(output, y))"
+        mine = (problem, self.v, self.kind, self.m)
+        every = [None] * self.p
+        dist.all_gather_object(every, mine, group=self.comm.group)
+        for r, (prob, *_) in enumerate(every):
+            if prob is not None:
+                raise ValueError(f"PipelineSchedule (rank {r}): {prob}")
+        if len({tuple(e[1:]) for e in every}) > 1:
+            raise ValueError("the ranks disagree on (stages per rank, schedule, "
+                             f"n_microbatches): {[tuple(e[1:]) for e in every]}; every rank "
+                             "must build its schedule with the same settings")
+
+    def _outside(self, stage):
+        if not self._in_step and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"this module is stage {stage} of {self.S} of a distlab.PipelineSchedule: "
+                f"called directly it computes only its stage, and a loss and backward from it "
+                f"would train part of the model on the wrong target; train with "
+                f"schedule.step(x, y), or call it under torch.no_grad() to inspect its output")
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, x=None, y=None, scale_loss=None):
+        """Forward and backward of every micro-batch in this rank's schedule order. Returns
+        the mean micro-batch loss on the rank holding the last stage, None elsewhere.
+        scale_loss: applied to each micro-batch loss before its backward (loss scaling)."""
+        xs = self._split(x, "x") if 0 in self.ids else None
+        ys = self._split(y, "y") if self.S - 1 in self.ids else None
+        if xs is not None:
+            meta = (tuple(xs[0].shape), xs[0].dtype)
+            self._same_shape(0, meta, "micro-batch input", self.inputs)
+        self._in_step = True
+        try:
+            return self._run(xs, ys, scale_loss or (lambda loss: loss))
+        finally:
+            self._in_step = False
+
+    def _split(self, t, name):
+        if t is None:
+            need = "stage 0" if name == "x" else "the last stage"
+            raise ValueError(f"this rank holds {need}: pass {name} to step()")
+        if t.shape[0] % self.m:
+            raise ValueError(f"{name} has {t.shape[0]} rows, not divisible into "
+                             f"n_microbatches={self.m} equal micro-batches")
+        return t.chunk(self.m)
+
+    def _same_shape(self, stage, meta, what, seen):
+        if seen.setdefault(stage, meta) != meta:
+            raise ValueError(f"stage {stage}'s {what} is {meta}, not the first step's "
+                             f"{seen[stage]}: activation shapes are learnt once; keep the "
+                             f"micro-batch shape fixed, or build a new PipelineSchedule")
 
     def _peer(self, stage):
         return stage % self.p
@@ -215,83 +336,162 @@ class PipelineParallel(Strategy):
     def _tag(self, mb, stage, backward):
         return (mb * self.S + stage) * 2 + int(backward)
 
-    def forward_backward(self, model, x, y, scale_loss):
-        xs, ys = x.chunk(self.m), y.chunk(self.m)
-        shape = (xs[0].shape[0], xs[0].shape[1], self.cfg.n_embd)
-        dtype = next(model.parameters()).dtype
-        stash, sends, events, loss = {}, [], [], None
-        live_bytes = peak_bytes = 0
-        # a common step start: otherwise one rank's optimizer step and logging show up as the
-        # next rank's idle time in the next step's timeline
-        self.comm.barrier()
-        t_start = time.perf_counter()
+    def _header_tag(self, stage):
+        return 2 * self.m * self.S + stage  # past every activation and gradient tag
 
-        def record(op, mb, c, t0):
-            events.append({"op": op, "mb": mb, "chunk": c, "t0": t0 - t_start,
-                           "t1": time.perf_counter() - t_start})
-
-        for op, mb, c in self.schedule:
-            s = c * self.p + self.rank
+    def _run(self, xs, ys, scale_loss):
+        self.stash, self.sends, self.events, self.loss = {}, [], [], None
+        self.live_bytes = self.peak_bytes = 0
+        self.params = {q.untyped_storage().data_ptr() for st in self.stages
+                       for q in st.parameters()}
+        if self.timed:  # a common step start: a rank's last step must not show as idle here
+            self.comm.barrier()
+        self.t_start = time.perf_counter()
+        for op, mb, c in self.ops:
             if op == "F":
-                if s == 0:
-                    inp = xs[mb]
-                else:
-                    t0 = time.perf_counter()
-                    inp = torch.empty(shape, dtype=dtype, device=x.device)
-                    self.comm.recv(inp, self._peer(s - 1), "pp_recv_act", self._tag(mb, s, False))
-                    record("recv", mb, c, t0)
-                    inp.requires_grad_()
-                t0 = time.perf_counter()
-                saved = _SavedBytes(self._param_ptrs)
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                    out = stage_forward(model, s, self.S, inp, ys[mb] if s == self.S - 1 else None)
-                if s == self.S - 1:
-                    out = out / self.m
-                    loss = (loss or 0.0) + out.item()
-                self._sleep()
-                record("F", mb, c, t0)
-                live_bytes += saved.bytes
-                peak_bytes = max(peak_bytes, live_bytes)
-                stash[(mb, c)] = (inp, out, saved.bytes)
-                if s < self.S - 1:
-                    t0 = time.perf_counter()
-                    sends.append(self.comm.isend(out.detach(), self._peer(s + 1), "pp_send_act",
-                                                 self._tag(mb, s + 1, False)))
-                    record("send", mb, c, t0)
+                self._forward(mb, c, xs, ys)
             else:
-                inp, out, nbytes = stash.pop((mb, c))
-                if s == self.S - 1:
-                    grad = None
-                else:
-                    t0 = time.perf_counter()
-                    grad = torch.empty_like(out)
-                    self.comm.recv(grad, self._peer(s + 1), "pp_recv_grad", self._tag(mb, s, True))
-                    record("recv", mb, c, t0)
-                t0 = time.perf_counter()
-                if grad is None:
-                    scale_loss(out).backward()
-                else:
-                    torch.autograd.backward(out, grad)
-                self._sleep()
-                record("B", mb, c, t0)
-                live_bytes -= nbytes
-                if s > 0:
-                    t0 = time.perf_counter()
-                    sends.append(self.comm.isend(inp.grad, self._peer(s - 1), "pp_send_grad",
-                                                 self._tag(mb, s - 1, True)))
-                    record("send", mb, c, t0)
-        for w in sends:
+                self._backward(mb, c, scale_loss)
+        for w in self.sends:
             w.wait()
-        self.comm.barrier()  # a common step end: the pipeline's step is the slowest rank's
-        step_s = time.perf_counter() - t_start
-        self._info = timeline(events, step_s)
-        self._info.update(schedule=self.cfg.schedule, stages=rank_stages(self.rank, self.p, self.v),
-                          peak_in_flight=in_flight(self.schedule), peak_stash_bytes=peak_bytes)
-        return loss
+        if self.timed:
+            self.comm.barrier()  # a common step end: the pipeline's step is the slowest rank's
+            self.info = timeline(self.events, time.perf_counter() - self.t_start)
+            self.info.update(schedule=self.kind, stages=self.ids, peak_stash_bytes=self.peak_bytes,
+                             peak_in_flight=in_flight(self.ops))
+        return self.loss
+
+    def _record(self, op, mb, c, t0):
+        self.events.append({"op": op, "mb": mb, "chunk": c, "t0": t0 - self.t_start,
+                            "t1": time.perf_counter() - self.t_start})
+
+    def _forward(self, mb, c, xs, ys):
+        s = self.ids[c]
+        inp = xs[mb] if s == 0 else self._receive_activation(mb, s, c)
+        t0 = time.perf_counter()
+        saved = _SavedBytes(self.params)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out = self.stages[c](inp)
+            if s == self.S - 1:  # the mean over micro-batches: each loss / m
+                out = self.loss_fn(out, ys[mb]) / self.m
+                self.loss = (self.loss or 0.0) + out.item()
+        self._sleep()
+        self._record("F", mb, c, t0)
+        self.live_bytes += saved.bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.stash[(mb, c)] = (inp, out, saved.bytes)
+        if s < self.S - 1:
+            self._send_activation(out, mb, s, c)
+
+    def _receive_activation(self, mb, s, c):
+        t0 = time.perf_counter()
+        if s not in self.inputs:  # first step: the shape header comes first
+            h = self.meta.recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64), self._peer(s - 1),
+                               "pp_shapes", self._header_tag(s))
+            self.inputs[s] = _from_header(h)
+        shape, dtype = self.inputs[s]
+        inp = torch.empty(shape, dtype=dtype)
+        self.comm.recv(inp, self._peer(s - 1), "pp_recv_act", self._tag(mb, s, False))
+        self._record("recv", mb, c, t0)
+        return inp.requires_grad_() if inp.is_floating_point() else inp
+
+    def _send_activation(self, out, mb, s, c):
+        if not torch.is_tensor(out):
+            raise TypeError(f"stage {s} returned a {type(out).__name__}: a stage before the "
+                            f"last must return one tensor (the next stage's input)")
+        t0 = time.perf_counter()
+        meta = (tuple(out.shape), out.dtype)
+        if s not in self.outputs:
+            self.sends.append(self.meta.isend(_header(out), self._peer(s + 1), "pp_shapes",
+                                              self._header_tag(s + 1)))
+        self._same_shape(s, meta, "output", self.outputs)
+        self.sends.append(self.comm.isend(out.detach(), self._peer(s + 1), "pp_send_act",
+                                          self._tag(mb, s + 1, False)))
+        self._record("send", mb, c, t0)
+
+    def _backward(self, mb, c, scale_loss):
+        s = self.ids[c]
+        inp, out, nbytes = self.stash.pop((mb, c))
+        grad = None
+        if s < self.S - 1:
+            t0 = time.perf_counter()
+            grad = self.comm.recv(torch.empty_like(out), self._peer(s + 1), "pp_recv_grad",
+                                  self._tag(mb, s, True))
+            self._record("recv", mb, c, t0)
+        t0 = time.perf_counter()
+        if grad is None:
+            scale_loss(out).backward()
+        else:
+            torch.autograd.backward(out, grad)
+        self._sleep()
+        self._record("B", mb, c, t0)
+        self.live_bytes -= nbytes
+        if s > 0:
+            t0 = time.perf_counter()
+            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self.sends.append(self.comm.isend(g, self._peer(s - 1), "pp_send_grad",
+                                              self._tag(mb, s - 1, True)))
+            self._record("send", mb, c, t0)
 
     def _sleep(self):
         if self.delay:  # equal, known stage costs, so the measured bubble can meet the formula
             time.sleep(self.delay)
+
+
+# -- the strategy: distlab's GPT cut into stages, run by PipelineSchedule ------------------------
+class GPTStage(nn.Module):
+    """One global stage of the split GPT as a module: forward(h) -> h (logits on the last).
+    It registers only its own stage's modules: with v stages per rank, torch's pipelining
+    scales (and zeroes) each stage's parameters' gradients, so stages must not share any."""
+
+    def __init__(self, gpt, stage, n_stages):
+        super().__init__()
+        self._gpt, self.stage, self.n_stages = [gpt], stage, n_stages  # a list: not registered
+        names = [str(i) for i in stage_blocks(len(gpt.blocks), n_stages, stage)]
+        names += ["tok_emb", "pos_emb"] if stage == 0 else []
+        names += ["ln_f", "head"] if stage == n_stages - 1 else []
+        self.parts = nn.ModuleDict({n: gpt.blocks[int(n)] if n.isdigit() else getattr(gpt, n)
+                                    for n in names})
+
+    def forward(self, h):
+        return stage_forward(self._gpt[0], self.stage, self.n_stages, h)
+
+
+def gpt_loss(logits, targets):
+    """GPT.forward's loss, on the last stage's logits."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def pipeline_shape(cfg) -> tuple[int, int, int, int]:
+    """(p ranks, m micro-batches, v model chunks per rank, S = p·v stages) of a config."""
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    return cfg.pp, cfg.microbatches, v, cfg.pp * v
+
+
+class PipelineParallel(Strategy):
+    """`pp`: this rank holds stages rank_stages(rank, pp, v) of the GPT and runs cfg.schedule
+    with PipelineSchedule (timed: its timeline is the step's "pipeline" field)."""
+    name = "pp"
+    any_model = False  # distlab's GPT only (Strategy.any_model)
+    degrees = frozenset({"pp"})
+
+    def __init__(self, cfg, comm):
+        super().__init__(cfg, comm)
+        self.p, self.m, self.v, self.S = pipeline_shape(cfg)
+
+    def wrap(self, model):
+        model = split_model(model, self.rank, self.p, self.v)
+        stages = [GPTStage(model, s, self.S) for s in rank_stages(self.rank, self.p, self.v)]
+        self.sched = PipelineSchedule(stages, self.cfg.schedule, self.m, gpt_loss,
+                                      n_stages=self.S, comm=self.comm, timed=True,
+                                      op_delay_s=self.cfg.pp_op_delay_s)
+        return model
+
+    def batch(self, data, step):
+        return data.rank_batch(step, self.cfg.global_batch, 0, 1)  # every stage: whole batch
+
+    def forward_backward(self, model, x, y, scale_loss):
+        return self.sched.step(x, y, scale_loss=scale_loss)
 
     def clip_gradients(self, model, max_norm):
         """The global norm: each stage's squared norm, summed across stages."""
@@ -304,7 +504,7 @@ class PipelineParallel(Strategy):
         return norm
 
     def step_info(self):
-        return {"pipeline": self._info}
+        return {"pipeline": self.sched.info}
 
 
 class _SavedBytes:

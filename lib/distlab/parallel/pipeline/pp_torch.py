@@ -7,34 +7,15 @@ as GPipe (same gradients, different timeline).
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from distlab.parallel.base import Strategy
-from distlab.parallel.pipeline.pp import (pipeline_shape, rank_stages, split_model, stage_blocks,
-                                         stage_forward)
-
-
-class _Stage(nn.Module):
-    """One global stage of the split GPT as a module: forward(h) -> h (or logits, last).
-    It registers only its own stage's modules: with v stages per rank, torch scales (and
-    zeroes) each stage's parameters' gradients, so stages must not share parameters."""
-
-    def __init__(self, gpt, stage, n_stages):
-        super().__init__()
-        self._gpt, self.stage, self.n_stages = [gpt], stage, n_stages  # a list: not registered
-        names = [str(i) for i in stage_blocks(len(gpt.blocks), n_stages, stage)]
-        names += ["tok_emb", "pos_emb"] if stage == 0 else []
-        names += ["ln_f", "head"] if stage == n_stages - 1 else []
-        self.parts = nn.ModuleDict({n: gpt.blocks[int(n)] if n.isdigit() else getattr(gpt, n)
-                                    for n in names})
-
-    def forward(self, h):
-        return stage_forward(self._gpt[0], self.stage, self.n_stages, h)
-
-
-def _loss(logits, targets):
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+from distlab.parallel.pipeline.pp import (
+    GPTStage,
+    gpt_loss,
+    pipeline_shape,
+    rank_stages,
+    split_model,
+)
 
 
 class TorchPP(Strategy):
@@ -56,14 +37,18 @@ class TorchPP(Strategy):
         return data.rank_batch(step, self.cfg.global_batch, 0, 1)
 
     def _build(self, model, device):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
-        stages = [PipelineStage(_Stage(model, s, self.S), s, self.S, device)
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+        stages = [PipelineStage(GPTStage(model, s, self.S), s, self.S, device)
                   for s in self.stage_ids]
         if self.cfg.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, n_microbatches=self.m, loss_fn=_loss)
+            return ScheduleInterleaved1F1B(stages, n_microbatches=self.m, loss_fn=gpt_loss)
         kind = Schedule1F1B if self.cfg.schedule == "1f1b" else ScheduleGPipe
-        return kind(stages[0], n_microbatches=self.m, loss_fn=_loss)
+        return kind(stages[0], n_microbatches=self.m, loss_fn=gpt_loss)
 
     def forward_backward(self, model, x, y, scale_loss):
         if self.sched is None:

@@ -19,18 +19,26 @@ stores 1/t of the LayerNorm activations.
 Replicated modules (embeddings, LayerNorms, head) see identical inputs on every rank without SP,
 so their gradients are identical on every rank and need no communication. With SP a LayerNorm
 (and the bias of a row-parallel layer, added after the reduce-scatter) sees only this rank's
-part of the sequence: its gradient is a partial sum, all-reduced in `reduce_gradients`.
+part of the sequence: its gradient is a partial sum, all-reduced when backward finishes
+(`_PartialGrads`, autograd's final callback).
 
-The plan is data (`plan_table`, `tp_plan`): the model knows nothing about parallelism; `wrap`
-replaces modules from outside by name.
+It is written once, for any module: `parallelize_module(module, plan)` with the styles
+ColwiseParallel, RowwiseParallel, SequenceParallel and PrepareModuleInput (torch's names),
+exported from distlab. The `tp` strategy applies it with the GPT's plan (`plan_table` as data,
+`gpt_plan` as styles, `tp_plan` with shapes): the model knows nothing about parallelism; the
+plan replaces modules from outside by name.
 """
 
 from __future__ import annotations
+
+import fnmatch
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.comm import Comm
 from distlab.parallel.base import Strategy
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
@@ -53,10 +61,17 @@ def _gather_seq(comm, x):
     return out.view(comm.world, B, Tl, d).transpose(0, 1).reshape(B, comm.world * Tl, d)
 
 
+def _check_seq(comm, T):
+    if T % comm.world:
+        raise ValueError(f"sequence parallel cuts dim 1 into {comm.world} equal blocks; its "
+                         f"length {T} is not divisible by {comm.world}: pad the sequence")
+
+
 def _reduce_scatter_seq(comm, x):
     """(B, T, d) partial sums on each rank -> this rank's (B, T/t, d) block of their sum."""
     B, T, d = x.shape
     t = comm.world
+    _check_seq(comm, T)
     blocks = x.reshape(B, t, T // t, d).transpose(0, 1).contiguous().view(-1)
     out = torch.empty(B * (T // t) * d, dtype=x.dtype)
     comm.reduce_scatter_async(out, blocks, kind=KINDS["reduce_scatter"]).wait()
@@ -64,6 +79,7 @@ def _reduce_scatter_seq(comm, x):
 
 
 def _slice_seq(comm, x):
+    _check_seq(comm, x.shape[1])
     Tl = x.shape[1] // comm.world
     return x[:, comm.rank * Tl:(comm.rank + 1) * Tl].contiguous()
 
@@ -143,26 +159,62 @@ class GatherSeqToReplicated(torch.autograd.Function):
 
 
 # -- the layers --------------------------------------------------------------------------------
+class _RegionEntry:
+    """Where a tensor-parallel region starts: f (replicated input) or g_sp (sequence-sharded
+    input) before a column-parallel layer. Layers that read the same input tensor (q, k and v
+    read ln1's output) share one application, as in Megatron's attention: their input
+    gradients add up locally, then one all-reduce (or reduce-scatter) completes the sum,
+    instead of one per layer. Sums are linear, so sharing changes no value, only the count.
+    A tensor PrepareModuleInput already passed through g_sp (`prepared`) needs no entry."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._last = None  # (weak ref to the input, operator, output) of the latest entry
+        self._prepared: dict[int, weakref.ref] = {}
+
+    def prepare(self, y):
+        """y went through g_sp already (PrepareModuleInput): layers reading it take it as is."""
+        self._prepared = {k: r for k, r in self._prepared.items() if r() is not None}
+        self._prepared[id(y)] = weakref.ref(y)
+
+    def __call__(self, x, op):
+        ref = self._prepared.get(id(x))
+        if ref is not None and ref() is x:
+            return x
+        if self._last is not None:
+            src, last_op, y = self._last
+            if src() is x and last_op is op:
+                return y
+        y = op.apply(x, self.comm)
+        # the input weakly (a new batch is a new tensor); the output strongly, so q, k and v
+        # get the same one even when nothing saves it for backward (under no_grad)
+        self._last = (weakref.ref(x), op, y)
+        return y
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) across t ranks:
 
         X (B,T,in)  @  [ A_0 | A_1 | ... | A_t-1 ]  =  [ Y_0 | Y_1 | ... | Y_t-1 ]
                          in x out/t each                 rank r keeps Y_r (B,T,out/t)
 
-    Each rank needs the whole X (the region's entry operator, f or g_sp, provides it) and owns
+    Each rank needs the whole X: the region's entry operator (f, or g_sp when the input is
+    sequence-sharded) provides it, shared by the layers reading the same input. Rank r owns
     b_r. Stored like nn.Linear: weight is (out/t, in), rows r·out/t ... (r+1)·out/t.
     For q, k, v the column blocks are whole heads: out/t = (n_head/t)·head_dim."""
 
-    def __init__(self, linear: nn.Linear, rank: int, world: int):
+    def __init__(self, linear: nn.Linear, comm, entry: _RegionEntry, input_layout="replicate"):
         super().__init__()
-        n = linear.out_features // world
-        rows = slice(rank * n, (rank + 1) * n)
+        n = linear.out_features // comm.world
+        rows = slice(comm.rank * n, (comm.rank + 1) * n)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = (nn.Parameter(linear.bias.detach()[rows].clone())
                      if linear.bias is not None else None)
+        self.entry, self.input_layout = entry, input_layout
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        op = GatherSeq if self.input_layout == "sequence" else F_Copy
+        return F.linear(self.entry(x, op), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -173,20 +225,275 @@ class RowParallelLinear(nn.Module):
           rank r has X_r         [ ...   ]
                                  [ A_t-1 ]
 
-    Rank r computes X_r A_r (B,T,out), a partial sum; `exit` (g: all-reduce, or g_sp_bar:
-    reduce-scatter along T) sums them; then the replicated bias is added once.
-    Stored like nn.Linear: weight is (out, in/t), columns r·in/t ... (r+1)·in/t."""
+    Rank r computes X_r A_r (B,T,out), a partial sum; the region's exit (g: all-reduce, or
+    g_sp_bar: reduce-scatter along T when the output is sequence-sharded) sums them; then the
+    replicated bias is added once. Stored like nn.Linear: weight is (out, in/t), columns
+    r·in/t ... (r+1)·in/t."""
 
-    def __init__(self, linear: nn.Linear, rank: int, world: int, exit):
+    def __init__(self, linear: nn.Linear, comm, output_layout="replicate", name=""):
         super().__init__()
-        n = linear.in_features // world
-        self.weight = nn.Parameter(linear.weight.detach()[:, rank * n:(rank + 1) * n].clone())
+        n = linear.in_features // comm.world
+        cols = slice(comm.rank * n, (comm.rank + 1) * n)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.exit = exit
+        self.comm, self.output_layout, self.name = comm, output_layout, name
 
     def forward(self, x):
-        y = self.exit(F.linear(x, self.weight))
+        if x.shape[-1] != self.weight.shape[1]:
+            raise RuntimeError(
+                f"RowwiseParallel '{self.name}' takes this rank's block of its input features "
+                f"({self.weight.shape[1]} of them) and got {x.shape[-1]}: put ColwiseParallel "
+                f"on the linear layer that feeds it, whose output is that block")
+        exit_op = ReduceScatterSeq if self.output_layout == "sequence" else G_Reduce
+        y = exit_op.apply(F.linear(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias
+
+
+# -- the public plan styles (named as torch.distributed.tensor.parallel's) -----------------------
+LAYOUTS = ("replicate", "sequence")  # whole tensor on every rank / dim 1 cut into t blocks
+
+
+def _layout(value, what):
+    if value not in LAYOUTS:
+        raise ValueError(f"{what}={value!r} is not one of {LAYOUTS}: 'replicate' (the whole "
+                         f"tensor on every rank) or 'sequence' (dim 1 cut into a block per rank)")
+    return value
+
+
+class ColwiseParallel:
+    """nn.Linear split by output features: rank r keeps out_features/t of them, its output is
+    its block of the last dim. input_layout: "replicate" (Megatron's f enters the region) or
+    "sequence" (the input is a sequence shard from SequenceParallel: all-gathered first)."""
+
+    def __init__(self, input_layout: str = "replicate"):
+        self.input_layout = _layout(input_layout, "input_layout")
+
+    def apply(self, name, module, state):
+        _check_linear(self, name, module, "out_features", state.comm.world)
+        state.sharded[name] = "colwise"
+        return ColumnParallelLinear(module, state.comm, state.entry, self.input_layout)
+
+
+class RowwiseParallel:
+    """nn.Linear split by input features: takes the block a ColwiseParallel layer produced and
+    sums the ranks' partial outputs. output_layout: "replicate" (all-reduce: Megatron's g) or
+    "sequence" (reduce-scatter along dim 1, for SequenceParallel modules after it)."""
+
+    def __init__(self, output_layout: str = "replicate"):
+        self.output_layout = _layout(output_layout, "output_layout")
+
+    def apply(self, name, module, state):
+        _check_linear(self, name, module, "in_features", state.comm.world)
+        state.sharded[name] = "rowwise"
+        new = RowParallelLinear(module, state.comm, self.output_layout, name)
+        if self.output_layout == "sequence" and new.bias is not None:
+            state.partial_params.append(new.bias)  # added to 1/t of the sequence on each rank
+        return new
+
+
+class SequenceParallel:
+    """A norm or dropout run on this rank's block of the sequence (input and output
+    sequence-sharded, weights replicated). Its parameters' gradients are partial sums over
+    the ranks' blocks: they are all-reduced when backward returns."""
+
+    TYPES = (nn.LayerNorm, nn.Dropout) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+    def apply(self, name, module, state):
+        if not isinstance(module, self.TYPES):
+            raise TypeError(
+                f"SequenceParallel applies to {', '.join(t.__name__ for t in self.TYPES)}; "
+                f"'{name}' is a {type(module).__name__}. Modules that mix positions (attention) "
+                f"need the whole sequence: leave them out of the plan (ColwiseParallel with "
+                f"input_layout='sequence' gathers it for their linear layers)")
+        state.partial_params.extend(p for p in module.parameters() if p.requires_grad)
+        return module
+
+
+class PrepareModuleInput:
+    """Change the layout of a module's first positional input (names as torch's):
+
+      "replicate" -> "sequence"   keep this rank's block of dim 1: the residual stream enters
+                                  the sequence-parallel region (backward all-gathers)
+      "sequence" -> "replicate"   all-gather dim 1 for a module that needs the whole sequence:
+                                  use_local_output=False (default): its ColwiseParallel layers
+                                  read it (attention: q, k, v), Megatron's g_sp, their partial
+                                  input gradients reduce-scattered once; use_local_output=True:
+                                  plain replicated code reads it (the output head), its
+                                  gradient is whole on every rank and each keeps its block."""
+
+    def __init__(self, input_layout: str, desired_input_layout: str,
+                 use_local_output: bool = False):
+        self.src = _layout(input_layout, "input_layout")
+        self.dst = _layout(desired_input_layout, "desired_input_layout")
+        self.local = use_local_output
+        if self.src == self.dst:
+            raise ValueError(f"input_layout and desired_input_layout are both {self.src!r}: "
+                             f"nothing to prepare; leave this module out of the plan")
+
+    def apply(self, name, module, state):
+        module.register_forward_pre_hook(
+            lambda mod, args: (self._prepare(args[0], state), *args[1:]))
+        return module
+
+    def _prepare(self, x, state):
+        if self.dst == "sequence":
+            return SplitSeq.apply(x, state.comm)
+        if self.local:
+            return GatherSeqToReplicated.apply(x, state.comm)
+        y = GatherSeq.apply(x, state.comm)
+        state.entry.prepare(y)  # the column-parallel layers reading y: entry done
+        return y
+
+
+def _check_linear(style, name, module, dim, t):
+    kind = type(style).__name__
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"{kind} applies to nn.Linear; '{name}' is a {type(module).__name__}. "
+                        f"Name its linear layers in the plan (norms and dropout: "
+                        f"SequenceParallel; anything else stays replicated if left out)")
+    if getattr(module, dim) % t:
+        raise ValueError(f"{kind} on '{name}': {dim}={getattr(module, dim)} is not divisible by "
+                         f"the group's {t} ranks; each rank keeps an equal block, so choose a "
+                         f"width divisible by {t} (attention: heads divisible by {t})")
+
+
+# -- parallelize_module --------------------------------------------------------------------------
+class TensorParallelState:
+    """What parallelize_module did to a module (kept as module._distlab_tp): the group's
+    Comm, the sharded layers by name ("colwise"/"rowwise"), and the replicated parameters
+    whose gradients are partial sums (sequence parallel)."""
+
+    def __init__(self, comm):
+        self.comm, self.entry = comm, _RegionEntry(comm)
+        self.sharded: dict[str, str] = {}
+        self.partial_params: list[nn.Parameter] = []
+        self.partial_grads = None
+
+
+def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> nn.Module:
+    """Megatron tensor parallelism on any module, over a process group (default: the world).
+
+        model = distlab.parallelize_module(model, {"blocks.*.attn.q": distlab.ColwiseParallel(),
+                                                   "blocks.*.attn.o": distlab.RowwiseParallel()})
+
+    plan     module name (fnmatch pattern per dotted part, as torch's parallelize_module takes
+             them: "blocks.*.mlp.fc") -> ColwiseParallel(), RowwiseParallel(),
+             SequenceParallel() or PrepareModuleInput(...)
+    comm     a distlab.comm.Comm to communicate (and book bytes) through instead of one made
+             over `group`
+
+    Every rank first takes rank 0's parameters and buffers (broadcast), then keeps its block
+    of each sharded layer; the module changes in place (sharded layers are replaced) and is
+    returned: build the optimizer after this. Every rank feeds the whole batch. The replicated
+    parameters that see a sequence shard (SequenceParallel, and a RowwiseParallel bias with
+    output_layout="sequence") get the ranks' summed gradient when backward returns.
+    `full_state_dict(model)` gathers the whole weights (a collective)."""
+    if getattr(module, "_distlab_tp", None) is not None:
+        raise ValueError("this module is already tensor-parallel (parallelize_module ran on it): "
+                         "its layers hold 1/t blocks and would be split again; call it once, "
+                         "with every entry in one plan")
+    state = TensorParallelState(comm if comm is not None else Comm(group))
+    targets = _match(module, plan)
+    if state.comm.world > 1:
+        with torch.no_grad():  # every rank splits the same weights: rank 0's
+            for t in list(module.parameters()) + list(module.buffers()):
+                state.comm.broadcast(t.data, src=0)
+    for name, style in targets:
+        new = style.apply(name, module.get_submodule(name) if name else module, state)
+        if name:
+            parent, _, child = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, child, new)
+    if state.partial_params:
+        state.partial_grads = _PartialGrads(state.comm, state.partial_params)
+    module._distlab_tp = state
+    return module
+
+
+def _match(module, plan) -> list[tuple[str, object]]:
+    """(module name, style) for every plan entry, patterns expanded; each module once."""
+    names = [n for n, _ in module.named_modules() if n]
+    out, owner = [], {}
+    for pattern, style in plan.items():
+        if not hasattr(style, "apply"):
+            raise TypeError(f"plan[{pattern!r}] is a {type(style).__name__}, not a distlab style: "
+                            f"use distlab.ColwiseParallel(), RowwiseParallel(), "
+                            f"SequenceParallel() or PrepareModuleInput(...)")
+        hits = [n for n in names if _matches(n, pattern)]
+        if not hits:
+            raise ValueError(f"plan entry {pattern!r} matches no module of this "
+                             f"{type(module).__name__}; its names look like "
+                             f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+        for n in hits:
+            if n in owner:
+                raise ValueError(f"module '{n}' matches plan entries {owner[n]!r} and "
+                                 f"{pattern!r}: give each module one style")
+            owner[n] = pattern
+            out.append((n, style))
+    return out
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
+
+
+class _PartialGrads:
+    """Sequence parallel: each rank's gradient of these replicated parameters covers only its
+    block of the sequence. A hook on each takes the gradient as it arrives (letting zeros
+    accumulate), and autograd's final callback all-reduces them all in one flat buffer and
+    adds the sums to .grad: complete when backward returns, and correct under accumulation
+    (only this backward's part is summed, never what .grad already held)."""
+
+    def __init__(self, comm, params):
+        self.comm, self.params = comm, list(params)
+        self.arrived: dict[int, torch.Tensor] | None = None
+        for p in self.params:
+            p.register_hook(lambda g, p=p: self._arrive(p, g))
+
+    def _arrive(self, p, g):
+        if self.arrived is None:
+            self.arrived = {}
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self.arrived[id(p)] = g
+        return torch.zeros_like(g)
+
+    def _finish(self):
+        arrived, self.arrived = self.arrived, None
+        # every parameter, in the same order on every rank (zeros where none arrived)
+        parts = [arrived.get(id(p), torch.zeros_like(p)).reshape(-1) for p in self.params]
+        flat = torch.cat(parts)
+        self.comm.all_reduce_async(flat, kind=KINDS["grads"]).wait()
+        with torch.no_grad():
+            for p, g in zip(self.params, flat.split([p.numel() for p in self.params])):
+                g = g.view_as(p)
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """A tensor-parallel module's whole weights under its original names: the sharded layers'
+    blocks all-gathered from the group (a collective: every rank calls it)."""
+    state = getattr(module, "_distlab_tp", None)
+    sd = dict(module.state_dict())
+    if state is None:
+        return sd
+    for name, style in state.sharded.items():
+        try:
+            m = module.get_submodule(name)
+        except AttributeError:  # a pipeline stage that does not hold this layer (3d)
+            continue
+        for pname, p in m.named_parameters():
+            if style == "rowwise" and pname == "bias":
+                continue  # replicated
+            sd[f"{name}.{pname}"] = _gather_block(state.comm, p.detach(),
+                                                 0 if style == "colwise" else -1)
+    return sd
+
+
+def _gather_block(comm, x, dim):
+    x = x.contiguous()
+    out = torch.empty(comm.world * x.numel(), dtype=x.dtype)
+    comm.all_gather(out, x.view(-1))
+    return torch.cat(list(out.view(comm.world, *x.shape)), dim=dim)
 
 
 # -- the plan: module name -> style ------------------------------------------------------------
@@ -230,8 +537,24 @@ def tp_plan(model, tp: int, sp: bool = False) -> list:
     return rows
 
 
+def gpt_plan(n_layer: int, sp: bool = False) -> dict:
+    """plan_table as parallelize_module's plan. Without sp "region" rows need no style: the
+    column-parallel layers that read one input share their entry f (q, k, v: one all-reduce
+    backward); with sp the region's module gathers the sequence (g_sp) for its layers."""
+    styles = {"colwise": ColwiseParallel,
+              "rowwise": lambda: RowwiseParallel(output_layout="sequence" if sp else "replicate"),
+              "sequence": SequenceParallel,
+              "region": lambda: PrepareModuleInput("sequence", "replicate"),
+              "scatter_seq": lambda: PrepareModuleInput("replicate", "sequence"),
+              "gather_seq": lambda: PrepareModuleInput("sequence", "replicate",
+                                                       use_local_output=True)}
+    return {name: styles[style]() for name, style in plan_table(n_layer, sp).items()
+            if sp or style != "region"}
+
+
 class TensorParallel(Strategy):
-    """`tp`: Megatron tensor parallelism over all ranks (tp = world), optional sp."""
+    """`tp`: Megatron tensor parallelism over all ranks (tp = world), optional sp: the GPT's
+    plan (gpt_plan) applied by parallelize_module."""
     name = "tp"
     any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"tp"})
@@ -240,37 +563,12 @@ class TensorParallel(Strategy):
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.sp = cfg.sp
-        self.seq_parallel_params: list = []  # sp: gradients that are partial sums
 
     def wrap(self, model):
-        comm, r, t, sp = self.comm, self.rank, self.world, self.sp
-        plan = plan_table(len(model.blocks), sp)
         # every rank built the same full model from cfg.seed; each keeps its slice of it
-        for name, style in plan.items():
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            m = getattr(parent, child)
-            if style == "colwise":
-                setattr(parent, child, ColumnParallelLinear(m, r, t))
-            elif style == "rowwise":
-                exit = ((lambda y: ReduceScatterSeq.apply(y, comm)) if sp
-                        else (lambda y: G_Reduce.apply(y, comm)))
-                new = RowParallelLinear(m, r, t, exit)
-                setattr(parent, child, new)
-                if sp and new.bias is not None:
-                    self.seq_parallel_params.append(new.bias)
-            elif style == "region":
-                op = GatherSeq if sp else F_Copy
-                m.register_forward_pre_hook(lambda mod, args, op=op: (op.apply(args[0], comm),))
-            elif style == "sequence":
-                self.seq_parallel_params.extend(m.parameters())
-            elif style == "scatter_seq":
-                m.register_forward_pre_hook(lambda mod, args: (SplitSeq.apply(args[0], comm),))
-            elif style == "gather_seq":
-                m.register_forward_pre_hook(
-                    lambda mod, args: (GatherSeqToReplicated.apply(args[0], comm),))
-        self.plan = plan
-        self.sharded = {n: s for n, s in plan.items() if s in ("colwise", "rowwise")}
+        model = parallelize_module(model, gpt_plan(len(model.blocks), self.sp), comm=self.comm)
+        self.plan = plan_table(len(model.blocks), self.sp)
+        self.sharded = dict(model._distlab_tp.sharded)
         return model
 
     def after_model_split(self, model) -> None:
@@ -287,22 +585,9 @@ class TensorParallel(Strategy):
         # dp_degree is 1: every tensor-parallel rank computes on the whole global batch
         return data.global_batch(step, self.cfg.global_batch)
 
-    def reduce_gradients(self, model):
-        """sp only: LayerNorm weights and row-parallel biases saw 1/t of the sequence each;
-        their gradients are summed across the group in one coalesced all-reduce."""
-        grads = [p.grad for p in self.seq_parallel_params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce_async(flat, kind=KINDS["grads"]).wait()
-        i = 0
-        for g in grads:
-            g.copy_(flat[i:i + g.numel()].view_as(g))
-            i += g.numel()
-
     def clip_gradients(self, model, max_norm: float) -> float:
         """Global norm: squares of the sharded gradients summed across ranks, the replicated
-        ones (identical on every rank after reduce_gradients) counted once."""
+        ones (identical on every rank once backward returned) counted once."""
         sharded_ids = set()
         for name, style in self.sharded.items():
             m = model.get_submodule(name)
@@ -325,17 +610,4 @@ class TensorParallel(Strategy):
 
     def full_state_dict(self, model) -> dict:
         """The unsharded weights under the names `single` uses (a collective: every rank)."""
-        sd = dict(model.state_dict())
-        for name, style in self.sharded.items():
-            m = model.get_submodule(name)
-            for pname, p in m.named_parameters():
-                if style == "rowwise" and pname == "bias":
-                    continue  # replicated
-                x = p.detach().contiguous()
-                out = torch.empty(self.world * x.numel(), dtype=x.dtype)
-                self.comm.all_gather(out, x.view(-1))
-                parts = out.view(self.world, *x.shape)
-                full = (torch.cat(list(parts), dim=0) if style == "colwise"
-                        else torch.cat(list(parts), dim=-1))
-                sd[f"{name}.{pname}"] = full
-        return sd
+        return full_state_dict(model)

@@ -5,20 +5,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlab import ColwiseParallel, RowwiseParallel
+
 FEATURES, CLASSES = 8, 4
 
 
 class Classifier(nn.Module):
-    """A small MLP classifier whose forward(x, y) returns the mean cross-entropy."""
+    """A small MLP classifier whose forward(x, y) returns the mean cross-entropy. Its tp_plan
+    (read by strategy="tp" only) is Megatron's MLP: the widening Linear split by columns, the
+    narrowing one by rows, the GELU between them elementwise on each rank's columns."""
 
     def __init__(self):
         super().__init__()
-        self.inp, self.norm = nn.Linear(FEATURES, 32), nn.LayerNorm(32)
-        self.hidden, self.out = nn.Linear(32, 32), nn.Linear(32, CLASSES)
+        self.up, self.down = nn.Linear(FEATURES, 32), nn.Linear(32, 16)
+        self.norm, self.out = nn.LayerNorm(16), nn.Linear(16, CLASSES)
+        self.tp_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
     def forward(self, x, y):
-        h = F.gelu(self.norm(self.inp(x)))
-        return F.cross_entropy(self.out(F.gelu(self.hidden(h))), y)
+        h = self.norm(self.down(F.gelu(self.up(x))))
+        return F.cross_entropy(self.out(F.gelu(h)), y)
 
 
 def make_model(cfg):
@@ -87,3 +92,15 @@ class FailsAtStep2(Classifier):
 
 def fails_at_step_2(cfg):
     return FailsAtStep2()
+
+
+def no_plan(cfg):
+    model = make_model(cfg)
+    del model.tp_plan
+    return model
+
+
+def wrong_plan(cfg):
+    model = make_model(cfg)
+    model.tp_plan = {"mlp.up": ColwiseParallel()}
+    return model

@@ -1,12 +1,13 @@
 """A model and data of your own in distlab's training loop (RunConfig(model=..., data=...),
 distlab.factory), and the progress a terminal sees under torchrun and `python -m distlab`.
 
-Equivalence: the same global batch per step, SGD in float32. ddp, zero1/2/3, ddp-torch and
-fsdp-torch on 2 ranks against `single` in one process, parameter by parameter after 8 steps.
-The ranks' gradient is the mean of two 8-row means instead of one 16-row mean: the same
-numbers summed in another order, a few float32 ulps (1.2e-7 relative) per step, which SGD at
-lr 0.1 does not amplify. ATOL = 1e-5 leaves a wide margin over that (measured on torch 2.13
-CPU with gloo, printed by the test: 3.0e-8 for every strategy) while a
+Equivalence: the same global batch per step, SGD in float32. ddp, zero1/2/3, ddp-torch,
+fsdp-torch and tp (the model's own tp_plan) on 2 ranks against `single` in one process,
+parameter by parameter after 8 steps. The ranks' gradient is the mean of two 8-row means
+instead of one 16-row mean (tp: each rank sums half of the hidden units' products, then an
+all-reduce adds the halves): the same numbers summed in another order, a few float32 ulps
+(1.2e-7 relative) per step, which SGD at lr 0.1 does not amplify. ATOL = 1e-5 leaves a wide margin over that (measured on torch 2.13
+CPU with gloo, printed by the test: 1.2e-7 for every strategy) while a
 wrong gradient (not averaged, a rank's rows missing) moves parameters by ~1e-2.
 """
 
@@ -25,7 +26,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ATOL = 1e-5
 MINE = dict(model="factory_models:make_model", data="factory_models:make_data")
 BASE = RunConfig(steps=8, optimizer="sgd", lr=0.1, global_batch=16, timeout_s=60, **MINE)
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "ddp-torch", "fsdp-torch")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "ddp-torch", "fsdp-torch", "tp")
 
 
 def _states(cfgs, world):
@@ -35,7 +36,7 @@ def _states(cfgs, world):
 def test_your_model_trains_the_same_under_every_data_parallel_strategy():
     single = _states([BASE], 1)[0][0]
     assert single["losses"][-1] < single["losses"][0] - 0.1  # it learns
-    cfgs = [BASE.replace(strategy=s, world_size=2) for s in STRATEGIES]
+    cfgs = [BASE.replace(strategy=s, world_size=2, tp=2 if s == "tp" else 1) for s in STRATEGIES]
     results = _states(cfgs, 2)
     for i, s in enumerate(STRATEGIES):
         for r in (0, 1):
@@ -51,7 +52,8 @@ def test_your_model_trains_the_same_under_every_data_parallel_strategy():
     (dict(model="factory_models:a:b", data="x:y"), "is not 'package.module:function'"),
     (dict(model="factory_models:make_model"), "needs its data"),
     (dict(data="factory_models:make_data"), "feeds a model of your own"),
-    (dict(strategy="tp", world_size=2, tp=2, **MINE), "splits distlab's GPT"),
+    (dict(strategy="pp", world_size=2, pp=2, **MINE), "splits distlab's GPT"),
+    (dict(strategy="tp", world_size=2, tp=2, sp=True, **MINE), "sp: written for"),
     (dict(checkpointing="full", **MINE), "written for distlab's GPT"),
     (dict(lora_rank=4, **MINE), "written for distlab's GPT"),
 ])
@@ -68,9 +70,12 @@ def test_a_bad_model_spec_is_refused_by_the_config(fields, message):
     (dict(data="factory_models:no_batches"), "has no global_batch"),
     (dict(data="factory_models:short_batches"), "two tensors of 16 rows"),
     (dict(model="missing_file.py:make_model"), "no file"),
+    (dict(strategy="tp", tp=2, model="factory_models:no_plan"), "needs a tp_plan"),
+    (dict(strategy="tp", tp=2, model="factory_models:wrong_plan"), "'mlp.up' names no module"),
 ])
 def test_a_broken_factory_is_refused_before_any_rank_starts(fields, message, tmp_path):
-    cfg = RunConfig(strategy="ddp", world_size=2, runs_root=str(tmp_path), **{**MINE, **fields})
+    cfg = RunConfig(**{"strategy": "ddp", "world_size": 2, "runs_root": str(tmp_path), **MINE,
+                       **fields})
     with pytest.raises(ValueError, match=message):
         launch(cfg)
     assert not any(tmp_path.iterdir())  # refused before a run folder was made
@@ -159,7 +164,7 @@ def test_the_control_panel_offers_only_strategies_that_run_your_model():
     panel = ControlPanel(strategy="ddp", world_size=2, **MINE)
     offered = panel.knobs["strategy"].options
     assert "ddp" in offered and "zero3" in offered
-    assert not {"tp", "tp-torch", "pp", "pp-torch", "3d", "dp"} & set(offered)
+    assert "tp" in offered and not {"tp-torch", "pp", "pp-torch", "3d", "dp"} & set(offered)
     cfg = panel.config()
     assert (cfg.model, cfg.data) == (MINE["model"], MINE["data"])
     assert "tp" in ControlPanel().knobs["strategy"].options  # distlab's GPT: all of them

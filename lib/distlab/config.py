@@ -280,11 +280,12 @@ class RunConfig:
             raise ValueError(f"strategy={self.strategy!r} splits distlab's GPT by its layer "
                              f"names; a model of your own runs under: {', '.join(mine)}")
         gpt_only = [n for n in ("checkpointing", "lora_rank", "init_from", "task", "eval_every",
-                                "dataset_size")
-                    if getattr(self, n) not in (0, "", "none")]
+                                "dataset_size", "sp")
+                    if getattr(self, n) not in (0, "", "none", False)]
         if gpt_only:
             raise ValueError(f"{', '.join(gpt_only)}: written for distlab's GPT and its data, "
-                             f"not model={self.model!r}")
+                             f"not model={self.model!r} (sp: your tp_plan says where the "
+                             "sequence is split)")
 
     def _check_checkpoints(self):
         _positive_int("checkpoint_every", self.checkpoint_every, minimum=0)

@@ -135,6 +135,8 @@ def check(cfg) -> None:
     """Build the model and data of `cfg` here and run one forward on rank 0's rows: ValueError
     (or the factory's own exception) before any process starts."""
     model, data = build_model(cfg), build_data(cfg)
+    if cfg.strategy == "tp":
+        _check_tp_plan(cfg, model)
     x, y = data.rank_batch(0, cfg.global_batch, 0, cfg.dp_degree)
     with torch.no_grad():
         loss = model(x[:max(1, cfg.micro_batch)], y[:max(1, cfg.micro_batch)])
@@ -142,3 +144,22 @@ def check(cfg) -> None:
         got = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         raise ValueError(f"model={cfg.model!r}: forward(x, y) must return the mean loss, a "
                          f"0-dim float tensor; got {got}")
+
+
+def _check_tp_plan(cfg, model) -> None:
+    """strategy="tp" splits your model by the plan it carries: `model.tp_plan`, a dict of
+    module-name patterns to distlab.ColwiseParallel() / RowwiseParallel() / SequenceParallel(),
+    what distlab.parallelize_module takes. Each pattern must name a module."""
+    from distlab.parallel.tensor.tp import name_matches
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"model={cfg.model!r} under strategy='tp': the model needs a tp_plan "
+                         "attribute, {'module name pattern': distlab.ColwiseParallel() or "
+                         "RowwiseParallel() or SequenceParallel()}, as distlab.parallelize_module "
+                         "takes it")
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in plan:
+        if not any(name_matches(n, pattern) for n in names):
+            raise ValueError(f"model={cfg.model!r}: tp_plan key {pattern!r} names no module "
+                             f"(its modules: {', '.join(names[:12])}"
+                             f"{', ...' if len(names) > 12 else ''})")

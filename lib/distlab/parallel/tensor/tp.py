@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.comm import Comm
+from distlab import factory
 from distlab.parallel.base import Strategy
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
@@ -418,7 +419,7 @@ def _match(module, plan) -> list[tuple[str, object]]:
             raise TypeError(f"plan[{pattern!r}] is a {type(style).__name__}, not a distlab style: "
                             f"use distlab.ColwiseParallel(), RowwiseParallel(), "
                             f"SequenceParallel() or PrepareModuleInput(...)")
-        hits = [n for n in names if _matches(n, pattern)]
+        hits = [n for n in names if name_matches(n, pattern)]
         if not hits:
             raise ValueError(f"plan entry {pattern!r} matches no module of this "
                              f"{type(module).__name__}; its names look like "
@@ -432,7 +433,7 @@ def _match(module, plan) -> list[tuple[str, object]]:
     return out
 
 
-def _matches(name: str, pattern: str) -> bool:
+def name_matches(name: str, pattern: str) -> bool:
     parts, pats = name.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
 
@@ -554,9 +555,9 @@ def gpt_plan(n_layer: int, sp: bool = False) -> dict:
 
 class TensorParallel(Strategy):
     """`tp`: Megatron tensor parallelism over all ranks (tp = world), optional sp: the GPT's
-    plan (gpt_plan) applied by parallelize_module."""
+    plan (gpt_plan) applied by parallelize_module; a model of your own brings its plan as its
+    attribute `tp_plan` ({module name pattern: style}, what parallelize_module takes)."""
     name = "tp"
-    any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"tp"})
     supports = Strategy.supports | {"sp"}
 
@@ -566,8 +567,11 @@ class TensorParallel(Strategy):
 
     def wrap(self, model):
         # every rank built the same full model from cfg.seed; each keeps its slice of it
-        model = parallelize_module(model, gpt_plan(len(model.blocks), self.sp), comm=self.comm)
-        self.plan = plan_table(len(model.blocks), self.sp)
+        if factory.is_spec(self.cfg.model):  # yours: its own plan (checked by factory.check)
+            model = parallelize_module(model, model.tp_plan, comm=self.comm)
+        else:
+            model = parallelize_module(model, gpt_plan(len(model.blocks), self.sp),
+                                       comm=self.comm)
         self.sharded = dict(model._distlab_tp.sharded)
         return model
 

@@ -12,7 +12,9 @@ from distlab.launch import launch, run_ranks
 from distlab.run import Run, RunError
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
+from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, fully_shard, grad_shard
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError",
-           "DistributedDataParallel", "ZeroOptimizer"]
+           "DistributedDataParallel", "ZeroOptimizer", "fully_shard", "MixedPrecisionPolicy",
+           "grad_shard"]
 __version__ = "0.1.0"

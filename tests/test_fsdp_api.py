@@ -209,6 +209,7 @@ def guard_rails(rank, world):
         lambda: ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
     out["wrapped twice"] = _error(lambda: fully_shard(model))
     out["cast after"] = _error(model.double)
+    out["load after"] = _error(lambda: model.load_state_dict(nn.Linear(6, 3).state_dict()))
     model.bias.requires_grad_(False)
     out["frozen after"] = _error(lambda: _forward(model))
     blocks = make("blocks")
@@ -337,6 +338,7 @@ def test_guard_rails_say_what_to_do(launched):
         "second optimizer": ("ValueError", "already have a ZeroOptimizer: step that one"),
         "wrapped twice": ("ValueError", "already sharded by distlab.fully_shard: call it once"),
         "cast after": ("RuntimeError", "Move or cast the module first, then call fully_shard"),
+        "load after": ("RuntimeError", "Load the state dict before calling fully_shard"),
         "frozen after": ("RuntimeError", "changed after distlab.fully_shard"),
         "per block, then root": ("ValueError", "call fully_shard once, on the root module"),
         "after ZeroOptimizer": ("ValueError", "call fully_shard first"),

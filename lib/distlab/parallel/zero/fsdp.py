@@ -213,6 +213,12 @@ def _refuse_apply(self, fn, recurse=True):
                        "then call fully_shard")
 
 
+def _refuse_load(module, *args):
+    raise RuntimeError("load_state_dict on a module distlab.fully_shard sharded: its parameters "
+                       "are views of freed buffers, not loaded in place here. Load the state "
+                       "dict before calling fully_shard")
+
+
 # -- the state fully_shard leaves on the module ------------------------------------------------
 class FullyShard(ShardedGradients):
     """ZeRO-3 on one module (see the module docstring): its units, the gathers around their
@@ -324,6 +330,7 @@ class FullyShard(ShardedGradients):
         module.register_forward_hook(self._after_forward)
         # a function, not a bound method: torch marks the hook with an attribute
         module.register_state_dict_post_hook(functools.partial(FullyShard._full_state_dict, self))
+        module.register_load_state_dict_pre_hook(_refuse_load)
         for m in module.modules():  # .to()/.double() would touch freed storage
             m._apply = types.MethodType(_refuse_apply, m)
 

@@ -318,7 +318,8 @@ def test_guard_rails_say_what_to_do(launched):
     assert msgs["sharded twice"].startswith("ValueError") and "already sharded" in \
         msgs["sharded twice"]
     assert "zero_grad()" in msgs["backward after step"]
-    assert msgs["stage 3"].startswith("ValueError: stage=3 is not one of 1, 2")
+    assert msgs["stage 3"].startswith("ValueError: stage=3 shards the parameters too") and \
+        "distlab.fully_shard(model) first" in msgs["stage 3"]
 
 
 def test_the_readme_snippet_runs_under_torchrun(tmp_path):

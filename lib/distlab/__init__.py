@@ -12,12 +12,13 @@ from distlab.launch import launch, run_ranks
 from distlab.run import Run, RunError
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
+from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, fully_shard, grad_shard
 from distlab.parallel.tensor.tp import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                         SequenceParallel, full_state_dict, parallelize_module)
 from distlab.parallel.pipeline.pp import PipelineSchedule
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError",
-           "DistributedDataParallel", "ZeroOptimizer", "parallelize_module", "ColwiseParallel",
-           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
-           "PipelineSchedule"]
+           "DistributedDataParallel", "ZeroOptimizer", "fully_shard", "MixedPrecisionPolicy",
+           "grad_shard", "parallelize_module", "ColwiseParallel", "RowwiseParallel",
+           "SequenceParallel", "PrepareModuleInput", "full_state_dict", "PipelineSchedule"]
 __version__ = "0.1.0"

@@ -35,6 +35,11 @@ Gradient accumulation: several backwards before one step add up, as torch's do. 
 reduce-scatters after each backward (accumulating the mean shards); `no_sync()` around every
 backward but the last keeps them local until then (one reduce-scatter per step).
 
+**ZeRO-3.** distlab.fully_shard (distlab.parallel.zero.fsdp) shards the parameters too: its
+units own their shard and gather the parameters around each unit's forward and backward; the
+gradient path above (ShardedGradients, shared by every stage) is its, and a ZeroOptimizer
+built over that model's parameters steps its units' shards (stage 3).
+
 **Outside optimizers.** Stepping parameters this optimizer shards with another optimizer would
 train wrong in silence (stage 2: .grad is None, nothing moves; stage 1: each rank steps its own
 local gradient, and the ranks drift apart). Every sharded parameter is marked, and a global
@@ -74,7 +79,9 @@ class Unit:
     master: torch.Tensor  # what the optimizer steps: the shard, or a CPU copy (offload on CUDA)
     grad_shard: torch.Tensor | None = None  # (S,) this rank's block of the mean gradient
     grad_full: torch.Tensor | None = None  # (P,) local gradients waiting for the reduce-scatter
+    grad_dtype: torch.dtype | None = None  # grad_full's dtype (fully_shard's reduce_dtype)
     gather: Pending | None = None  # zero3: an all-gather into full in flight
+    gather_in: torch.Tensor | None = None  # its input: the shard, cast to full's dtype
     gather_record: dict = field(default_factory=dict)  # its entry in the step's timeline
     reduce: Pending | None = None  # a reduce-scatter of grad_full in flight
     reduce_out: torch.Tensor | None = None  # where it lands (grad_shard, or a scratch to add)
@@ -97,6 +104,18 @@ class Unit:
     def piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's entries of a (P,) flat tensor."""
         return flat[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
+
+    def shard_piece(self, shard: torch.Tensor, i: int, rank: int) -> torch.Tensor:
+        """Parameter i's entries within rank `rank`'s (S,) shard (a view, maybe empty): the
+        entries [lo, hi) of its flattened self, lo and hi where its range meets the shard's."""
+        S = shard.numel()
+        lo = max(self.offsets[i], rank * S)
+        hi = min(self.offsets[i] + self.params[i].numel(), (rank + 1) * S)
+        return shard[lo - rank * S: max(lo, hi) - rank * S]
+
+    def new_grad_full(self) -> torch.Tensor:
+        return torch.zeros(self.padded, dtype=self.grad_dtype or self.full.dtype,
+                           device=self.full.device)
 
 
 def make_unit(index: int, name: str, params: list, comm: Comm, modules=(),
@@ -155,116 +174,47 @@ def _refuse_outside_step(optimizer, args, kwargs):
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step() over a parameter (shape "
                     f"{tuple(p.shape)}) sharded by {mark[0]}: its gradient is reduced into "
-                    "that optimizer's shards (ZeRO-2/3: .grad is None here, so nothing would "
+                    "the shards that keeps (ZeRO-2/3: .grad is None here, so nothing would "
                     "move; ZeRO-1: each rank would step its own local gradient and the ranks "
                     f"would drift apart). {mark[1]}")
 
 
-# -- the optimizer -----------------------------------------------------------------------------
-class ZeroOptimizer(torch.optim.Optimizer):
-    """ZeRO-1/2 (P_os, P_os+g): any torch optimizer with its state, and with stage 2 its
-    gradients, sharded over the ranks of a process group; the parameters stay whole.
+# -- the gradient path: units, their hooks, the reduce-scatters ---------------------------------
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-        opt = distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-        loss_fn(model(x), y).backward()    # each rank on its own rows of the global batch
-        opt.step()                         # the global batch's mean gradient, then the update
-        opt.zero_grad()
 
-    params           parameters or parameter groups (dicts, as torch's optimizers take); a
-                     group may carry "name" (the units' name, default "group<i>")
-    optimizer_class  a torch.optim.Optimizer class (or any callable(params, **defaults))
-    stage            1: optimizer state sharded; 2: gradients too
-    group            a torch.distributed process group (default: the whole world)
-    offload          keep the master shards and their optimizer state on the CPU (ZeRO-Offload,
-                     Ren et al. 2021): on an accelerator each step copies the gradient shards to
-                     the CPU, steps there and copies the updated shards back; on a CPU, nothing
-    comm             a distlab.comm.Comm to communicate (and book bytes) through instead
-    **defaults       optimizer_class's arguments (lr, weight_decay, betas, ...)
+class ShardedGradients:
+    """The units of ZeRO-1/2/3 and their gradient path (the module docstring's step()): a hook
+    per parameter, the reduce-scatters into each unit's grad_shard, no_sync, zero_grad.
+    ZeroOptimizer makes one for stages 1 and 2; distlab.fully_shard's state (stage 3) is one,
+    which the ZeroOptimizer over that model's parameters then uses."""
 
-    Construction makes each parameter's .data a view of a flat buffer (and broadcasts rank
-    0's values): build it after moving the model to its device and dtype. `state` is this
-    rank's inner optimizer state (keyed by its shards); `state_dict()` is this rank's shard
-    and `consolidated_state_dict()` (a collective) the whole state in the form a plain
-    optimizer over the same groups has; load_state_dict takes either. Call `zero_grad()` after
-    each step (stage 1 refuses a backward over the previous step's reduced buffers).
-    """
-
-    stages = (1, 2)  # ZeRO-3 shards the parameters too: the zero3 strategy's subclass
-
-    def __init__(self, params, optimizer_class, stage: int = 1, group=None,
-                 offload: bool = False, comm: Comm | None = None, **defaults):
-        if stage not in self.stages:
-            raise ValueError(f"stage={stage!r} is not one of {', '.join(map(str, self.stages))}"
-                             " (ZeRO-3 shards the parameters too: the zero3 strategy)")
-        self.stage, self.offload, self.optim = stage, offload, None
-        self.comm = comm if comm is not None else Comm(group)
-        self.rank, self.world = self.comm.rank, self.comm.world
+    def __init__(self, stage: int, comm: Comm):
+        self.stage, self.comm = stage, comm
+        self.rank, self.world = comm.rank, comm.world
         self.units: list[Unit] = []
-        self._group_units: list[list[Unit]] = []  # the units of each param group
         self._sync = True  # False inside no_sync()
-        self._bwd_open = False  # stage 2: a backward began; its end callback is queued
-        self._inflight: list[Unit] = []  # stage 2: reduce-scatters in flight
+        self._bwd_open = False  # stages 2/3: a backward began; its end callback is queued
+        self._inflight: list[Unit] = []  # stages 2/3: reduce-scatters in flight
         self._stale = False  # stage 1: the flat gradients hold the last step's reduction
-        self.grad_bytes_live = self.grad_bytes_peak = 0  # stage 2: flat gradients alive
-        super().__init__(params, defaults)  # calls add_param_group for each group
-        self.optim = optimizer_class([self._inner_group(g, us) for g, us in
-                                      zip(self.param_groups, self._group_units)], **defaults)
-        for g, inner in zip(self.param_groups, self.optim.param_groups):
-            self._fill_settings(g, inner)
-        self.defaults = {**self.optim.defaults, **defaults}
-        self.state = self.optim.state  # what this rank holds: the shards' state
+        self.grad_bytes_live = self.grad_bytes_peak = 0  # stages 2/3: flat gradients alive
 
-    # -- setup -------------------------------------------------------------------------------
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)  # torch's checks (duplicates, defaults)
-        g = self.param_groups[-1]
-        kinds: dict = {}  # a flat buffer holds one dtype
-        for p in g["params"]:
-            if p.requires_grad:
-                kinds.setdefault((p.dtype, p.device), []).append(p)
-        claim([p for ps in kinds.values() for p in ps],
-              f"a ZeRO-{self.stage} optimizer (distlab.ZeroOptimizer)",
-              "Step that ZeroOptimizer instead (it takes the optimizer class and its arguments, "
-              "and parameter groups for per-group settings), and build no other optimizer over "
-              "these parameters.")
-        name = g.get("name", f"group{len(self._group_units)}")
-        units = []
-        for (dtype, _), ps in kinds.items():
-            uname = name if len(kinds) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
-            units.append(self._new_unit(uname, ps))
-        self._group_units.append(units)
-        if self.optim is not None:  # a group added after construction
-            self.optim.add_param_group(self._inner_group(g, units))
-            self._fill_settings(g, self.optim.param_groups[-1])
-
-    def _new_unit(self, name: str, params: list) -> Unit:
+    def add_unit(self, name: str, params: list, master_on_cpu: bool = False) -> Unit:
         u = make_unit(len(self.units), name, params, self.comm, own_shard=self.stage == 3,
-                      master_on_cpu=self.offload and params[0].device.type != "cpu")
+                      master_on_cpu=master_on_cpu)
         S = u.shard.numel()
         if self.stage == 1:  # persistent gradients; the shard's is a view (in-place reduce)
             u.grad_full = torch.zeros_like(u.full)
             u.grad_shard = u.grad_full[self.rank * S: (self.rank + 1) * S]
             self._attach_views(u)
         else:
-            u.grad_shard = torch.zeros_like(u.shard)
+            u.grad_shard = torch.zeros_like(u.shard)  # the master's dtype (fp32 under bf16)
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, u, i))
         self.units.append(u)
         return u
 
-    @staticmethod
-    def _inner_group(g: dict, units: list[Unit]) -> dict:
-        return {**{k: v for k, v in g.items() if k != "params"},
-                "params": [u.master for u in units]}
-
-    @staticmethod
-    def _fill_settings(outer: dict, inner: dict) -> None:
-        """The outer group shows every setting the inner optimizer uses (its defaults too)."""
-        for k, v in inner.items():
-            if k != "params":
-                outer.setdefault(k, v)
-
-    # -- gradients ---------------------------------------------------------------------------
     def _attach_views(self, u: Unit) -> None:
         """Stage 1: each .grad is a view of the unit's flat gradient buffer."""
         for i, p in enumerate(u.params):
@@ -272,7 +222,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backwards inside only accumulate locally (stage 2: in the flat gradient buffers);
+        """Backwards inside only accumulate locally (stages 2/3: in the flat gradient buffers);
         the next backward outside, or step(), reduce-scatters the sum. Stage 1 always waits
         for step(), so this changes nothing there."""
         old, self._sync = self._sync, False
@@ -292,8 +242,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return  # accumulated in place in the flat buffer (a view), or copied at step
         self._open_backward()
         if u.grad_full is None:
-            u.grad_full = torch.zeros_like(u.full)
-            self._track_grads(u.nbytes)
+            u.grad_full = u.new_grad_full()
+            self._track_grads(_nbytes(u.grad_full))
         u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
         p.grad = None
         u.waiting -= 1
@@ -334,26 +284,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         while self._inflight:
             self._finish_reduce(self._inflight.pop(0))
         if u.grad_full is None:  # no gradient reached this unit: it contributes zeros
-            u.grad_full = torch.zeros_like(u.full)
-            self._track_grads(u.nbytes)
-        # a second backward before the step adds its mean to the first one's
-        u.reduce_out = torch.empty_like(u.grad_shard) if u.reduced else u.grad_shard
+            u.grad_full = u.new_grad_full()
+            self._track_grads(_nbytes(u.grad_full))
+        # into grad_shard itself, unless a second backward adds to it or the dtypes differ
+        direct = not u.reduced and u.grad_full.dtype == u.grad_shard.dtype
+        u.reduce_out = u.grad_shard if direct else u.grad_shard.new_empty(
+            u.grad_shard.shape, dtype=u.grad_full.dtype)
         u.reduce = self.comm.reduce_scatter_async(u.reduce_out, u.grad_full)
         self._inflight.append(u)
 
     def _finish_reduce(self, u: Unit):
         u.reduce.wait()
         u.reduce_out.div_(self.world)  # the sum over ranks -> the global batch's mean
-        if u.reduce_out is not u.grad_shard:
+        if u.reduce_out is not u.grad_shard:  # grad_shard is zero after zero_grad
             u.grad_shard.add_(u.reduce_out)
+        self._track_grads(-_nbytes(u.grad_full))
         u.reduce = u.reduce_out = u.grad_full = None
         u.reduced = True
-        self._track_grads(-u.nbytes)
 
     def reduce_gradients(self) -> None:
-        """Make each unit's grad_shard this rank's shard of the global batch's mean gradient
-        (step() calls it; a loop that clips or unscales gradients calls it first). Every rank
-        must call it. Nothing to do if it already ran since the last zero_grad()."""
+        """Make each unit's grad_shard this rank's shard of the global batch's mean gradient.
+        Every rank must call it. Nothing to do if it already ran since the last zero_grad()."""
         if self.stage == 1:
             if self._stale:
                 return
@@ -377,26 +328,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._finish_reduce(self._inflight.pop(0))
 
     def _take_loose_grads(self, u: Unit):
-        """Stage 2: a .grad that no hook moved (set by hand) joins the flat gradient."""
+        """Stages 2/3: a .grad that no hook moved (set by hand) joins the flat gradient."""
         for i, p in enumerate(u.params):
             if p.grad is not None:
                 if u.grad_full is None:
-                    u.grad_full = torch.zeros_like(u.full)
-                    self._track_grads(u.nbytes)
+                    u.grad_full = u.new_grad_full()
+                    self._track_grads(_nbytes(u.grad_full))
                 u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
                 p.grad = None
 
-    def gradient_shards(self) -> list[torch.Tensor]:
-        """This rank's shards of the mean gradient, after reduce_gradients() (what a loss
-        scaler unscales and checks)."""
-        return [u.grad_shard for u in self.units]
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradient shards so the global gradient's L2 norm is at most max_norm;
-        return the norm before clipping (torch.nn.utils.clip_grad_norm_'s coefficient). No rank
-        sees the whole gradient: ‖g‖² is the sum over ranks of the shards' squares (one
-        all-reduce of one number; padding is zero and adds nothing). Every rank must call it."""
+        """See ZeroOptimizer.clip_grad_norm_."""
         self.reduce_gradients()
         sq = torch.zeros((), dtype=torch.float32, device=self.units[0].full.device)
         for u in self.units:
@@ -408,12 +351,194 @@ class ZeroOptimizer(torch.optim.Optimizer):
             u.grad_shard.mul_(coef.to(u.grad_shard.dtype))
         return norm
 
+    def zero_grad(self) -> None:
+        """Forget this step's gradients. Stage 1 zeroes its flat buffers and keeps each .grad a
+        view of them (one memset; no allocation in backward)."""
+        while self._inflight:  # a backward's reduce-scatters that no step() waited for
+            self._finish_reduce(self._inflight.pop(0))
+        for u in self.units:
+            if self.stage == 1:
+                u.grad_full.zero_()
+                self._attach_views(u)
+            else:
+                if u.grad_full is not None:  # local gradients of a no_sync backward
+                    self._track_grads(-_nbytes(u.grad_full))
+                u.grad_full, u.reduced = None, False
+                u.grad_shard.zero_()
+                for p in u.params:
+                    p.grad = None
+        self._stale = False
+
+
+# -- the optimizer -----------------------------------------------------------------------------
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO-1/2 (P_os, P_os+g): any torch optimizer with its state, and with stage 2 its
+    gradients, sharded over the ranks of a process group; the parameters stay whole. Over the
+    parameters of a model distlab.fully_shard sharded, ZeRO-3 (P_os+g+p): it steps that model's
+    shards (fp32 masters under a MixedPrecisionPolicy), and the stage is 3.
+
+        opt = distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        loss_fn(model(x), y).backward()    # each rank on its own rows of the global batch
+        opt.step()                         # the global batch's mean gradient, then the update
+        opt.zero_grad()
+
+    params           parameters or parameter groups (dicts, as torch's optimizers take); a
+                     group may carry "name" (the units' name, default "group<i>"). Over a
+                     fully_shard model a group holds whole units (a unit steps as one shard)
+    optimizer_class  a torch.optim.Optimizer class (or any callable(params, **defaults))
+    stage            1: optimizer state sharded; 2: gradients too; default 1, or 3 over a
+                     fully_shard model's parameters (3 needs one: it shards the parameters)
+    group            a torch.distributed process group (default: the whole world; over a
+                     fully_shard model, that model's group)
+    offload          keep the master shards and their optimizer state on the CPU (ZeRO-Offload,
+                     Ren et al. 2021): on an accelerator each step copies the gradient shards to
+                     the CPU, steps there and copies the updated shards back; on a CPU, nothing
+                     (stage 3: fully_shard's offload= decides)
+    comm             a distlab.comm.Comm to communicate (and book bytes) through instead
+    **defaults       optimizer_class's arguments (lr, weight_decay, betas, ...)
+
+    Construction makes each parameter's .data a view of a flat buffer (and broadcasts rank
+    0's values): build it after moving the model to its device and dtype. `state` is this
+    rank's inner optimizer state (keyed by its shards); `state_dict()` is this rank's shard
+    and `consolidated_state_dict()` (a collective) the whole state in the form a plain
+    optimizer over the same groups has; load_state_dict takes either. Call `zero_grad()` after
+    each step (stage 1 refuses a backward over the previous step's reduced buffers).
+    """
+
+    def __init__(self, params, optimizer_class, stage: int | None = None, group=None,
+                 offload: bool = False, comm: Comm | None = None, **defaults):
+        if stage not in (None, 1, 2, 3):
+            raise ValueError(f"stage={stage!r} is not one of 1, 2, 3")
+        self._asked, self.stage, self.offload, self.optim = stage, None, offload, None
+        self.comm = comm if comm is not None else Comm(group)
+        self.grads: ShardedGradients | None = None  # the units' gradient path (stage 3: shared)
+        self.units: list[Unit] = []
+        self._group_units: list[list[Unit]] = []  # the units of each param group
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self.optim = optimizer_class([self._inner_group(g, us) for g, us in
+                                      zip(self.param_groups, self._group_units)], **defaults)
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            self._fill_settings(g, inner)
+        self.defaults = {**self.optim.defaults, **defaults}
+        self.state = self.optim.state  # what this rank holds: the shards' state
+
+    # -- setup -------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)  # torch's checks (duplicates, defaults)
+        g = self.param_groups[-1]
+        trainable = [p for p in g["params"] if p.requires_grad]
+        held = [p for p in trainable if getattr(p, "_distlab_fsdp", None) is not None]
+        if held:
+            units = self._adopt(trainable, held)
+        else:
+            self._settle(None)
+            units = self._new_units(g, trainable)
+        self._group_units.append(units)
+        self.units += units
+        if self.optim is not None:  # a group added after construction
+            self.optim.add_param_group(self._inner_group(g, units))
+            self._fill_settings(g, self.optim.param_groups[-1])
+
+    def _settle(self, fsdp) -> None:
+        """The first group decides the stage and whose gradient path this is; later groups
+        must agree (one fully_shard model's parameters, or none)."""
+        if self.grads is None:
+            self.stage = self._stage_for(fsdp)
+            if fsdp is not None:
+                self.grads, self.comm = fsdp, fsdp.comm
+            else:
+                self.grads = ShardedGradients(self.stage, self.comm)
+            self.rank, self.world = self.comm.rank, self.comm.world
+        elif self.grads is not fsdp and (fsdp is not None or self.stage == 3):
+            raise ValueError("a ZeroOptimizer steps the parameters of one model that "
+                             "distlab.fully_shard sharded, or parameters no fully_shard holds, "
+                             "not both: build one optimizer for each")
+
+    def _stage_for(self, fsdp) -> int:
+        if fsdp is not None:
+            if self._asked not in (None, 3):
+                raise ValueError(f"stage={self._asked}: these parameters are sharded by "
+                                 "distlab.fully_shard (ZeRO-3); leave stage out (it is 3)")
+            if self.offload:
+                raise ValueError("offload=True: the master shards of a fully_shard model are "
+                                 "its own; pass offload=True to distlab.fully_shard instead")
+            return 3
+        if self._asked == 3:
+            raise ValueError("stage=3 shards the parameters too, which needs the model: call "
+                             "distlab.fully_shard(model) first, then build ZeroOptimizer over "
+                             "model.parameters() (the stage is then 3)")
+        return self._asked or 1
+
+    def _adopt(self, trainable: list, held: list) -> list[Unit]:
+        """A group of a fully_shard model's parameters: step its units' shards."""
+        fsdp = held[0]._distlab_fsdp
+        if len(held) != len(trainable) or any(p._distlab_fsdp is not fsdp for p in held):
+            raise ValueError("a parameter group mixes parameters of a model distlab.fully_shard "
+                             "sharded with others: give ZeroOptimizer that model's parameters "
+                             "(model.parameters()), and build another optimizer for the rest")
+        self._settle(fsdp)
+        return fsdp.adopt(self, held)
+
+    def _new_units(self, g: dict, trainable: list) -> list[Unit]:
+        """Stages 1/2: flatten the group, one unit per dtype (a flat buffer holds one)."""
+        kinds: dict = {}
+        for p in trainable:
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        claim(trainable, f"a ZeRO-{self.stage} optimizer (distlab.ZeroOptimizer)",
+              "Step that ZeroOptimizer instead (it takes the optimizer class and its arguments, "
+              "and parameter groups for per-group settings), and build no other optimizer over "
+              "these parameters.")
+        name = g.get("name", f"group{len(self._group_units)}")
+        units = []
+        for (dtype, _), ps in kinds.items():
+            uname = name if len(kinds) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
+            units.append(self.grads.add_unit(
+                uname, ps, master_on_cpu=self.offload and ps[0].device.type != "cpu"))
+        return units
+
+    @staticmethod
+    def _inner_group(g: dict, units: list[Unit]) -> dict:
+        return {**{k: v for k, v in g.items() if k != "params"},
+                "params": [u.master for u in units]}
+
+    @staticmethod
+    def _fill_settings(outer: dict, inner: dict) -> None:
+        """The outer group shows every setting the inner optimizer uses (its defaults too)."""
+        for k, v in inner.items():
+            if k != "params":
+                outer.setdefault(k, v)
+
+    # -- gradients: the units' gradient path (ShardedGradients) --------------------------------
+    def no_sync(self):
+        """Backwards inside only accumulate locally (stages 2/3: in the flat gradient buffers);
+        the next backward outside, or step(), reduce-scatters the sum. Stage 1 always waits
+        for step(), so this changes nothing there."""
+        return self.grads.no_sync()
+
+    def reduce_gradients(self) -> None:
+        """Make each unit's grad_shard this rank's shard of the global batch's mean gradient
+        (step() calls it; a loop that clips or unscales gradients calls it first). Every rank
+        must call it. Nothing to do if it already ran since the last zero_grad()."""
+        self.grads.reduce_gradients()
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """This rank's shards of the mean gradient, after reduce_gradients() (what a loss
+        scaler unscales and checks)."""
+        return [u.grad_shard for u in self.units]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so the global gradient's L2 norm is at most max_norm;
+        return the norm before clipping (torch.nn.utils.clip_grad_norm_'s coefficient). No rank
+        sees the whole gradient: ‖g‖² is the sum over ranks of the shards' squares (one
+        all-reduce of one number; padding is zero and adds nothing). Every rank must call it."""
+        return self.grads.clip_grad_norm_(max_norm)
+
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         """Reduce-scatter the gradients (if not done yet), step this rank's shards with the
-        inner optimizer, all-gather every rank's updated shard into the parameters. Every rank
-        must call it."""
+        inner optimizer, all-gather every rank's updated shard into the parameters (stage 3:
+        the next forward gathers them). Every rank must call it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -427,7 +552,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for u in self.units:
             if u.master.data_ptr() != u.shard.data_ptr():  # offloaded: back from the CPU
                 u.shard.copy_(u.master.detach())
-        self._gather_params()
+        if self.stage < 3:
+            self._gather_params()
         return loss
 
     def _gather_params(self):
@@ -439,20 +565,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's gradients. Stage 1 zeroes its flat buffers and keeps each .grad a
         view of them whatever set_to_none says (one memset; no allocation in backward)."""
-        while self._inflight:  # a backward's reduce-scatters that no step() waited for
-            self._finish_reduce(self._inflight.pop(0))
-        for u in self.units:
-            if self.stage == 1:
-                u.grad_full.zero_()
-                self._attach_views(u)
-            else:
-                if u.grad_full is not None:  # local gradients of a no_sync backward
-                    self._track_grads(-u.nbytes)
-                u.grad_full, u.reduced = None, False
-                u.grad_shard.zero_()
-                for p in u.params:
-                    p.grad = None
-        self._stale = False
+        self.grads.zero_grad()
 
     # -- state dicts -------------------------------------------------------------------------
     def state_dict(self) -> dict:

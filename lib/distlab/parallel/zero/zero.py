@@ -36,11 +36,13 @@ of `full` (zero1/2: a view into it, so no copy; zero3: the only copy), so its st
 exp_avg, exp_avg_sq, step) is S_u-sized.
 
 **One implementation.** The units, the gradient path (zero1's in-place reduce-scatter, the
-zero2/3 hooks below) and the step are distlab.parallel.zero.optimizer's ZeroOptimizer, the
-public `distlab.ZeroOptimizer`: `build_optimizer` makes one over one parameter group per unit.
-This strategy adds what needs the model: the units' cut, the replicated rest (frozen
-parameters, buffers), and zero3's gathering of parameters around each unit's forward and
-backward (a ZeroOptimizer subclass whose units own their shard).
+zero2/3 hooks below) and the step are distlab.parallel.zero.optimizer's ShardedGradients and
+ZeroOptimizer, the public `distlab.ZeroOptimizer`: `build_optimizer` makes one over one
+parameter group per unit. zero3's sharded parameters, gathered around each unit's forward and
+backward, are distlab.parallel.zero.fsdp's, the public `distlab.fully_shard`: `wrap` calls it
+with find_units' cut, and the ZeroOptimizer over its parameters steps its shards. This strategy
+adds what needs the loop: the units' cut, the replicated rest (frozen parameters, buffers),
+the step's bookkeeping and checkpoints.
 
 **zero1.** Gradients accumulate into a persistent flat gradient buffer per unit (`.grad` of each
 parameter is a view into it, as DDP's gradient_as_bucket_view). After backward, one
@@ -96,44 +98,14 @@ compute needed them) and the seconds the compute was blocked waiting for them.
 
 from __future__ import annotations
 
-import functools
-import time
-
 import torch
 import torch.nn as nn
 
-from distlab.nan import tensors_in
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.parallel.zero.fsdp import FullyShard, find_units, fully_shard
 from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401 (tests)
-
-
-# -- units -------------------------------------------------------------------------------------
-def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """The model cut into units gathered one at a time: every item of a top-level ModuleList
-    is a unit (a GPT block); the other top-level children that hold parameters are grouped
-    with their neighbours up to the next ModuleList ("tok_emb+pos_emb", "ln_f+head")."""
-    units, group = [], []
-
-    def close():
-        if group:
-            units.append(("+".join(n for n, _ in group), [m for _, m in group]))
-            group.clear()
-
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            close()
-            units += [(f"{name}.{i}", [m]) for i, m in enumerate(child)]
-        elif any(True for _ in child.parameters()):
-            group.append((name, child))
-    close()
-    return units
-
-
-def _in_backward() -> bool:
-    """True inside autograd's backward (e.g. a checkpointed block recomputing its forward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _storage_bytes(tensors) -> int:
@@ -149,35 +121,6 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-# -- zero3: ZeroOptimizer's gradient path, with the parameters sharded too --------------------
-class _Zero3Optimizer(ZeroOptimizer):
-    """The zero3 strategy's optimizer: ZeroOptimizer's units, gradient hooks and step, where
-    each unit's full parameters exist only while the strategy's forward hooks gather them."""
-    stages = (3,)
-
-    def __init__(self, params, optimizer_class, strategy, **kwargs):
-        self.strategy = strategy
-        super().__init__(params, optimizer_class, stage=3, **kwargs)
-
-    def _new_unit(self, name, params):
-        u = super()._new_unit(name, params)  # the shard is its own copy (stage 3)
-        u.full.untyped_storage().resize_(0)  # from now on parameters exist only while used
-        u.live = False
-        return u
-
-    def _unit_backward_done(self, u):
-        self.strategy._free(u)  # its last gradient is in: its parameters are not needed
-        super()._unit_backward_done(u)
-
-    def _close_backward(self):
-        super()._close_backward()
-        for u in self.units:  # nothing stays gathered after backward
-            self.strategy._free(u)
-
-    def _gather_params(self):
-        """Nothing: the next forward gathers each unit when it needs it."""
-
-
 # -- the strategy ------------------------------------------------------------------------------
 class ZeRO(Strategy):
     """ZeRO stage `stage` (1, 2 or 3); see the module docstring. ZeRO1/ZeRO2/ZeRO3 below."""
@@ -191,19 +134,23 @@ class ZeRO(Strategy):
         self.units: list[Unit] = []  # the optimizer's (build_optimizer)
         self.optimizer: ZeroOptimizer | None = None
         self.frozen: list[nn.Parameter] = []  # requires_grad=False: replicated, not sharded
-        self._current: Unit | None = None  # zero3: the unit whose forward is running
-        self._order: list[Unit] = []  # zero3: units in the order the first forward used them
-        self._order_done = False
-        self._gathers: list[dict] = []  # zero3: this step's all-gathers (for step_info)
-        self._live = {"params": 0}  # zero3: bytes of gathered parameters alive now
-        self._peak = {"params": 0}
+        self.fsdp: FullyShard | None = None  # zero3: distlab.fully_shard's state on the model
 
     # -- setup -----------------------------------------------------------------------------
     def wrap(self, model):
-        """Decide the units and make the replicated part (frozen parameters, buffers) rank 0's;
-        build_optimizer flattens the units (ZeroOptimizer)."""
+        """Decide the units and make the replicated part (frozen parameters, buffers) rank 0's.
+        zero1/2: build_optimizer flattens the units (ZeroOptimizer); zero3: distlab.fully_shard
+        flattens and shards them now (find_units' cut) and gathers them around their use."""
         device = next(model.parameters()).device
         self.offload_to_cpu = self.cfg.offload and device.type == "cuda"
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.model = model
+        if self.stage == 3:
+            fully_shard(model, offload=self.offload_to_cpu, comm=self.comm)
+            self.fsdp = model._distlab_fsdp
+            self._groups = [({"params": u.params, "name": u.name}, u.modules)
+                            for u in self.fsdp.units]
+            return model
         specs = ([("model", [model])] if self.stage == 1 else find_units(model))
         owned, self._groups = set(), []
         for name, modules in specs:
@@ -216,49 +163,29 @@ class ZeRO(Strategy):
         if loose:
             raise ValueError(f"zero{self.stage}: parameters {loose} belong to no unit (the root "
                              "module's own parameters); put them in a submodule")
-        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         with torch.no_grad():
             for p in self.frozen:
                 self.comm.broadcast(p.data, src=0)
         broadcast_buffers(self.comm, model, 0)
         attach_comm(model, self.comm)  # SyncBatchNorm shares statistics over these ranks
-        self.model = model
         return model
 
     def build_optimizer(self, model, make):
         """ZeroOptimizer over one parameter group per unit, stepping `make`'s optimizer (the
-        run's) over this rank's shards only: its state is 1/N of the model's."""
+        run's) over this rank's shards only: its state is 1/N of the model's. zero3: over the
+        units fully_shard made (the stage follows from them)."""
         groups = [g for g, _ in self._groups]
         inner = lambda groups, **defaults: make(groups)  # noqa: E731 (RunConfig's settings)
-        if self.stage == 3:
-            opt = _Zero3Optimizer(groups, inner, self, offload=self.offload_to_cpu,
-                                  comm=self.comm)
-        else:
-            opt = ZeroOptimizer(groups, inner, stage=self.stage, offload=self.offload_to_cpu,
-                                comm=self.comm)
+        stage = None if self.stage == 3 else self.stage
+        opt = ZeroOptimizer(groups, inner, stage=stage, offload=self.offload_to_cpu and
+                            stage is not None, comm=self.comm)
         for units, (g, modules) in zip(opt._group_units, self._groups):
             if len(units) > 1:
                 raise ValueError(f"unit {g['name']}: parameters of several dtypes "
                                  f"{sorted(str(u.full.dtype) for u in units)}")
             units[0].modules = modules
         self.optimizer, self.units = opt, opt.units
-        self._install_hooks(model)
         return opt
-
-    def _install_hooks(self, model):
-        if self.stage < 3:
-            return  # zero1/2: the optimizer's gradient hooks are all there is
-        model.register_forward_pre_hook(self._before_forward)
-        for u in self.units:
-            for m in u.modules:
-                m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
-                m.register_forward_hook(functools.partial(self._post_forward, u))
-        model.register_forward_hook(self._after_forward)
-        # a state_dict has the full parameters: gather, copy, free (FSDP's FULL_STATE_DICT)
-        pre = lambda module, prefix, keep_vars: self._gather_all()  # noqa: E731
-        post = lambda module, sd, prefix, meta: self._full_state_dict(sd)  # noqa: E731
-        model.register_state_dict_pre_hook(pre)
-        model.register_state_dict_post_hook(post)
 
     def batch(self, data, step):
         if any(True for _ in self.model.buffers()):  # as DDP: rank 0's buffers every step
@@ -268,109 +195,13 @@ class ZeRO(Strategy):
     def no_sync(self, model):
         return self.optimizer.no_sync()
 
-    # -- bookkeeping of transient buffers ---------------------------------------------------
-    def _track(self, kind: str, nbytes: int):
-        self._live[kind] += nbytes
-        self._peak[kind] = max(self._peak[kind], self._live[kind])
-
-    # -- zero3: parameters gathered one unit at a time --------------------------------------
-    def _prefetch(self, u: Unit | None, phase: str):
-        """Start gathering unit u's full parameters (async), if they are not there already."""
-        if u is None or u.live:
-            return
-        u.full.untyped_storage().resize_(u.nbytes)
-        u.live = True
-        self._track("params", u.nbytes)
-        u.gather = self.comm.all_gather_async(u.full, u.shard)
-        u.gather_record = {"unit": u.name, "phase": phase, "issued": u.gather.issued}
-        self._gathers.append(u.gather_record)
-
-    def _gather(self, u: Unit, phase: str):
-        """Unit u's full parameters, now: wait for its prefetch, or gather them."""
-        needed = time.perf_counter()
-        self._prefetch(u, phase)
-        if u.gather is not None:
-            u.gather.wait()
-            rec = u.gather_record
-            rec.update(prefetched=rec["issued"] < needed, blocked_s=u.gather.waited - needed)
-            u.gather = None
-
-    def _free(self, u: Unit):
-        """Drop unit u's full parameters: only its shard stays on this rank."""
-        if not u.live:
-            return
-        if u.gather is not None:
-            u.gather.wait()
-            u.gather = None
-        u.full.untyped_storage().resize_(0)
-        u.live = False
-        self._track("params", -u.nbytes)
-
-    def _gather_all(self):
-        for u in self.units:
-            self._prefetch(u, "state_dict")
-        for u in self.units:
-            self._gather(u, "state_dict")
-
-    def _full_state_dict(self, sd: dict):
-        for k, v in sd.items():  # copies: the gathered buffers are freed below
-            sd[k] = v.clone()
-        for u in self.units:
-            self._free(u)
-
-    def _next(self, u: Unit, step: int) -> Unit | None:
-        """The unit forward runs after u (step=+1) or before it (-1): the order the first
-        forward recorded, or the registration order while that is still being recorded."""
-        order = self._order if u in self._order and self._order_done else self.units
-        i = order.index(u) + step
-        return order[i] if 0 <= i < len(order) else None
-
-    def _before_forward(self, module, args):
-        if not _in_backward():
-            self._current = None
-
-    def _pre_forward(self, u: Unit, module, args):
-        if _in_backward():  # a checkpointed unit recomputing its forward
-            self._gather(u, "recompute")
-            return
-        if self._current is u:
-            return
-        if self._current is not None:
-            self._free(self._current)  # its forward is done
-        self._current = u
-        if not self._order_done and u not in self._order:
-            self._order.append(u)
-        self._gather(u, "forward")
-        self._prefetch(self._next(u, +1), "forward")
-
-    def _post_forward(self, u: Unit, module, args, output):
-        if torch.is_grad_enabled():  # backward reaches u through its outputs' gradients
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(functools.partial(self._pre_backward, u))
-
-    def _after_forward(self, module, args, output):
-        if _in_backward():
-            return
-        if self._current is not None:
-            self._free(self._current)
-            self._current = None
-        self._order_done = True
-        if self._order and torch.is_grad_enabled() and any(t.requires_grad
-                                                           for t in tensors_in(output)):
-            self._prefetch(self._order[-1], "backward")  # backward starts with the last unit
-
-    def _pre_backward(self, u: Unit, grad):
-        self.optimizer._open_backward()
-        self._gather(u, "backward")
-        self._prefetch(self._next(u, -1), "backward")
-
     # -- the step: the optimizer's ------------------------------------------------------------
     def reduce_gradients(self, model):
         """Each unit's gradient shard: the global batch's mean (ZeroOptimizer)."""
         self.optimizer.reduce_gradients()
         # transient buffers of this step: gathered parameters and flat gradients (zero2/3)
-        self.comm.note_buffer(self._peak["params"] + self.optimizer.grad_bytes_peak)
+        gathered = self.fsdp.peak["params"] if self.fsdp is not None else 0
+        self.comm.note_buffer(gathered + self.optimizer.grads.grad_bytes_peak)
 
     def step_gradients(self, model) -> list:
         """The gradient shards the step reads (loss scaling unscales and checks these)."""
@@ -402,23 +233,24 @@ class ZeRO(Strategy):
         return {"params": params, "grads": grads, "optim": optim}
 
     def step_info(self) -> dict:
+        grads, fsdp = self.optimizer.grads, self.fsdp
         info = {"stage": self.stage, "numel": sum(u.numel for u in self.units),
                 "padded": sum(u.padded for u in self.units),
                 "shard": sum(u.shard.numel() for u in self.units),
                 "units": [[u.name, u.numel, u.padded] for u in self.units],
-                "gathered_peak_bytes": self._peak["params"],
-                "grad_buffer_peak_bytes": self.optimizer.grad_bytes_peak,
+                "gathered_peak_bytes": fsdp.peak["params"] if fsdp is not None else 0,
+                "grad_buffer_peak_bytes": grads.grad_bytes_peak,
                 "offload": ("cpu" if self.offload_to_cpu else
                             "cpu (marked only: nothing to move on a CPU run)" if self.cfg.offload
                             else "none")}
-        if self.stage == 3:
-            done = [g for g in self._gathers if "blocked_s" in g]
+        if fsdp is not None:
+            done = [g for g in fsdp.gathers if "blocked_s" in g]
             info["prefetch"] = {"gathers": len(done),
                                 "prefetched": sum(g["prefetched"] for g in done),
                                 "blocked_s": sum(g["blocked_s"] for g in done)}
-        self._gathers = []
-        self._peak = dict(self._live)
-        self.optimizer.grad_bytes_peak = self.optimizer.grad_bytes_live
+            fsdp.gathers = []
+            fsdp.peak = dict(fsdp.live)
+        grads.grad_bytes_peak = grads.grad_bytes_live
         return {"zero": info}
 
     # -- training checkpoints: each unit's flat shard, as DCP's DTensor slice -------------------

@@ -1,0 +1,486 @@
+"""ZeRO-3 for any module: `distlab.fully_shard`, named and called like torch's FSDP2.
+
+Rajbhandari et al. 2020 (P_os+g+p) and Zhao et al. 2023 ("PyTorch FSDP"): every rank keeps
+1/N of each unit's parameters, gradients and optimizer state; a unit's full parameters exist
+only while its forward or backward runs.
+
+    distlab.fully_shard(model, units=(Block,))            # in place; returns model
+    opt = distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    loss_fn(model(x), y).backward()                        # each rank on its rows
+    opt.step(); opt.zero_grad()
+
+**Units.** `units` picks the modules gathered one at a time: module types (every outermost
+submodule of one of them) or qualified names (an item may be a list of names: one unit of
+several modules). Parameters in no unit, the root module's own among them, form the root unit,
+gathered for the whole forward and backward (FSDP2 does not reshard its root either). Default:
+distlab.parallel.zero.zero's find_units (each ModuleList item, the other top-level children
+grouped between them): the zero3 strategy's cut. A unit is flattened into one padded buffer
+per dtype (distlab.parallel.zero.optimizer's Unit: fp64 next to fp32 makes two).
+
+**Forward and backward.** A unit's forward pre-hook waits for its all-gather and starts the
+next unit's (prefetch); the next unit's start frees it (reshard_after_forward; False keeps it
+until its gradients are in). Hooks on its outputs' gradients gather it again for backward and
+prefetch the unit before it; when its last gradient arrives its parameters are freed and its
+reduce-scatter starts (the gradient path is distlab.parallel.zero.optimizer's
+ShardedGradients, the one every ZeRO stage uses).
+
+**Mixed precision** (MixedPrecisionPolicy, as FSDP2's): the shards stay in the parameters'
+dtype (fp32: the masters the optimizer steps); each all-gather sends the shard cast to
+param_dtype, so bf16 moves half the bytes, and the parameters the model computes with are
+param_dtype (floating inputs of the root and each unit are cast to it, as FSDP2's
+cast_forward_inputs). Gradients are reduce-scattered in reduce_dtype (default param_dtype),
+then added to the shard's fp32 gradient.
+
+**The optimizer** is distlab.ZeroOptimizer over `model.parameters()`: it steps the units'
+shards. Any other optimizer's step() over them raises (optimizer.py's guard rail): their .grad
+is None (gradients live in the shards), so it would move nothing. `grad_shard(p)` is this
+rank's piece of p's mean gradient (a view of the unit's gradient shard).
+
+**State dict.** `model.state_dict()` (every rank calls it) all-gathers each unit's shards:
+full tensors in the shards' dtype (fp32 under a bf16 policy), as FSDP2's full state dict.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from distlab.comm import Comm
+from distlab.nan import tensors_in
+from distlab.parallel.data_parallel.allreduce import broadcast_buffers
+from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.parallel.zero.optimizer import ShardedGradients, Unit, claim
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """param_dtype: what the all-gather sends and the forward and backward compute in (None:
+    the parameters' own). reduce_dtype: what gradients are reduce-scattered in (None:
+    param_dtype). The shards, their gradients and the optimizer stay in the parameters'
+    dtype."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolicy | None = None,
+                group=None, reshard_after_forward: bool = True, offload: bool = False,
+                comm: Comm | None = None) -> nn.Module:
+    """Shard `module`'s trainable parameters over the ranks of `group` (ZeRO-3), in place;
+    returns `module`. Then build distlab.ZeroOptimizer(module.parameters(), ...).
+
+    units                  module types (a tuple of classes) or qualified names (a list; an
+                           item may be a list of names, one unit); None: find_units' cut. The
+                           parameters in no unit are the root unit
+    mp_policy              MixedPrecisionPolicy(param_dtype, reduce_dtype); None: no casts
+    group                  a torch.distributed process group (default: the whole world)
+    reshard_after_forward  free each unit after its forward (and gather it again for
+                           backward); False keeps it gathered until its gradients are in
+    offload                the master shards and their optimizer state on the CPU (on a CPU
+                           run, nothing moves)
+    comm                   a distlab.comm.Comm to communicate (and book bytes) through
+
+    Call it after moving the module to its device and dtype, and change no parameter after it:
+    every rank starts from rank 0's values (parameters, frozen ones and buffers broadcast).
+    """
+    _refuse_sharded(module)
+    FullyShard(module, unit_specs(module, units), mp_policy or MixedPrecisionPolicy(),
+               comm if comm is not None else Comm(group), reshard_after_forward, offload)
+    return module
+
+
+def grad_shard(param: nn.Parameter) -> torch.Tensor:
+    """This rank's piece of `param`'s mean gradient: a 1-D view of its unit's gradient shard
+    (fp32 under a bf16 policy), the entries [lo, hi) of param's flattened gradient that fall in
+    this rank's shard (maybe none). Concatenated in rank order, every rank's pieces are the
+    whole flattened gradient. It first finishes the reduce-scatters (a collective the first
+    time after a backward: every rank calls it). Valid until zero_grad()."""
+    state = getattr(param, "_distlab_fsdp", None)
+    if state is None:
+        raise ValueError("grad_shard: this parameter is not sharded by distlab.fully_shard "
+                         "(its gradient is .grad)")
+    state.reduce_gradients()
+    u, i = state.place[id(param)]
+    return u.shard_piece(u.grad_shard, i, state.rank)
+
+
+# -- the units' cut ----------------------------------------------------------------------------
+def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The model cut into units gathered one at a time: every item of a top-level ModuleList
+    is a unit (a GPT block); the other top-level children that hold parameters are grouped
+    with their neighbours up to the next ModuleList ("tok_emb+pos_emb", "ln_f+head")."""
+    units, group = [], []
+
+    def close():
+        if group:
+            units.append(("+".join(n for n, _ in group), [m for _, m in group]))
+            group.clear()
+
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            close()
+            units += [(f"{name}.{i}", [m]) for i, m in enumerate(child)]
+        elif any(True for _ in child.parameters()):
+            group.append((name, child))
+    close()
+    return units
+
+
+def unit_specs(model: nn.Module, units) -> list[tuple[str, list[nn.Module]]]:
+    """fully_shard's `units` as (name, modules) pairs, checked not to nest."""
+    if units is None:
+        specs = find_units(model)
+    elif isinstance(units, type) or (isinstance(units, tuple)
+                                     and all(isinstance(t, type) for t in units)):
+        specs = _outermost(model, units)
+    else:
+        specs = [_named(model, item) for item in units]
+    inside: dict = {}  # every module within a unit -> that unit's name
+    for name, modules in specs:
+        for m in modules:
+            for sub in m.modules():
+                if id(sub) in inside:
+                    raise ValueError(f"units {inside[id(sub)]!r} and {name!r} overlap (one "
+                                     "holds the other, or a module is named twice): choose "
+                                     "units that do not contain each other")
+                inside[id(sub)] = name
+    return specs
+
+
+def _outermost(model: nn.Module, types_) -> list:
+    found = []
+
+    def visit(prefix: str, m: nn.Module):
+        for name, child in m.named_children():
+            if isinstance(child, types_):
+                found.append((prefix + name, [child]))
+            else:
+                visit(prefix + name + ".", child)
+
+    visit("", model)
+    return found
+
+
+def _named(model: nn.Module, item) -> tuple:
+    names = [item] if isinstance(item, str) else list(item)
+    try:
+        return "+".join(names), [model.get_submodule(n) for n in names]
+    except AttributeError as e:
+        raise ValueError(f"units: {e} (qualified names, as model.named_modules() gives them)")
+
+
+def _refuse_sharded(module: nn.Module) -> None:
+    if getattr(module, "_distlab_fsdp", None) is not None:
+        raise ValueError("this module is already sharded by distlab.fully_shard: call it once "
+                         "(keep using the module it returned)")
+    for name, p in module.named_parameters():
+        if getattr(p, "_distlab_fsdp", None) is not None:
+            raise ValueError(f"parameter {name} is already sharded by an earlier fully_shard "
+                             "(on a submodule?): call fully_shard once, on the root module, and "
+                             "choose the units with units=(Block,) or units=['blocks.0', ...] "
+                             "(FSDP2's habit of one call per block, then the root, is one call "
+                             "here)")
+        if getattr(p, "_distlab_zero", None):
+            raise ValueError(f"parameter {name} is already sharded by {p._distlab_zero[0]}: "
+                             "call fully_shard first, then build distlab.ZeroOptimizer over "
+                             "model.parameters()")
+
+
+def _cast(x, dtype):
+    """Floating tensors in x (nested tuples, lists, dicts) cast to dtype."""
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
+
+
+def _in_backward() -> bool:
+    """True inside autograd's backward (e.g. a checkpointed block recomputing its forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _refuse_apply(self, fn, recurse=True):
+    raise RuntimeError("this module's parameters are sharded by distlab.fully_shard (views of "
+                       "buffers freed outside forward and backward): .to(), .double(), .cuda() "
+                       "and the like cannot change them now. Move or cast the module first, "
+                       "then call fully_shard")
+
+
+def _refuse_load(module, *args):
+    raise RuntimeError("load_state_dict on a module distlab.fully_shard sharded: its parameters "
+                       "are views of freed buffers, not loaded in place here. Load the state "
+                       "dict before calling fully_shard")
+
+
+# -- the state fully_shard leaves on the module ------------------------------------------------
+class FullyShard(ShardedGradients):
+    """ZeRO-3 on one module (see the module docstring): its units, the gathers around their
+    forward and backward, and ShardedGradients' gradient path. module._distlab_fsdp."""
+
+    def __init__(self, module: nn.Module, specs: list, policy: MixedPrecisionPolicy,
+                 comm: Comm, reshard_after_forward: bool, offload: bool):
+        super().__init__(3, comm)
+        self.module, self.policy, self.reshard = module, policy, reshard_after_forward
+        self.optimizer = None  # the ZeroOptimizer stepping the shards, once built
+        self.chain: list[list[Unit]] = []  # each spec's units (one per dtype), in spec order
+        self.root: list[Unit] = []  # parameters in no unit: gathered all forward and backward
+        self.place: dict = {}  # id(param) -> (unit, index in it)
+        self._current: int | None = None  # the chain entry whose forward is running
+        self._order: list[int] = []  # chain entries in the order the first forward used them
+        self._order_done = False
+        self.gathers: list[dict] = []  # all-gathers since step_info's last reset
+        self.live = {"params": 0}  # bytes of gathered parameters alive now, and their peak
+        self.peak = {"params": 0}
+        cut = self._assign(specs)
+        claim([p for _, _, ps in cut for p in ps], "distlab.fully_shard (ZeRO-3)",
+              "Build distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=...) "
+              "instead: it steps the shards (and build no other optimizer over them).")
+        for name, modules, params in cut:
+            units = self._flatten(name, modules, params, offload)
+            (self.root.extend if not modules else self.chain.append)(units)
+        self._replicate_rest(module)
+        self._install_hooks(module, specs)
+        self._layout = self._param_layout()
+        module._distlab_fsdp = self
+
+    # -- setup -------------------------------------------------------------------------------
+    def _assign(self, specs: list) -> list:
+        """Each trainable parameter's unit, (name, modules, params) in spec order, the root
+        last; a parameter two units use (tied weights across units) is refused."""
+        owner = {id(sub): k for k, (_, ms) in enumerate(specs) for m in ms for sub in m.modules()}
+        users: dict = {}  # id(param) -> (its first name, the units whose modules use it)
+        for mname, sub in self.module.named_modules():
+            for pname, p in sub.named_parameters(recurse=False):
+                if p.requires_grad:
+                    entry = users.setdefault(id(p), (f"{mname}.{pname}".lstrip("."), set()))
+                    entry[1].add(owner.get(id(sub), -1))
+        names = [n for n, _ in specs] + ["root (the parameters in no unit)"]
+        for pname, ks in users.values():
+            if len(ks) > 1:
+                raise ValueError(f"parameter {pname} is used by units "
+                                 f"{', '.join(repr(names[k]) for k in sorted(ks))} (tied "
+                                 "weights?): a unit's parameters are freed when the next one "
+                                 "runs, so put the modules sharing it in one unit")
+        cut = []
+        for k, (name, modules) in enumerate(specs):
+            seen: dict = {}
+            for m in modules:
+                for p in m.parameters():
+                    if p.requires_grad:
+                        seen.setdefault(id(p), p)
+            cut.append((name, modules, list(seen.values())))
+        rest = [p for p in self.module.parameters() if p.requires_grad and -1 in
+                users[id(p)][1]]
+        cut.append(("root", [], rest))
+        return [c for c in cut if c[2]]
+
+    def _flatten(self, name: str, modules: list, params: list, offload: bool) -> list[Unit]:
+        """One unit per dtype; its shard is its own copy and its full buffer freed."""
+        kinds: dict = {}
+        for p in params:
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        units = []
+        for (dtype, device), ps in kinds.items():
+            uname = name if len(kinds) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
+            u = self.add_unit(uname, ps, master_on_cpu=offload and device.type != "cpu")
+            u.modules = list(modules)
+            self._cast_full(u)
+            u.grad_dtype = self.policy.reduce_dtype or self.policy.param_dtype
+            u.full.untyped_storage().resize_(0)  # from now on parameters exist only while used
+            u.live = False
+            for i, p in enumerate(ps):
+                self.place[id(p)] = (u, i)
+                p._distlab_fsdp = self  # ZeroOptimizer steps this unit's shard for it
+            units.append(u)
+        return units
+
+    def _cast_full(self, u: Unit) -> None:
+        """Under a param_dtype policy the gathered buffer (and so each parameter) is that dtype;
+        the shard keeps the parameters' own."""
+        dtype = self.policy.param_dtype
+        if dtype is None or dtype == u.full.dtype or not u.full.is_floating_point():
+            return
+        u.full = torch.empty(u.padded, dtype=dtype, device=u.full.device)
+        for i, p in enumerate(u.params):
+            p.data = u.piece(u.full, i).view_as(p)
+
+    def _replicate_rest(self, module: nn.Module) -> None:
+        """What is not sharded is rank 0's on every rank: frozen parameters, buffers."""
+        with torch.no_grad():
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self.comm.broadcast(p.data, src=0)
+        broadcast_buffers(self.comm, module, 0)
+        attach_comm(module, self.comm)  # distlab's SyncBatchNorm shares statistics over these
+
+    def _install_hooks(self, module: nn.Module, specs: list) -> None:
+        module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        for k, units in enumerate(self.chain):
+            for m in units[0].modules:
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, k),
+                                            with_kwargs=True)
+                m.register_forward_hook(functools.partial(self._post_forward, k))
+        module.register_forward_hook(self._after_forward)
+        # a function, not a bound method: torch marks the hook with an attribute
+        module.register_state_dict_post_hook(functools.partial(FullyShard._full_state_dict, self))
+        module.register_load_state_dict_pre_hook(_refuse_load)
+        for m in module.modules():  # .to()/.double() would touch freed storage
+            m._apply = types.MethodType(_refuse_apply, m)
+
+    def _param_layout(self) -> list:
+        return [(id(p), p.dtype, p.shape, p.device, p.requires_grad)
+                for p in self.module.parameters()]
+
+    def adopt(self, optimizer, params: list) -> list[Unit]:
+        """The units a ZeroOptimizer's parameter group steps: whole units, one optimizer."""
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise ValueError("these parameters already have a ZeroOptimizer: step that one (one "
+                             "optimizer per fully_shard model)")
+        ids = {id(p) for p in params}
+        units = [u for u in self.units if any(id(p) in ids for p in u.params)]
+        for u in units:
+            if any(id(p) not in ids for p in u.params):
+                raise ValueError(f"unit {u.name!r}: a parameter group holds some of its "
+                                 "parameters, not all; a unit steps as one flat shard, so a "
+                                 "group holds whole units (choose fully_shard's units along "
+                                 "your groups)")
+        self.optimizer = optimizer
+        return units
+
+    # -- gathering and freeing one unit -----------------------------------------------------
+    def _track(self, kind: str, nbytes: int):
+        self.live[kind] += nbytes
+        self.peak[kind] = max(self.peak[kind], self.live[kind])
+
+    def _prefetch(self, u: Unit, phase: str):
+        """Start gathering unit u's full parameters (async), if they are not there already;
+        the shard goes out cast to the gathered dtype (param_dtype)."""
+        if u.live:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        u.live = True
+        self._track("params", u.nbytes)
+        u.gather_in = u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
+        u.gather = self.comm.all_gather_async(u.full, u.gather_in)
+        u.gather_record = {"unit": u.name, "phase": phase, "issued": u.gather.issued}
+        self.gathers.append(u.gather_record)
+
+    def _gather(self, u: Unit, phase: str):
+        """Unit u's full parameters, now: wait for its prefetch, or gather them."""
+        needed = time.perf_counter()
+        self._prefetch(u, phase)
+        if u.gather is not None:
+            u.gather.wait()
+            rec = u.gather_record
+            rec.update(prefetched=rec["issued"] < needed, blocked_s=u.gather.waited - needed)
+            u.gather = u.gather_in = None
+
+    def _free(self, u: Unit):
+        """Drop unit u's full parameters: only its shard stays on this rank."""
+        if not u.live:
+            return
+        if u.gather is not None:
+            u.gather.wait()
+            u.gather = u.gather_in = None
+        u.full.untyped_storage().resize_(0)
+        u.live = False
+        self._track("params", -u.nbytes)
+
+    def _each(self, k: int | None, fn, phase: str | None = None):
+        """fn on chain entry k's units (one per dtype); nothing for None."""
+        for u in (self.chain[k] if k is not None else []):
+            fn(u) if phase is None else fn(u, phase)
+
+    def _next(self, k: int, step: int) -> int | None:
+        """The chain entry forward runs after k (step=+1) or before it (-1): the order the
+        first forward recorded, or the spec order while that is still being recorded."""
+        order = (self._order if self._order_done and k in self._order
+                 else list(range(len(self.chain))))
+        i = order.index(k) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    # -- forward and backward hooks ---------------------------------------------------------
+    def _cast_inputs(self, args, kwargs):
+        dtype = self.policy.param_dtype
+        return (args, kwargs) if dtype is None else (_cast(args, dtype), _cast(kwargs, dtype))
+
+    def _before_forward(self, module, args, kwargs):
+        if self._param_layout() != self._layout:
+            raise RuntimeError(
+                "the module's parameters changed after distlab.fully_shard (added, replaced, "
+                "frozen, or moved to another dtype/device): its units no longer match them. "
+                "Change the module first, then call fully_shard")
+        if not _in_backward():
+            self._current = None
+            for u in self.root:
+                self._gather(u, "forward")
+        return self._cast_inputs(args, kwargs)
+
+    def _pre_forward(self, k: int, module, args, kwargs):
+        if _in_backward():  # a checkpointed unit recomputing its forward
+            self._each(k, self._gather, "recompute")
+        elif self._current != k:
+            if self._current is not None and self.reshard:
+                self._each(self._current, self._free)  # its forward is done
+            self._current = k
+            if not self._order_done and k not in self._order:
+                self._order.append(k)
+            self._each(k, self._gather, "forward")
+            self._each(self._next(k, +1), self._prefetch, "forward")
+        return self._cast_inputs(args, kwargs)
+
+    def _post_forward(self, k: int, module, args, output):
+        if torch.is_grad_enabled():  # backward reaches unit k through its outputs' gradients
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, k))
+
+    def _after_forward(self, module, args, output):
+        if _in_backward():
+            return
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
+        if self._current is not None and (self.reshard or not grads):
+            self._each(self._current, self._free)
+        self._current = None
+        self._order_done = True
+        if not grads:  # no backward follows: nothing stays gathered
+            for u in self.units:
+                self._free(u)
+        elif self._order:
+            self._each(self._order[-1], self._prefetch, "backward")  # backward starts there
+
+    def _pre_backward(self, k: int, grad):
+        self._open_backward()
+        self._each(k, self._gather, "backward")
+        self._each(self._next(k, -1), self._prefetch, "backward")
+
+    # -- ShardedGradients' gradient path, freeing as it goes ---------------------------------
+    def _unit_backward_done(self, u: Unit):
+        self._free(u)  # its last gradient is in: its parameters are not needed
+        super()._unit_backward_done(u)
+
+    def _close_backward(self):
+        super()._close_backward()
+        for u in self.units:  # nothing stays gathered after backward
+            self._free(u)
+
+    # -- the full state dict ---------------------------------------------------------------
+    def _full_state_dict(self, module, sd: dict, prefix: str, meta) -> None:
+        """Full tensors in the shards' dtype: each unit's shards all-gathered (a collective)."""
+        names: dict = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(prefix + name)
+        for u in self.units:
+            whole = u.shard.new_empty(u.padded)
+            self.comm.all_gather(whole, u.shard)
+            for i, p in enumerate(u.params):
+                for key in names.get(id(p), []):
+                    if key in sd:
+                        sd[key] = u.piece(whole, i).view(p.shape).clone()

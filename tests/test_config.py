@@ -71,6 +71,10 @@ def test_micro_batches_must_divide_evenly():
     ({"strategy": "zero2", "world_size": 2, "bucket_mb": 1.0}, ["bucket_mb=1.0", "ddp"]),
     ({"strategy": "ddp", "world_size": 2, "allreduce": "ring"}, ["allreduce='ring'"]),
     ({"sync_bn": True}, ["sync_bn=True", "GPT has no BatchNorm"]),
+    ({"strategy": "ddp", "world_size": 2, "param_dtype": "bf16"}, ["param_dtype='bf16'", "zero3"]),
+    ({"strategy": "zero3", "world_size": 2, "param_dtype": "bf16", "precision": "bf16"},
+     ["param_dtype='bf16'", "precision='bf16'"]),
+    ({"strategy": "zero3", "world_size": 2, "reduce_dtype": "int8"}, ["reduce_dtype='int8'"]),
 ])
 def test_types_non_finite_numbers_and_ignored_knobs_are_refused(changes, words):
     with pytest.raises(ValueError) as e:

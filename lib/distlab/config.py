@@ -61,6 +61,11 @@ class RunConfig:
     checkpointing: str = "none"  # activation checkpointing per block (distlab.recompute)
     track_peak: bool = False  # memory["peak"] per step: aten-allocated bytes (~20% step time)
     offload: bool = False  # zero*: optimizer state lives on the CPU
+    # zero3's mixed-precision policy (distlab.MixedPrecisionPolicy, as FSDP2's): parameters cast
+    # to param_dtype before the all-gather and computed in it; gradients reduce-scattered in
+    # reduce_dtype ("": param_dtype); fp32 master shards
+    param_dtype: str = "fp32"
+    reduce_dtype: str = ""
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
     # model parallelism (distlab.parallel.tensor.tp / pipeline / mesh)
     tp: int = 1  # tensor-parallel degree
@@ -148,7 +153,13 @@ class RunConfig:
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dp_gather", self.dp_gather, DP_GATHERS)
+        _choice("param_dtype", self.param_dtype, PRECISIONS)
+        _choice("reduce_dtype", self.reduce_dtype, ("",) + PRECISIONS)
         self._check_knobs()
+        if self.param_dtype != "fp32" and self.precision != "fp32":
+            raise ValueError(f"param_dtype={self.param_dtype!r} is zero3's mixed precision "
+                             f"(parameters cast before the all-gather); precision="
+                             f"{self.precision!r} is autocast: pick one (precision='fp32')")
         for name in ("epochs", "hidden_layers", "bn_classes", "bn_features"):
             _positive_int(name, getattr(self, name))
         for name in ("pp_op_delay_s", "bn_cluster_std", "bn_separation"):

@@ -104,7 +104,7 @@ import torch.nn as nn
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
-from distlab.parallel.zero.fsdp import FullyShard, find_units, fully_shard
+from distlab.parallel.zero.fsdp import FullyShard, MixedPrecisionPolicy, find_units, fully_shard
 from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401 (tests)
 
 
@@ -119,6 +119,18 @@ def _storage_bytes(tensors) -> int:
             seen.add(s.data_ptr())
             total += s.nbytes()
     return total
+
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
+    """RunConfig's param_dtype and reduce_dtype as fully_shard's policy (fp32: no cast)."""
+    param = _DTYPES[cfg.param_dtype]
+    reduce = _DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else param
+    if cfg.reduce_dtype == "fp32":
+        reduce = torch.float32
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
 # -- the strategy ------------------------------------------------------------------------------
@@ -146,7 +158,8 @@ class ZeRO(Strategy):
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.model = model
         if self.stage == 3:
-            fully_shard(model, offload=self.offload_to_cpu, comm=self.comm)
+            fully_shard(model, offload=self.offload_to_cpu, comm=self.comm,
+                        mp_policy=mixed_precision_policy(self.cfg))
             self.fsdp = model._distlab_fsdp
             self._groups = [({"params": u.params, "name": u.name}, u.modules)
                             for u in self.fsdp.units]

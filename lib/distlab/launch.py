@@ -232,7 +232,7 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
     from distlab.run import Run
     from distlab.train import train_rank
 
-    preflight.check(cfg)  # what depends on this machine: paths, your model, memory
+    preflight.check(cfg, runs_root(cfg.runs_root))  # this machine: paths, your model, memory
     run_dir = run_dir or new_run_dir(runs_root(cfg.runs_root),
                                      cfg.name or f"{cfg.strategy}-w{cfg.world_size}")
     os.makedirs(run_dir, exist_ok=True)

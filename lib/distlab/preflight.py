@@ -25,10 +25,10 @@ import os
 from distlab import factory
 
 
-def check(cfg) -> None:
-    """ValueError (CheckpointError is one) naming the field, before any process starts."""
-    from distlab.launch import runs_root
-    _writable_folder("runs_root", runs_root(cfg.runs_root))
+def check(cfg, runs_root: str) -> None:
+    """ValueError (CheckpointError is one) naming the field, before any process starts.
+    runs_root: the folder cfg's run goes under (distlab.launch.runs_root)."""
+    _writable_folder("runs_root", runs_root)
     if cfg.checkpoint_dir:
         _writable_folder("checkpoint_dir", cfg.checkpoint_dir)
     if cfg.resume_from and cfg.resume_from != "auto":

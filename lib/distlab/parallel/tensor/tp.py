@@ -39,7 +39,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.comm import Comm
-from distlab import factory
 from distlab.parallel.base import Strategy
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
@@ -567,11 +566,11 @@ class TensorParallel(Strategy):
 
     def wrap(self, model):
         # every rank built the same full model from cfg.seed; each keeps its slice of it
-        if factory.is_spec(self.cfg.model):  # yours: its own plan (checked by factory.check)
-            model = parallelize_module(model, model.tp_plan, comm=self.comm)
-        else:
+        if self.cfg.model == "gpt":
             model = parallelize_module(model, gpt_plan(len(model.blocks), self.sp),
                                        comm=self.comm)
+        else:  # yours: its own plan (checked before spawn by distlab.factory.check)
+            model = parallelize_module(model, model.tp_plan, comm=self.comm)
         self.sharded = dict(model._distlab_tp.sharded)
         return model
 

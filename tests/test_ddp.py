@@ -203,18 +203,24 @@ def test_topk_loss_still_falls(ddp_runs):
 
 
 # -- the pieces, in process ----------------------------------------------------------------
-def test_assign_buckets_caps_and_closes_greedily():
+def test_assign_buckets_closes_a_bucket_once_it_reaches_the_cap_as_torch_does():
     sizes = [5, 3, 4, 10, 1, 1, 2]
-    assert assign_buckets(sizes, 8) == [[0, 1], [2], [3], [4, 5, 6]]
+    assert assign_buckets(sizes, 8) == [[0, 1], [2, 3], [4, 5, 6]]
     assert assign_buckets(sizes, 100) == [list(range(7))]
     for cap in (1, 4, 8, 13):
         buckets = assign_buckets(sizes, cap)
         assert [i for b in buckets for i in b] == list(range(7))  # order kept, all present
-        for b, nxt in zip(buckets, buckets[1:] + [None]):
+        for b in buckets[:-1]:
             total = sum(sizes[i] for i in b)
-            assert total <= cap or len(b) == 1  # capped, unless one tensor alone exceeds it
-            if nxt:
-                assert total + sizes[nxt[0]] > cap  # closed only when the next would not fit
+            assert total >= cap  # closed once it reached the cap ...
+            assert total - sizes[b[-1]] < cap  # ... and not before
+    # the same buckets as torch's Reducer at the same cap, on the default GPT's gradients
+    import torch.distributed as dist
+    grads = [torch.empty(s // 4) for s in _grad_sizes()]
+    for mb in (0.05, 0.25, 1.0):
+        cap = int(mb * MiB)
+        theirs, _ = dist._compute_bucket_assignment_by_size(grads, [cap], [False] * len(grads))
+        assert assign_buckets(_grad_sizes(), cap) == [list(b) for b in theirs], mb
 
 
 def test_overlap_fraction():

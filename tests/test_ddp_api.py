@@ -202,7 +202,7 @@ def test_buckets_hold_one_dtype():
     assert plan_buckets(params, 1e6) == [[0, 2], [1, 3]]
     assert plan_buckets(params, 16) == [[0], [1], [2], [3]]  # the cap per dtype
     same = [torch.zeros(n) for n in (5, 3, 4, 10, 1, 1, 2)]
-    assert plan_buckets(same, 32) == [[0, 1], [2], [3], [4, 5, 6]]  # = assign_buckets
+    assert plan_buckets(same, 32) == [[0, 1], [2, 3], [4, 5, 6]]  # = assign_buckets
 
 
 def test_guard_rails_say_what_to_do(launched):

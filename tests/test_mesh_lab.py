@@ -20,8 +20,8 @@ from distlab.parallel.tensor.tp import plan_table
 from distlab.plan import GPT3_175B, IB_HDR, Cluster, plan
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=2, global_batch=16, seq_len=16, n_layer=4,
-                 n_embd=32, n_head=4, microbatches=2, schedule="1f1b")
-CFG = mesh_config(BASE, 2, 2, 2)
+                 n_embd=32, n_head=4)
+CFG = mesh_config(BASE, 2, 2, 2, microbatches=2, schedule="1f1b")
 
 
 def test_valid_layouts_world8():

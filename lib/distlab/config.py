@@ -428,7 +428,16 @@ class RunConfig:
         return self.lr
 
     def replace(self, **changes) -> "RunConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). When the strategy changes, the
+        knobs only the old one read (parallel.KNOBS: microbatches for a pipeline, bucket_mb for
+        DDP, ...) go back to their defaults unless given: the same run under another strategy,
+        not a config the new strategy would refuse for a knob it does not read."""
+        new = changes.get("strategy", self.strategy)
+        if new != self.strategy:
+            defaults = {f.name: f.default for f in fields(self)}
+            for name, readers in KNOBS.items():
+                if name not in changes and new not in readers:
+                    changes[name] = defaults[name]
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

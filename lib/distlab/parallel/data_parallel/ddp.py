@@ -7,8 +7,8 @@ as `DistributedDataParallel`, a wrapper for any module on any process group (exp
 `distlab.DistributedDataParallel`); the `ddp` strategy of the training loop is built on it.
 
 1. construction: rank 0 broadcasts its parameters and buffers, so every replica starts equal.
-   The gradients are cut into buckets of at most `bucket_mb` MiB, in reverse registration
-   order, which is about the order backward produces them (the head's first, the embeddings'
+   The gradients are cut into buckets of about `bucket_mb` MiB (torch's rule: a bucket closes
+   once it reaches the cap), in reverse registration order, which is about the order backward produces them (the head's first, the embeddings'
    last). A bucket is one flat buffer, so it holds one dtype: parameters of another dtype
    (fp64 next to fp32) are bucketed on their own.
 2. forward: rank 0's buffers (BatchNorm's running statistics) are broadcast first, as torch's
@@ -71,16 +71,18 @@ from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
 def assign_buckets(sizes: list[int], cap_bytes: float) -> list[list[int]]:
-    """Cut a list of gradient sizes (bytes, in launch order) into consecutive buckets of at most
-    `cap_bytes`: a bucket closes before a gradient that would take it past the cap; a gradient
-    larger than the cap is a bucket of its own. Returns the indices in each bucket."""
+    """Cut a list of gradient sizes (bytes, in launch order) into consecutive buckets, by torch's
+    Reducer's rule (compute_bucket_assignment_by_size): a gradient joins the open bucket, and
+    the bucket closes once it holds `cap_bytes` or more. So a bucket passes the cap by at most
+    its last gradient, and fewer, larger buckets mean fewer collectives, each with its own
+    latency. Returns the indices in each bucket."""
     buckets, current, filled = [], [], 0
     for i, size in enumerate(sizes):
-        if current and filled + size > cap_bytes:
-            buckets.append(current)
-            current, filled = [], 0
         current.append(i)
         filled += size
+        if filled >= cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0
     if current:
         buckets.append(current)
     return buckets

@@ -39,7 +39,8 @@ from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
 
 ATOL = 1e-6
 STEPS, LR = 5, 0.1
-BUCKET_MB = 5e-5  # 52 bytes: several buckets per model (a larger gradient is one alone)
+BUCKET_MB = 1e-5  # 10.5 bytes: a bucket closes once it reaches this, so nearly every
+# gradient is a bucket of its own (torch's rule): several buckets in every model
 
 
 # -- the models and their data --------------------------------------------------------------

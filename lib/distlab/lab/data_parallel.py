@@ -144,7 +144,7 @@ def grouped_bars(groups: dict[str, dict[str, float]], title: str, yaxis: str,
 
 def bucket_plan(cfg: RunConfig) -> list[dict]:
     """The buckets of `ddp` for cfg's GPT, in launch order: {"tensors": parameter names,
-    "bytes": gradient bytes}. The gradients in reverse registration order, cut by
+    "bytes": gradient bytes, "last_bytes": its last gradient's}. The gradients in reverse registration order, cut by
     distlab.parallel.data_parallel.ddp.assign_buckets at cfg.bucket_mb, as DistributedDataParallel
     does (built here on the caller's side, without a process group)."""
     from distlab.models import GPT, GPTConfig
@@ -153,8 +153,8 @@ def bucket_plan(cfg: RunConfig) -> list[dict]:
     model = GPT(GPTConfig.from_run(cfg))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
     sizes = [p.numel() * p.element_size() for _, p in named]
-    return [{"tensors": [named[i][0] for i in b], "bytes": sum(sizes[i] for i in b)}
-            for b in assign_buckets(sizes, cfg.bucket_mb * DDP_MiB)]
+    return [{"tensors": [named[i][0] for i in b], "bytes": sum(sizes[i] for i in b),
+             "last_bytes": sizes[b[-1]]} for b in assign_buckets(sizes, cfg.bucket_mb * DDP_MiB)]
 
 
 def ps_ring_figure(measured: dict[str, tuple[float, float]], P: float, N: int,

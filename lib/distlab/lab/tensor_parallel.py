@@ -112,7 +112,7 @@ def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
 
     torch.manual_seed(0)
     rec = _Recorder()
-    strategy = TensorParallel(types.SimpleNamespace(sp=sp), rec)
+    strategy = TensorParallel(types.SimpleNamespace(sp=sp, model="gpt"), rec)
     model = strategy.wrap(GPT(GPTConfig.from_run(cfg)))
     for name, m in model.named_modules():
         if name and not list(m.children()):  # leaves: linears, LayerNorms, embeddings

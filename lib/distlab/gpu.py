@@ -290,3 +290,9 @@ def shared_gpu_backend(world: int = 2) -> Placement:
                 probes[backend]["all_reduce"] == "ok":
             chosen = backend
     return Placement(chosen, probes)
+
+
+def where_am_i(rank: int, world: int, device: torch.device, log) -> dict:
+    """A rank function for distlab.run_ranks: the device and backend the launcher gave it."""
+    import torch.distributed as dist
+    return {"device": str(device), "backend": dist.get_backend()}

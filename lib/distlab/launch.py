@@ -74,9 +74,10 @@ def place_rank(device: str, backend: str, local_rank: int, local_world: int,
         cuda     auto, nccl   fewer GPUs than ranks             error: NCCL needs a GPU per rank
 
     NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"); gloo
-    takes CUDA tensors for some collectives (all-reduce, broadcast, all-gather: it stages them
-    through host memory), so ranks may share a GPU only when backend='gloo' is asked for.
-    tests/gpu/test_multirank_one_gpu.py checks both claims on a real GPU."""
+    accepts CUDA tensors for some collectives (torch's backend table lists broadcast and
+    all-reduce; distlab.gpu.probe_collectives finds out which on the machine at hand), so
+    ranks may share a GPU only when backend='gloo' is asked for. Neither claim has been
+    checked on a GPU yet: tests/gpu/test_multirank_one_gpu.py checks both where there is one."""
     if device not in ("auto", "cpu", "cuda") or backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"device={device!r} / backend={backend!r}: device is 'auto', 'cpu' or "
                          "'cuda'; backend 'auto', 'gloo' or 'nccl'")
@@ -99,8 +100,8 @@ def place_rank(device: str, backend: str, local_rank: int, local_world: int,
         return f"cuda:{local_rank % n_gpus}", "gloo"
     raise ValueError(f"device='cuda' with {local_world} ranks on {n_gpus} GPU(s): NCCL needs "
                      f"one GPU per rank (it refuses two ranks on one GPU). Set backend='gloo' "
-                     f"to let the ranks share the GPU(s) (gloo carries CUDA tensors through "
-                     f"host memory), or run {n_gpus} rank(s)")
+                     f"to let the ranks share the GPU(s) (gloo takes CUDA tensors for some "
+                     f"collectives), or run {n_gpus} rank(s)")
 
 
 def local_gpu_count() -> int:

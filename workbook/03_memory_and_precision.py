@@ -36,7 +36,9 @@
 #    each measured: bytes saved, time paid;
 # 5. the interview recipe for *"it fits at batch 1, we need batch 32"*: bf16 →
 #    checkpointing → accumulation → more ranks, every step measured;
-# 6. a closing table: what the textbook says, what these runs measured.
+# 6. a closing table: what the textbook says, what these runs measured;
+# 7. **on a GPU**: bf16 against fp32 step time and CUDA's peak memory against the estimate,
+#    measured only where there is a CUDA GPU.
 #
 # Sharding the model states across ranks (ZeRO, FSDP) is the next notebook's subject,
 # `04_zero_and_fsdp`; here every rank holds the whole model.
@@ -76,6 +78,7 @@ from IPython.display import Markdown, display
 
 from distlab import RunConfig, RunError, lab, launch
 from distlab import estimate as E
+from distlab import gpu as G
 from distlab import precision as P
 from distlab.lab.common import MEMORY_CATEGORIES as CATEGORIES
 from distlab.lab.common import claim, claims_table, mib, table
@@ -774,3 +777,30 @@ interview = {4, 5, 8, 12}  # Q2's figures and the clipping answer: shown, whiche
 assert all(c["holds"] for i, c in enumerate(claims) if i not in interview), \
     [c["claim"] for i, c in enumerate(claims) if i not in interview and not c["holds"]]
 assert not claims[8]["holds"]  # clipping did not stop the overflow (asserted above too)
+
+# %% [markdown]
+# ## 7. On a GPU
+#
+# Everything above ran on this CPU, where bf16 has no fast matmuls. On a GPU, bf16 autocast
+# runs the matmuls on tensor cores, and `torch.cuda.max_memory_allocated` is the allocator's
+# own peak, to set beside the estimator's model states plus activations. The cell below
+# measures both with a small GPT (`distlab.gpu.time_training`: the library's model, AdamW and
+# autocast) when a CUDA GPU is present; otherwise it says so and shows no figure.
+# `benchmarks/gpu.py` is the full-size version (a GPT that fills the GPU, FLOP/s and MFU), and
+# `tests/gpu` checks every CUDA path; see the README for the command.
+
+# %%
+if torch.cuda.is_available():
+    gpu_cfg = RunConfig(n_layer=4, n_embd=512, n_head=8, seq_len=256, global_batch=16,
+                        vocab_size=4096)
+    gpu_rows = {p: G.time_training(gpu_cfg.replace(precision=p), "cuda", steps=5, warmup=2)
+                for p in ("fp32", "bf16")}
+    gpu_est = G.gpt_bytes_fp32(gpu_cfg)
+    table(["precision", "step ms", "tokens/s", "max_memory_allocated MiB",
+           "estimate (fp32 states + activations) MiB"],
+          [[p, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", mib(r["peak_bytes"]),
+            mib(gpu_est)] for p, r in gpu_rows.items()])
+    print(f"{torch.cuda.get_device_name()}: bf16 / fp32 step time "
+          f"{gpu_rows['fp32']['step_s'] / gpu_rows['bf16']['step_s']:.2f}x faster")
+else:
+    print("no CUDA GPU here: these figures were not measured")

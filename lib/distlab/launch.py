@@ -56,16 +56,69 @@ def new_run_dir(root: str, label: str) -> str:
     return path
 
 
-def choose_device(device: str, local_rank: int, local_world: int) -> torch.device:
-    """CUDA only when every rank on this machine can have a GPU of its own."""
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()
-                            and torch.cuda.device_count() >= local_world):
-        if torch.cuda.device_count() < local_world:
-            raise RuntimeError(f"device='cuda' needs one GPU per rank: {local_world} ranks, "
-                               f"{torch.cuda.device_count()} GPUs")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def place_rank(device: str, backend: str, local_rank: int, local_world: int,
+               n_gpus: int) -> tuple[str, str]:
+    """Where a rank runs and which backend carries its collectives: ("cpu" or "cuda:i",
+    "gloo" or "nccl"). Pure (n_gpus is torch.cuda.device_count()), so tests check every case
+    on a CPU machine. Raises ValueError for a request that cannot work, saying what would.
+
+        device   backend      GPUs vs ranks on this machine     result
+        cpu      auto, gloo   any                               cpu, gloo
+        cpu      nccl         any                               error: NCCL needs CUDA tensors
+        auto     auto, gloo   0, or fewer GPUs than ranks       cpu, gloo
+        auto     nccl         0, or fewer GPUs than ranks       error
+        auto     any          one GPU per rank                  cuda:local_rank, nccl (auto)
+        cuda     any          0                                 error: no CUDA GPU
+        cuda     any          one GPU per rank                  cuda:local_rank, nccl (auto)
+        cuda     gloo         fewer GPUs than ranks             cuda:(local_rank % GPUs), gloo
+        cuda     auto, nccl   fewer GPUs than ranks             error: NCCL needs a GPU per rank
+
+    NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"); gloo
+    accepts CUDA tensors for some collectives (torch's backend table lists broadcast and
+    all-reduce; distlab.gpu.probe_collectives finds out which on the machine at hand), so
+    ranks may share a GPU only when backend='gloo' is asked for. Neither claim has been
+    checked on a GPU yet: tests/gpu/test_multirank_one_gpu.py checks both where there is one."""
+    if device not in ("auto", "cpu", "cuda") or backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"device={device!r} / backend={backend!r}: device is 'auto', 'cpu' or "
+                         "'cuda'; backend 'auto', 'gloo' or 'nccl'")
+    enough = n_gpus >= local_world
+    if device == "cpu" or (device == "auto" and not enough):
+        if backend == "nccl":
+            why = ("device='cpu'" if device == "cpu" else
+                   f"device='auto' found {n_gpus} GPU(s) for {local_world} rank(s), so it runs "
+                   "on the CPU")
+            raise ValueError(f"backend='nccl' carries CUDA tensors only, and {why}: use "
+                             "backend='gloo' (or 'auto') on the CPU, or device='cuda' with one "
+                             "GPU per rank")
+        return "cpu", "gloo"
+    if n_gpus == 0:
+        raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() "
+                         "is False): use device='cpu' or 'auto'")
+    if enough:
+        return f"cuda:{local_rank}", "nccl" if backend == "auto" else backend
+    if backend == "gloo":  # asked for: ranks share the GPUs, round robin
+        return f"cuda:{local_rank % n_gpus}", "gloo"
+    raise ValueError(f"device='cuda' with {local_world} ranks on {n_gpus} GPU(s): NCCL needs "
+                     f"one GPU per rank (it refuses two ranks on one GPU). Set backend='gloo' "
+                     f"to let the ranks share the GPU(s) (gloo takes CUDA tensors for some "
+                     f"collectives), or run {n_gpus} rank(s)")
+
+
+def local_gpu_count() -> int:
+    """CUDA GPUs torch sees on this machine (0 without CUDA); does not initialise CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_device(device: str, local_rank: int, local_world: int,
+                  backend: str = "auto") -> torch.device:
+    """This rank's device (place_rank's rule, with this machine's GPUs); sets the current CUDA
+    device when it is one."""
+    where, _ = place_rank(device, backend, local_rank, local_world, local_gpu_count())
+    if where == "cpu":
+        return torch.device("cpu")
+    index = int(where.split(":")[1])
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _watch_parent(launcher_pid: int):
@@ -127,9 +180,9 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         torch.set_num_threads(threads)  # before any op: oversubscribed cores slow steps 3-20x
         if spec["debug"]:
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        device = choose_device(spec["device"], local_rank, local_world)
-        backend = spec["backend"] if spec["backend"] != "auto" else (
-            "nccl" if device.type == "cuda" else "gloo")
+        _, backend = place_rank(spec["device"], spec["backend"], local_rank, local_world,
+                                local_gpu_count())
+        device = choose_device(spec["device"], local_rank, local_world, spec["backend"])
         timeout = timedelta(seconds=spec["timeout_s"])
         if "port" in init:
             store = dist.TCPStore("127.0.0.1", init["port"], world, False, timeout=timeout)
@@ -200,6 +253,8 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
     """Spawn `world` processes running fn(rank, world, device, log, *args). Returns
     (processes, store); the store must stay alive as long as the ranks run."""
     _check_importable(fn)
+    # an impossible device/backend request fails here, in the caller, before any rank starts
+    place_rank(device, backend, 0, world, local_gpu_count())
     os.makedirs(run_dir, exist_ok=True)
     # The caller owns the rendezvous store: port 0 lets the OS pick a free port, and holding
     # it open means no other run can take it.

@@ -31,7 +31,7 @@ def size(n: float) -> str:
             return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
     return f"{n:.0f} B"
 # memory categories that are a view of the others, not more bytes (distlab.step_meter)
-_NOT_ADDED = ("peak", "allocated", "cuda_max_allocated")
+_NOT_ADDED = ("peak", "allocated", "cuda_max_allocated", "cuda_allocated")
 
 
 def memory_bytes(event: dict) -> int:

@@ -10,7 +10,8 @@
 Memory categories: the strategy's parameters/gradients/optimizer state (exact local bytes),
 activations saved for backward (ActivationMeter), communication buffers (distlab.comm), and
 opt-in extras: autocast's weight copies, the per-step peak of aten-allocated bytes
-(RunConfig.track_peak, ~20% step time on this CPU), torch.cuda.max_memory_allocated on a GPU.
+(RunConfig.track_peak, ~20% step time on this CPU), torch.cuda.max_memory_allocated on a GPU
+(and memory_allocated at the step's end).
 """
 
 from __future__ import annotations
@@ -70,4 +71,6 @@ class StepMeter:
             memory.update(peak=self.peak.step_end(), allocated=self.peak.current)
         if self.on_cuda:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            # live at the step's end (before zero_grad): what stays on the device between steps
+            memory["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
         return {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire}

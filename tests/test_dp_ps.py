@@ -1,13 +1,13 @@
 """`dp` (nn.DataParallel in one process) and the parameter servers follow `single`, move the bytes
 their formulas say, and the backup workers stop a synchronous step from waiting for a straggler.
 
-Equivalence: the same small GPT on the same global batch per step, SGD in float32, 20 steps.
+Equivalence: the same small GPT on the same global batch per step, SGD in float32, 10 steps.
 `dp` sums its replicas' gradients (each replica's loss term is weighted by its share of the
 rows); `ps-sync` averages N workers' gradients on the server. Mathematically both are the
 gradient of the global batch's mean loss; numerically they differ from `single` only in
 summation order (float32 rounding, ~1e-7 relative per step). Tolerance atol=1e-5 per parameter,
 as in test_equivalence.py: SGD does not amplify rounding (measured on torch 2.13 CPU with gloo:
-~6e-8); we observed at most ~7e-8 here (dp 5e-8, ps-sync 7e-8), a >100x margin, while a wrong gradient
+~6e-8); we observed at most ~7e-8 here over 20 steps (dp 5e-8, ps-sync 7e-8), a >100x margin, while a wrong gradient
 (a missing average, a dropped replica or worker) moves parameters by ~1e-2.
 
 ps world sizes 3 and 5 (N = 2 and 4 workers plus the server): each worker then takes the same
@@ -29,7 +29,7 @@ from distlab.lab.runs import split_configs
 from distlab.train import train_with_state
 
 ATOL = 1e-5
-BASE = RunConfig(steps=20, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,
+BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,
                  n_embd=32, n_head=2, mlp_ratio=4, timeout_s=60)
 P = gpt_param_count(GPTConfig.from_run(BASE)) * 4  # bytes of fp32 parameters (= of gradients)
 DELAY = 0.3  # the straggler's sleep per step; a step of this model takes ~10 ms

@@ -4,7 +4,7 @@
 Launches (2): one `single` run (world 1) and ONE world-8 launch (dp=tp=pp=2) that builds a Mesh
 and returns its groups, then trains `3d` (distlab.lab.parallelism_3d.mesh_ranks).
 
-Tolerance: atol=1e-5 on every (gathered) parameter after 20 SGD steps in float32, and on the
+Tolerance: atol=1e-5 on every (gathered) parameter after 10 SGD steps in float32, and on the
 loss. 3d computes `single`'s sums split into tp partial sums, m micro-batch means and dp
 averages: only the summation order differs (~1e-7 relative per step). A lost micro-batch,
 an unaveraged dp gradient or a doubled bias moves parameters by >1e-3.
@@ -31,7 +31,7 @@ from distlab.train import train_with_state
 
 ATOL = 1e-5
 DP, TP, PP, M = 2, 2, 2, 2
-BASE = RunConfig(steps=20, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2 * PP,
+BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2 * PP,
                  n_embd=32, n_head=4, mlp_ratio=4, timeout_s=60)
 CFG = BASE.replace(strategy="3d", world_size=DP * TP * PP, tp=TP, pp=PP, microbatches=M,
                    schedule="1f1b")

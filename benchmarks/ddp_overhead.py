@@ -9,13 +9,12 @@ parameters, 3.27 MB of gradients) with SGD; the first --warmup steps of each are
 (torch's DDP rebuilds its buckets after iteration 0). The step time is rank 0's step_s (the
 ranks meet at every all-reduce, so they agree to within a wait).
 
-Bucket counts differ at the same bucket_mb: `ddp` closes a bucket before it would pass the cap,
-torch's Reducer once it reaches it, so at 0.25 MiB ddp makes 21 buckets and torch 13. Every
-bucket is one collective with its own latency, which costs most when ranks outnumber cores
-(world 4 on 2 cores). --ddp-bucket-mb 0.3 gives ddp torch's 13, for a like-for-like comparison.
+Buckets: `ddp` cuts them by torch's Reducer rule (a bucket closes once it reaches the cap), so
+both make the same buckets at the same bucket_mb (13 at 0.25 MiB; the table shows the counts).
+--ddp-bucket-mb sets ddp's cap alone, to see what another bucket count costs.
 
 Prints the median step time of each strategy, the ratio ddp / ddp-torch (target: at most
-1.15), the per-repeat ratios, the bytes per rank per step of each (they must be equal), and
+1.10), the per-repeat ratios, the bytes per rank per step of each (they must be equal), and
 ddp's overlap fraction (the part of its communication time hidden under backward; see
 distlab.parallel.data_parallel.ddp). `allreduce` (every gradient all-reduced after backward, no buckets, no
 overlap) runs alongside as the baseline both improve on.
@@ -33,7 +32,7 @@ import statistics
 import sys
 import tempfile
 
-TARGET_RATIO = 1.15
+TARGET_RATIO = 1.10
 STRATEGIES = ("ddp", "ddp-torch", "allreduce")
 
 

@@ -146,3 +146,24 @@ def test_two_runs_launched_at_once_do_not_collide():
     assert a.dir != b.dir
     assert a.losses() == b.losses()  # same config, same data: the same run twice
     assert_all_gone(a.pids + b.pids)
+
+
+def test_a_run_inherits_nothing_from_the_previous_one(monkeypatch):
+    """Ranks are forked from a fork server started by the first launch: each run must still
+    start as a fresh process would, with the launcher's environment of now, its own Python
+    and torch random states (seeded from the OS, as a new interpreter's), the thread count
+    launch sets, and new processes."""
+    from distlab import run_ranks
+    from rank_state import what_a_rank_starts_with
+
+    monkeypatch.setenv("DISTLAB_TEST_MARK", "first")
+    first = run_ranks(what_a_rank_starts_with, 2, threads=1)
+    monkeypatch.setenv("DISTLAB_TEST_MARK", "second")  # after the fork server started
+    second = run_ranks(what_a_rank_starts_with, 2, threads=2)
+    assert [r["env"] for r in first + second] == ["first"] * 2 + ["second"] * 2
+    randoms = [r["random"] for r in first + second]
+    assert len(set(randoms)) == 4  # fresh seeds, not the server's copied state
+    assert len({r["torch_seed"] for r in first + second}) == 4
+    assert [r["threads"] for r in first + second] == [1, 1, 2, 2]
+    assert {r["pid"] for r in first}.isdisjoint({r["pid"] for r in second})
+

@@ -235,10 +235,10 @@ def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int)
     # the first launch)
     os.environ.clear()
     os.environ.update(spec["env"])
-    # and fresh Python and NumPy global generators, as a new interpreter seeds them from the OS
-    # (a fork copies the server's); torch's default generator is untouched in the server, so
-    # a forked rank starts from torch's default seed, as a spawned one does
+    # and fresh Python, NumPy and torch generators, seeded from the OS as a new interpreter's
+    # are (a fork copies the server's: every rank of every run would draw the same numbers)
     random.seed()
+    torch.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()

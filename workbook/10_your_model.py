@@ -122,7 +122,7 @@ from distlab.lab.your_model import compare, loss_figure, rows, step_bytes, worst
 MODEL, DATA = "runs/your_model.py:make_model", "runs/your_model.py:make_data"
 # SGD in fp32: the update is linear in the gradient, so the parallel runs can be compared
 # with one process to float32 rounding (see the tolerance below)
-BASE = RunConfig(model=MODEL, data=DATA, steps=STEPS, optimizer="sgd", lr=0.5,
+BASE = RunConfig(model=MODEL, data=DATA, steps=STEPS, optimizer="sgd", lr=0.3,
                  global_batch=32, timeout_s=60, threads_per_rank=1)
 VARIANTS = {
     "ddp": dict(strategy="ddp", world_size=WORLD),
@@ -188,7 +188,7 @@ import subprocess
 import sys
 
 cmd = [sys.executable, "-m", "distlab", "--strategy", "zero2", "--world-size", "2",
-       "--model", MODEL, "--data", DATA, "--optimizer", "sgd", "--lr", "0.5",
+       "--model", MODEL, "--data", DATA, "--optimizer", "sgd", "--lr", "0.3",
        "--global-batch", "32", "--steps", str(STEPS), "--log-every", str(max(1, STEPS // 4))]
 terminal = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 print(" ".join(["python"] + cmd[1:]) + "\n")
@@ -206,7 +206,7 @@ printed_done = [line for line in terminal.stdout.splitlines() if line.startswith
 
 # %%
 panel = ControlPanel(model=MODEL, data=DATA, strategy="zero3", world_size=2, steps=STEPS,
-                     optimizer="sgd", lr=0.5, global_batch=32, threads_per_rank=1)
+                     optimizer="sgd", lr=0.3, global_batch=32, threads_per_rank=1)
 panel.widget
 
 # %%

@@ -2,7 +2,8 @@
 activation checkpointing's saving, ZeRO offload's move to host memory.
 
 Skipped without CUDA (the reason says so). Run on a GPU machine:
-    .venv/bin/pytest -m gpu tests/gpu -rs -s      (-s shows the printed figures)
+    .venv/bin/pytest -n 0 -m gpu tests/gpu -rs -s  (-s shows the printed figures; -n 0: one
+                                                  process, so they are not captured)
 
 Tolerances:
 

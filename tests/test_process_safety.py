@@ -148,7 +148,7 @@ def test_two_runs_launched_at_once_do_not_collide():
     assert_all_gone(a.pids + b.pids)
 
 
-def test_a_run_inherits_nothing_from_the_previous_one(monkeypatch):
+def test_a_run_inherits_nothing_from_the_previous_one(monkeypatch, tmp_path):
     """Ranks are forked from a fork server started by the first launch: each run must still
     start as a fresh process would, with the launcher's environment of now, its own Python
     and torch random states (seeded from the OS, as a new interpreter's), the thread count
@@ -157,7 +157,9 @@ def test_a_run_inherits_nothing_from_the_previous_one(monkeypatch):
     from rank_state import what_a_rank_starts_with
 
     monkeypatch.setenv("DISTLAB_TEST_MARK", "first")
-    first = run_ranks(what_a_rank_starts_with, 2, threads=1)
+    first = run_ranks(what_a_rank_starts_with, 2, threads=1, run_dir=str(tmp_path / "first"))
+    # the return values came back and their files are gone: the caller holds them now
+    assert not list((tmp_path / "first").glob("result*.pt"))
     monkeypatch.setenv("DISTLAB_TEST_MARK", "second")  # after the fork server started
     second = run_ranks(what_a_rank_starts_with, 2, threads=2)
     assert [r["env"] for r in first + second] == ["first"] * 2 + ["second"] * 2

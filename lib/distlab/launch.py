@@ -322,5 +322,14 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, backend="auto", de
                                timeout_s=timeout_s, threads=threads, debug=debug,
                                save_result=True)
     Run(run_dir, processes=procs, store=store, world_size=world).wait(timeout=wall_timeout_s)
-    return [torch.load(os.path.join(run_dir, f"result{r}.pt"), weights_only=True)
-            for r in range(world)]
+    return [_take_result(run_dir, r) for r in range(world)]
+
+
+def _take_result(run_dir: str, rank: int):
+    """Rank's return value, read back and its file removed: the caller holds it now, and a
+    notebook's launches of whole state dicts would otherwise fill the disk (one pass over the
+    workbook left 191 MB of them from notebook 04 alone)."""
+    path = os.path.join(run_dir, f"result{rank}.pt")
+    result = torch.load(path, weights_only=True)
+    os.remove(path)
+    return result

@@ -22,15 +22,11 @@ in binary floating point: measured 0. A wrong gradient (a bucket not averaged, a
 gradient missing, a bucket copied into the wrong parameters) is off by ~1e-2 or more.
 """
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from api_models import Mixed, RootParams, Tied, batch, loss_of, rows
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, run_readme_snippet
 from torch import nn
 
 from distlab import DistributedDataParallel, run_ranks
@@ -147,11 +143,6 @@ def two_groups(rank, world, device, log, name):
 
 
 # -- the tests ---------------------------------------------------------------------------------
-def _worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def launched():
     return run_ranks(two_ranks, 2, list(MODELS), timeout_s=60)
@@ -162,7 +153,7 @@ def test_equal_to_one_process_and_complete_when_backward_returns(launched, name)
     ref = single(name)
     for r, res in enumerate(launched):
         got = res[name]["ours"]
-        grads, state = _worst(got["grads"], ref["grads"]), _worst(got["state"], ref["state"])
+        grads, state = max_diff(got["grads"], ref["grads"]), max_diff(got["state"], ref["state"])
         print(f"{name} rank {r}: vs one process: gradients {grads:.1e}, after {STEPS} steps "
               f"{state:.1e}")
         assert grads <= ATOL and state <= ATOL
@@ -173,7 +164,8 @@ def test_equal_to_torch_ddp(launched, name):
     for r, res in enumerate(launched):
         got = res[name]["ours plain bn" if name == "batchnorm" else "ours"]
         theirs = res[name]["torch"]
-        grads, state = _worst(got["grads"], theirs["grads"]), _worst(got["state"], theirs["state"])
+        grads = max_diff(got["grads"], theirs["grads"])
+        state = max_diff(got["state"], theirs["state"])
         print(f"{name} rank {r}: vs torch DDP: gradients {grads:.1e}, after {STEPS} steps "
               f"{state:.1e} (parameters and buffers)")
         assert grads <= ATOL and state <= ATOL
@@ -190,9 +182,9 @@ def test_no_sync_accumulates_then_the_next_backward_averages_the_sum(launched, n
         x, y = (rows(t, r, 2)[:2] for t in batch(name, 0))
         (loss_of(name, module(x), y) / 2).backward()
         local = {k: p.grad for k, p in module.named_parameters()}
-        assert _worst(got["local"], local) <= ATOL  # this rank's own, not averaged
+        assert max_diff(got["local"], local) <= ATOL  # this rank's own, not averaged
         assert got["calls"] == [0, got["buckets"]]  # nothing sent, then one call per bucket
-        assert _worst(got["grads"], ref) <= ATOL  # the average of the accumulated sums
+        assert max_diff(got["grads"], ref) <= ATOL  # the average of the accumulated sums
         assert all(len(d) == 1 for d in got["bucket_dtypes"])
     assert launched[0][name]["no_sync"]["buckets"] > 1  # BUCKET_MB cuts every model
 
@@ -219,21 +211,14 @@ def test_any_process_group():
     for g in (0, 1):
         ref = train(name, *(2 * [make(name, seed=2 * g)]), rank=0, world=1, seed=g)
         for r in (2 * g, 2 * g + 1):
-            worst = _worst(res[r]["state"], ref["state"])
+            worst = max_diff(res[r]["state"], ref["state"])
             print(f"group {g} rank {r}: vs one process from rank {2 * g}'s init: {worst:.1e}")
             assert worst <= ATOL
-    assert _worst(res[0]["state"], res[2]["state"]) > 1e-2  # the groups did train apart
+    assert max_diff(res[0]["state"], res[2]["state"]) > 1e-2  # the groups did train apart
 
 
 def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    marker = "# train_ddp.py: run with"
-    assert marker in readme, "the README's 'Use it on your model' snippet moved"
-    (tmp_path / "train_ddp.py").write_text(marker + readme.split(marker, 1)[1].split("```")[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "train_ddp.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_readme_snippet("train_ddp.py", "'Use it on your model'", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
         f"step {s}" for s in range(10)]

@@ -33,14 +33,10 @@ printed too: 400x the tolerance or more, so a rounding step done differently (ca
 the gather, reducing in another dtype) would show.
 """
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from api_models import Mixed, RootParams, Tied, batch, loss_of, rows
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, run_readme_snippet
 from torch import nn
 
 import distlab
@@ -253,11 +249,6 @@ def two_ranks(rank, world, device, log):
 
 
 # -- the tests ---------------------------------------------------------------------------------
-def _worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def launched():
     return run_ranks(two_ranks, 2, timeout_s=240)
@@ -270,7 +261,7 @@ def test_equal_to_one_process(launched, name, units, opt_name):
     for r, res in enumerate(launched):
         got = res[name, units, opt_name]
         assert all(v.dtype == ref[k].dtype for k, v in got.items())  # full, in their dtype
-        worst = _worst(got, ref)
+        worst = max_diff(got, ref)
         print(f"{name} ({units} units), {opt_name}, rank {r}: vs one process after {STEPS} "
               f"steps {worst:.1e}")
         assert worst <= ATOL
@@ -282,7 +273,7 @@ def test_equal_to_one_process(launched, name, units, opt_name):
 @pytest.mark.parametrize("name", MODELS)
 def test_equal_to_torch_fsdp2(launched, name, opt_name):
     for r, res in enumerate(launched):
-        worst = _worst(res[name, "default", opt_name], res[name, "torch", opt_name])
+        worst = max_diff(res[name, "default", opt_name], res[name, "torch", opt_name])
         print(f"{name}, {opt_name}, rank {r}: vs FSDP2 {worst:.1e}")
         assert worst <= ATOL
 
@@ -293,8 +284,8 @@ def test_bf16_policy_equal_to_torch_fsdp2(launched, name, precision):
     for r, res in enumerate(launched):
         got = res[name, precision]
         assert all(v.dtype == torch.float32 for v in got.values())  # the fp32 masters, gathered
-        worst = _worst(got, res[name, precision, "torch"])
-        off = _worst(got, single(name, "adamw"))
+        worst = max_diff(got, res[name, precision, "torch"])
+        off = max_diff(got, single(name, "adamw"))
         print(f"{name}, {precision}, rank {r}: vs FSDP2 {worst:.1e} (vs fp32 one process "
               f"{off:.1e})")
         assert worst <= BF16_ATOL
@@ -355,14 +346,7 @@ def test_guard_rails_say_what_to_do(launched):
 
 
 def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    marker = "# train_fsdp.py: run with"
-    assert marker in readme, "the README's fully_shard snippet moved"
-    (tmp_path / "train_fsdp.py").write_text(marker + readme.split(marker, 1)[1].split("```")[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "train_fsdp.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_readme_snippet("train_fsdp.py", "fully_shard", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
         f"step {s}" for s in range(10)]

@@ -23,15 +23,12 @@ takes the mean of its list): 75x under ATOL or more; the inputs are seeded, so t
 repeat.
 """
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from api_models import max_diff, run_readme_snippet
 from test_tp_api import Block
 from torch import nn
 
@@ -222,16 +219,11 @@ def _merged(launched, name, schedule, opt_name, who):
     return state, losses
 
 
-def _worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("name,schedule,opt_name", CASES)
 def test_equal_to_one_process(launched, name, schedule, opt_name):
     ref = single(name, opt_name)
     state, losses = _merged(launched, name, schedule, opt_name, "ours")
-    worst = _worst(state, ref["state"])
+    worst = max_diff(state, ref["state"])
     loss = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
     print(f"{name}, {schedule}, {opt_name}: vs one process: parameters after {STEPS} steps "
           f"{worst:.1e}, losses {loss:.1e}")
@@ -242,7 +234,7 @@ def test_equal_to_one_process(launched, name, schedule, opt_name):
 def test_equal_to_torch_pipelining(launched, name, schedule, opt_name):
     ours_state, ours_losses = _merged(launched, name, schedule, opt_name, "ours")
     theirs, their_losses = _merged(launched, name, schedule, opt_name, "torch")
-    worst = _worst(ours_state, theirs)
+    worst = max_diff(ours_state, theirs)
     loss = max(abs(a - b) for a, b in zip(ours_losses, their_losses))
     print(f"{name}, {schedule}, {opt_name}: vs torch.distributed.pipelining: parameters "
           f"{worst:.1e}, losses {loss:.1e}")
@@ -272,14 +264,7 @@ def test_guard_rails_say_what_to_do(launched):
 
 
 def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    marker = "# train_pp.py: run with"
-    assert marker in readme, "the README's pipeline snippet moved"
-    (tmp_path / "train_pp.py").write_text(marker + readme.split(marker, 1)[1].split("```")[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "train_pp.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_readme_snippet("train_pp.py", "pipeline", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
         f"step {s}" for s in range(10)]

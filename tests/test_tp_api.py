@@ -24,14 +24,11 @@ all-reduce of SP's partial gradients leaves, is off by far more (printed by
 test_sequence_parallel_is_not_a_no_op).
 """
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from api_models import max_diff, run_readme_snippet
 from torch import nn
 
 import distlab
@@ -251,11 +248,6 @@ def two_ranks(rank, world, device, log):
 
 
 # -- the tests ---------------------------------------------------------------------------------
-def _worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def launched():
     return run_ranks(two_ranks, 2, timeout_s=120)
@@ -270,9 +262,9 @@ def test_equal_to_one_process(launched, label, opt_name):
     ref = single(name, opt_name)
     for r, res in enumerate(launched):
         got = res[label, opt_name]["ours"]
-        state = _worst(got["state"], ref["state"])
+        state = max_diff(got["state"], ref["state"])
         loss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
-        grads = _worst(got["grads"], ref["grads"]) if ref["grads"] else 0.0
+        grads = max_diff(got["grads"], ref["grads"]) if ref["grads"] else 0.0
         print(f"{label}, {opt_name}, rank {r}: vs one process: parameters after {STEPS} steps "
               f"{state:.1e}, losses {loss:.1e}, LayerNorm gradients at backward's return "
               f"{grads:.1e}")
@@ -283,7 +275,7 @@ def test_equal_to_one_process(launched, label, opt_name):
 def test_equal_to_torch_dtensor_parallelize_module(launched, label, opt_name):
     for r, res in enumerate(launched):
         got, theirs = res[label, opt_name]["ours"], res[label, opt_name]["torch"]
-        state = _worst(got["state"], theirs["state"])
+        state = max_diff(got["state"], theirs["state"])
         loss = max(abs(a - b) for a, b in zip(got["losses"], theirs["losses"]))
         print(f"{label}, {opt_name}, rank {r}: vs torch parallelize_module: parameters "
               f"{state:.1e}, losses {loss:.1e}")
@@ -323,14 +315,7 @@ def test_exported():
 
 
 def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    marker = "# train_tp.py: run with"
-    assert marker in readme, "the README's tensor-parallel snippet moved"
-    (tmp_path / "train_tp.py").write_text(marker + readme.split(marker, 1)[1].split("```")[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "train_tp.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_readme_snippet("train_tp.py", "tensor-parallel", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
         f"step {s}" for s in range(10)]

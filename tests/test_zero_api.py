@@ -31,14 +31,10 @@ reduced into the wrong place) or a group's settings lost is off by ~1e-2 or more
 
 import copy
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from api_models import Mixed, RootParams, Tied, batch, loss_of, rows
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, run_readme_snippet
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -220,11 +216,6 @@ def two_ranks(rank, world, device, log):
 
 
 # -- the tests ---------------------------------------------------------------------------------
-def _worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 CASES = [(n, o, s) for n in MODELS for o in OPTIMIZERS for s in STAGES]
 
 
@@ -237,7 +228,7 @@ def launched():
 def test_equal_to_one_process(launched, name, opt_name, stage):
     ref = single(name, opt_name)
     for r, res in enumerate(launched):
-        worst = _worst(res[name, opt_name, stage]["state"], ref["state"])
+        worst = max_diff(res[name, opt_name, stage]["state"], ref["state"])
         print(f"{name}, {opt_name}, stage {stage}, rank {r}: vs one process after {STEPS} "
               f"steps {worst:.1e}")
         assert worst <= ATOL
@@ -252,7 +243,8 @@ def test_equal_to_torch_zero_redundancy_optimizer(launched, name, opt_name, stag
         assert "same dense type" in launched[0][name, opt_name, "torch"]["refused"]
         return
     for r, res in enumerate(launched):
-        worst = _worst(res[name, opt_name, stage]["state"], res[name, opt_name, "torch"]["state"])
+        got, theirs = res[name, opt_name, stage], res[name, opt_name, "torch"]
+        worst = max_diff(got["state"], theirs["state"])
         print(f"{name}, {opt_name}, stage {stage}, rank {r}: vs ZeroRedundancyOptimizer "
               f"{worst:.1e}")
         assert worst <= ATOL
@@ -286,14 +278,14 @@ def test_per_group_settings_hold(launched):
     model = make("two groups")
     one_group = train("two groups", model, model,
                       torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01), 0, 1)
-    assert _worst(one_group, single("two groups", "adamw")["state"]) > 100 * ATOL
+    assert max_diff(one_group, single("two groups", "adamw")["state"]) > 100 * ATOL
 
 
 @pytest.mark.parametrize("no_sync", [False, True], ids=["two syncing backwards", "no_sync"])
 def test_stage2_accumulates_gradients(launched, no_sync):
     ref = single("root params", "sgd", steps=1)["state"]
     for res in launched:
-        assert _worst(res["accumulate", no_sync], ref) <= ATOL
+        assert max_diff(res["accumulate", no_sync], ref) <= ATOL
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -323,14 +315,7 @@ def test_guard_rails_say_what_to_do(launched):
 
 
 def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    marker = "# train_zero.py: run with"
-    assert marker in readme, "the README's ZeroOptimizer snippet moved"
-    (tmp_path / "train_zero.py").write_text(marker + readme.split(marker, 1)[1].split("```")[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "train_zero.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_readme_snippet("train_zero.py", "ZeroOptimizer", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
         f"step {s}" for s in range(10)]
@@ -356,7 +341,7 @@ def test_any_process_group():
     for g in (0, 1):
         ref = single("two groups", "adamw", seed=g, init_seed=2 * g)["state"]
         for r in (2 * g, 2 * g + 1):
-            worst = _worst(res[r], ref)
+            worst = max_diff(res[r], ref)
             print(f"group {g} rank {r}: vs one process from rank {2 * g}'s init: {worst:.1e}")
             assert worst <= ATOL
-    assert _worst(res[0], res[2]) > 1e-2  # the groups did train apart
+    assert max_diff(res[0], res[2]) > 1e-2  # the groups did train apart

@@ -117,7 +117,7 @@ from IPython.display import Markdown, display
 from distlab import RunConfig
 from distlab.lab import ControlPanel
 from distlab.lab.common import claim, claims_table, table
-from distlab.lab.your_model import compare, loss_figure, rows, step_bytes, worst_diffs
+from distlab.lab.your_model import compare, loss_figure, rows, worst_diffs
 
 MODEL, DATA = "runs/your_model.py:make_model", "runs/your_model.py:make_data"
 # SGD in fp32: the update is linear in the gradient, so the parallel runs can be compared

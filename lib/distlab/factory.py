@@ -33,6 +33,8 @@ import sys
 import torch
 from torch import nn
 
+from distlab.dataset import MarkovData
+
 _SPEC = re.compile(r"^(?P<where>[^:]+):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -101,7 +103,7 @@ def build_model(cfg) -> nn.Module:
 
 class FactoryData:
     """The user's data, with what distlab's loop asks of a dataset: each rank's rows of the
-    step's global batch (a contiguous block, as MarkovData.rank_batch cuts it)."""
+    step's global batch (a contiguous block, MarkovData.rank_batch)."""
 
     def __init__(self, source, spec: str):
         if not callable(getattr(source, "global_batch", None)):
@@ -119,12 +121,7 @@ class FactoryData:
                              f"(x, y), two tensors of {batch} rows")
         return tuple(out)
 
-    def rank_batch(self, step: int, batch: int, rank: int, world: int):
-        if batch % world:
-            raise ValueError(f"batch {batch} does not divide among {world} ranks")
-        x, y = self.global_batch(step, batch)
-        rows = slice(rank * batch // world, (rank + 1) * batch // world)
-        return x[rows], y[rows]
+    rank_batch = MarkovData.rank_batch  # the same disjoint blocks of the global batch
 
 
 def build_data(cfg) -> FactoryData:

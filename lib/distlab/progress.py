@@ -20,6 +20,7 @@ import sys
 import time
 
 from distlab.config import RunConfig
+from distlab.events import StepRecorder
 from distlab.parallel import strategy_class
 from distlab.train import train
 
@@ -42,42 +43,39 @@ def memory_bytes(event: dict) -> int:
     return sum(v for k, v in memory.items() if k not in _NOT_ADDED and isinstance(v, int))
 
 
-class Progress:
-    """An EventLog stand-in for rank 0: writes through, prints every `every` steps."""
+class Progress(StepRecorder):
+    """An EventLog stand-in for the printing rank: writes through, keeps the step events
+    (StepRecorder) and prints every `every` steps of `steps`."""
 
     def __init__(self, log, every: int, steps: int, rank: int = 0, dp: int = 1, out=None):
-        self.log, self.every, self.steps, self.rank, self.dp = log, every, steps, rank, dp
+        super().__init__(log)
+        self.every, self.total, self.rank, self.dp = every, steps, rank, dp
         self.out = out or sys.stdout
-        self.events: list[dict] = []
         self.t0 = time.perf_counter()
 
-    def __getattr__(self, name):
-        return getattr(self.log, name)
-
     def write(self, kind: str, **fields) -> dict:
-        event = self.log.write(kind, **fields)
+        event = super().write(kind, **fields)
         if kind == "start":
             self._print(f"distlab: {fields.get('n_params', 0):,} parameters on "
                         f"{fields.get('world_size')} ranks ({fields.get('backend')}, "
-                        f"{fields.get('device')}), {self.steps} steps; rank {self.rank} prints"
+                        f"{fields.get('device')}), {self.total} steps; rank {self.rank} prints"
                         + (f" (its loss is over its 1/{self.dp} of the global batch)"
                            if self.dp > 1 else ""))
         elif kind == "step":
-            self.events.append(event)
-            step = event["step"]
-            if (step + 1) % self.every == 0 or step == 0 or step + 1 == self.steps:
-                self._print(self.line(event))
+            step = fields["step"]
+            if (step + 1) % self.every == 0 or step == 0 or step + 1 == self.total:
+                self._print(self.line(fields))
         return event
 
     def line(self, e: dict) -> str:
         wire = e.get("wire") or {}
         sent = f"  wire {size(wire['sent'])}" if wire.get("sent") is not None else ""
-        return (f"step {e['step'] + 1:>5}/{self.steps}  loss {e['loss']:.4f}  "
+        return (f"step {e['step'] + 1:>5}/{self.total}  loss {e['loss']:.4f}  "
                 f"tokens/s {e['tokens'] / e['step_s']:,.0f}  step {e['step_s']:.3f} s  "
                 f"memory {size(memory_bytes(e))}{sent}")
 
     def summary(self) -> str:
-        ev = self.events
+        ev = self.steps
         if not ev:
             return "done: no steps"
         timed = ev[1:] or ev  # the first step warms up (allocations, first collectives)

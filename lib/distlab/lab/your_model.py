@@ -33,22 +33,19 @@ def step_bytes(run: Run, field: str = "bytes_sent") -> int:
     return sum(v.get(field, 0) or 0 for v in last.get("comm", {}).values())
 
 
-def rows(single: Run, runs: dict[str, Run]) -> list[list]:
-    """Per variant: its strategy, the largest per-step loss difference and the largest parameter
-    difference from `single` (every rank's full parameters), rank 0's bytes per step."""
-    out = []
-    for label, run in runs.items():
-        worst = max(worst_param_diff(state, single.states[0]) for state in run.states)
-        out.append([label, run.cfg.strategy,
-                    f"{max_step_loss_diff(run.losses(), single.losses()):.1e}", f"{worst:.1e}",
-                    fmt_bytes(step_bytes(run))])
-    return out
-
-
 def worst_diffs(single: Run, runs: dict[str, Run]) -> dict[str, float]:
     """{label: largest parameter difference from single over every rank}."""
     return {label: max(worst_param_diff(s, single.states[0]) for s in run.states)
             for label, run in runs.items()}
+
+
+def rows(single: Run, runs: dict[str, Run]) -> list[list]:
+    """Per variant: its strategy, the largest per-step loss difference and the largest parameter
+    difference from `single` (every rank's full parameters), rank 0's bytes per step."""
+    worst = worst_diffs(single, runs)
+    return [[label, run.cfg.strategy,
+             f"{max_step_loss_diff(run.losses(), single.losses()):.1e}", f"{worst[label]:.1e}",
+             fmt_bytes(step_bytes(run))] for label, run in runs.items()]
 
 
 def loss_figure(single: Run, runs: dict[str, Run]) -> go.Figure:

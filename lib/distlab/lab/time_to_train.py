@@ -21,8 +21,8 @@ import statistics
 import plotly.graph_objects as go
 
 from distlab import RunConfig, launch
-from distlab.gpu import datasheet_peak, time_training
 from distlab.flops import matmul_peak
+from distlab.gpu import datasheet_peak, time_training
 from distlab.lab.common import RUN_COLORS
 from distlab.run import Run
 
@@ -106,7 +106,8 @@ def scaling_figure(rows: list[dict]) -> go.Figure:
     fig.add_bar(x=[str(w) for w in worlds], y=[r["tokens_per_s"] for r in rows],
                 name="measured", marker_color=RUN_COLORS[0],
                 text=[f"{r['efficiency']:.0%}" for r in rows], textposition="outside")
-    fig.add_scatter(x=[str(w) for w in worlds], y=[one * w for w in worlds], name="ideal (N × one)",
+    fig.add_scatter(x=[str(w) for w in worlds], y=[one * w for w in worlds],
+                    name="ideal (N × one)",
                     mode="lines+markers", line=dict(color=RUN_COLORS[-1], dash="dash"))
     fig.update_layout(title=f"Throughput against ranks ({os.cpu_count()} cores; bar labels: "
                             "scaling efficiency)", xaxis_title="ranks (one thread each)",

@@ -186,7 +186,16 @@ def header_lines(meta: dict) -> list[str]:
             f"- torch {m['torch']}, Python {m['python']}",
             f"- mode: {meta['mode']} ({QUICK_ENV[meta['mode']]})",
             f"- git commit: {meta['commit']}",
-            f"- total run time: {meta['seconds']:.0f} s", ""]
+            f"- total run time: {meta['seconds']:.0f} s",
+            f"- runs folder after the pass: {meta.get('runs_bytes', 0) / 2**20:,.1f} MiB "
+            "(distlab.retention keeps the newest 100 runs, at most 500 MiB)", ""]
+
+
+def runs_bytes(workbook: Path) -> int:
+    """What the notebooks' runs folder holds now (the kernels run in workbook/, so ./runs)."""
+    from distlab.retention import folder_bytes
+    root = os.environ.get("DISTLAB_RUNS") or str(workbook / "runs")
+    return folder_bytes(root) if os.path.isdir(root) else 0
 
 
 def notebook_lines(r: dict) -> list[str]:
@@ -266,9 +275,11 @@ def main(argv=None) -> int:
         print(f"{path.stem}: {r['status']} in {r['seconds']:.0f} s, {len(r['rows'])} claims, "
               f"{held(r)}{err}", flush=True)
     meta["seconds"] = sum(r["seconds"] for r in results)
+    meta["runs_bytes"] = runs_bytes(args.workbook)
     raw = write_report(out, meta, results)
     failed = [r["notebook"] for r in results if r["status"] == "fail"]
-    print(f"report: {out}\nraw rows: {raw}\nfailed: {', '.join(failed) or 'none'}")
+    print(f"report: {out}\nraw rows: {raw}\nfailed: {', '.join(failed) or 'none'}\n"
+          f"runs folder: {meta['runs_bytes'] / 2**20:,.1f} MiB")
     return 1 if failed else 0
 
 

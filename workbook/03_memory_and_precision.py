@@ -773,7 +773,7 @@ claims = [
           R["+ accumulation"]["peak"] <= budget and R["+ more ranks"]["peak"] <= budget),
 ]
 claims_table(claims)
-interview = {4, 5, 8, 12}  # Q2's figures and the clipping answer: shown, whichever way
+interview = {4, 5, 8, 12}  # the interview answer's figures and the clipping answer: shown, either way
 assert all(c["holds"] for i, c in enumerate(claims) if i not in interview), \
     [c["claim"] for i, c in enumerate(claims) if i not in interview and not c["holds"]]
 assert not claims[8]["holds"]  # clipping did not stop the overflow (asserted above too)

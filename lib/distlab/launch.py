@@ -50,6 +50,8 @@ def runs_root(cfg_root: str = "") -> str:
 
 
 def new_run_dir(root: str, label: str) -> str:
+    from distlab.retention import apply_default_rule
+    apply_default_rule(root)  # old runs go first, so runs/ does not fill the disk
     name = f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
     path = os.path.join(root, name)
     os.makedirs(path)

@@ -135,3 +135,15 @@ def cluster_days(n_params: float, tokens: float, gpus: int, peak: float, mfu: fl
     """Days for 6·N·D FLOPs (Kaplan et al. 2020) on `gpus` GPUs each reaching mfu·peak alone,
     the job reaching `efficiency` of gpus × that (modelled: a formula, its inputs named)."""
     return 6 * n_params * tokens / (gpus * peak * mfu * efficiency) / DAY
+
+
+def check_prediction(short: Run, steps: int) -> dict:
+    """Predict the training time of `steps` steps of `short`'s config from its median step,
+    then run them and measure: the interview's recipe, tested."""
+    step_s = step_seconds(short)
+    long = launch(short.cfg.replace(steps=steps, name=f"{short.cfg.name}-long")).wait()
+    times = sorted(e["step_s"] for e in short.history("step", rank=0))
+    return {"predicted_s": predict_seconds(step_s, steps), "measured_s": trained_seconds(long),
+            "step_s": step_s, "steps": steps, "run": long,
+            # the short run's spread: how far one step strays from the median on this machine
+            "spread": (times[int(0.9 * (len(times) - 1))] - times[0]) / step_s}

@@ -47,3 +47,21 @@ def test_a_corrupt_event_line_is_skipped_and_reported(tmp_path):
         run.wait(timeout=120)
     assert run.status == "done" and len(run.losses()) == 20
     assert any("not JSON" in str(w.message) and "rank1.jsonl" in str(w.message) for w in seen)
+
+
+def test_wait_shows_a_live_progress_line(capsys):
+    """Ranks starting, then step k/n with tokens/s, redrawn in place ("\\r"), ending on the
+    outcome; a launch that trains several configs in turn counts all their steps."""
+    run = launch(RunConfig(steps=4, n_layer=1, n_embd=16, n_head=2, seq_len=8, global_batch=4,
+                           step_delay_s=0.4, timeout_s=60, threads_per_rank=1))
+    run.wait(timeout=120, progress=True)
+    out = capsys.readouterr().out
+    assert out.startswith("\r") and out.endswith("\n")
+    lines = [s.strip() for s in out.split("\r") if s.strip()]
+    assert lines[-1].startswith("done: 4 steps in ") and "tokens/s" in lines[-1]
+    assert any(s.startswith("step ") and "/4" in s for s in lines[:-1]) or \
+        any(s.startswith("starting 1 rank") for s in lines[:-1]), lines
+    from distlab.run import Run
+    assert Run.load(run.dir).progress_line(2.0).startswith("done: 4 steps in 2.0 s")
+    quiet = launch(run.cfg.replace(step_delay_s=0.0)).wait(timeout=120)
+    assert quiet.status == "done" and capsys.readouterr().out == ""  # off by default

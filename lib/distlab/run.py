@@ -27,6 +27,12 @@ from distlab.events import LogTail, rank_log_path
 POLL_S = 0.1
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
+# A live line while wait() blocks: "starting 4 ranks", then step k/n with tokens/s and ETA.
+# It starts with "\r", which terminals and Jupyter's output area redraw in place. Off by default
+# (scripts and tests stay quiet); distlab.lab turns it on inside a notebook's kernel, and
+# wait(progress=True) asks for it once.
+SHOW_PROGRESS = False
+PROGRESS_EVERY_S = 1.0
 
 # Errors that are usually consequences of another rank failing, not causes.
 _SECONDARY = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
@@ -223,20 +229,45 @@ class Run:
             self._finished.set()
 
     # -- control ---------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> "Run":
+    def wait(self, timeout: float | None = None, progress: bool | None = None) -> "Run":
         """Block until the run ends; raise its RunError if it failed. On KeyboardInterrupt (a
-        kernel interrupt) or when `timeout` seconds pass, stop the run first, then raise."""
+        kernel interrupt) or when `timeout` seconds pass, stop the run first, then raise.
+        `progress`: print a live progress line while waiting (default: SHOW_PROGRESS)."""
+        show = SHOW_PROGRESS if progress is None else progress
+        t0 = time.time()
         try:
-            if not self._finished.wait(timeout):
-                self.stop()
-                raise TimeoutError(f"run {self.dir} did not finish within {timeout} s; stopped it")
+            while not self._finished.wait(PROGRESS_EVERY_S if show else timeout):
+                if timeout is not None and time.time() - t0 >= timeout:
+                    self.stop()
+                    raise TimeoutError(f"run {self.dir} did not finish within {timeout} s; "
+                                       "stopped it")
+                if show:
+                    print("\r" + self.progress_line(time.time() - t0), end="", flush=True)
         except BaseException:
             self.stop()
             raise
+        if show:
+            print("\r" + self.progress_line(time.time() - t0), flush=True)
         self._report_problems()
         if self.error is not None:
             raise self.error
         return self
+
+    def progress_line(self, elapsed: float) -> str:
+        """One line on where the run is: ranks starting, or step k/n, tokens/s and the ETA
+        (rank 0's steps; a launch that trains several configs in turn counts them all)."""
+        steps = self.history("step", rank=0)
+        if not steps:
+            verb = "ended" if self.done else "starting"
+            return f"{verb} {self.world_size} rank(s)... {elapsed:.0f} s"
+        k, n = len(steps), (self.cfg.steps if self.cfg is not None else None)
+        last = steps[-1]
+        rate = f"  {last['tokens'] / last['step_s']:,.0f} tokens/s" if last.get("step_s") else ""
+        if self.done:
+            return f"{self.status}: {k} steps in {elapsed:.1f} s{rate}".ljust(60)
+        took = max(last["time"] - steps[0]["time"], 1e-9)
+        eta = f"  ETA {(n - k) * took / max(k - 1, 1):.0f} s" if n and k > 1 else ""
+        return f"step {k}{f'/{n}' if n else ''}{rate}{eta}  ({elapsed:.0f} s)".ljust(60)
 
     def _report_problems(self):
         """Once, in the caller's thread: what went wrong around the run (its folder deleted,

@@ -13,9 +13,25 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
 `from distlab import lab` gives the panel's API: lab.watch(run), lab.ControlPanel(), ...
 """
 
+import sys
+
+from distlab import run as _run
 from distlab.lab.common import MEMORY_CATEGORIES, MiB
-from distlab.lab.panel import (ControlPanel, Explorer, LiveDashboard, bytes_sent, dashboard_for,
-                               describe, loss_curve, step_events, watch, wire_sent)
+from distlab.lab.panel import (
+    ControlPanel,
+    Explorer,
+    LiveDashboard,
+    bytes_sent,
+    dashboard_for,
+    describe,
+    loss_curve,
+    step_events,
+    watch,
+    wire_sent,
+)
 
 __all__ = ["ControlPanel", "Explorer", "LiveDashboard", "MEMORY_CATEGORIES", "MiB", "bytes_sent",
            "dashboard_for", "describe", "loss_curve", "step_events", "watch", "wire_sent"]
+
+if "ipykernel" in sys.modules:  # in a notebook: a cell that waits on a run shows its progress
+    _run.SHOW_PROGRESS = True

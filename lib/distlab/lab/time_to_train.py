@@ -145,5 +145,22 @@ def check_prediction(short: Run, steps: int) -> dict:
     times = sorted(e["step_s"] for e in short.history("step", rank=0))
     return {"predicted_s": predict_seconds(step_s, steps), "measured_s": trained_seconds(long),
             "step_s": step_s, "steps": steps, "run": long,
-            # the short run's spread: how far one step strays from the median on this machine
-            "spread": (times[int(0.9 * (len(times) - 1))] - times[0]) / step_s}
+            # the short run's spread: the 10th to 90th percentile of its steps, over the median
+            "spread": (times[int(0.9 * (len(times) - 1))] - times[int(0.1 * (len(times) - 1))])
+            / step_s}
+
+
+def fusion_runs(base: RunConfig) -> dict:
+    """Horovod's Tensor Fusion is DDP's bucketing: the same `ddp` run with buckets capped at
+    1 KiB (close to HOROVOD_FUSION_THRESHOLD=0, one all-reduce per small group of tensors)
+    and at 25 MiB (all of this model's gradients in one), in one launch. Returns per label the
+    all-reduce calls and bytes of rank 0's last step and its median step time."""
+    from distlab.lab.runs import launch_together
+    runs = launch_together({"buckets of 1 KiB": base.replace(bucket_mb=1 / 1024),
+                            "buckets of 25 MiB": base.replace(bucket_mb=25.0)}, name="fusion")
+    out = {}
+    for label, run in runs.items():
+        last = run.history("step", rank=0)[-1]["comm"]["all_reduce"]
+        out[label] = {"calls": last["calls"], "bytes": last["bytes_sent"],
+                      "step_s": step_seconds(run)}
+    return out

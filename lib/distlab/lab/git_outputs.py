@@ -13,7 +13,7 @@ post-save hook (`post_save`, in this environment's jupyter_server_config.d): aft
 whose only changes are outputs, it re-adds the file, which stages nothing new and lets git
 record that the file matches; after a save that changed a cell it does nothing.
 
-    python -m distlab.lab.git_outputs            # in the checkout; the README's first command runs it
+    python -m distlab.lab.git_outputs     # in the checkout (the README's first command runs it)
 
 It writes to the checkout's own .git/config and .git/info/attributes, nothing global, and is
 safe to run again. `git config --unset-all filter.nbstripout.clean` (and the two lines in

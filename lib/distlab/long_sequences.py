@@ -94,12 +94,15 @@ class Documents:
         1 − (1 − P(L > length))^rows."""
         return 1.0 - (1.0 - self.tail(length)) ** rows
 
+    def _chunk(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if c not in self._chunks:
+            self._chunks[c] = self.data.global_batch(c, _CHUNK)
+        return self._chunks[c]
+
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Document i's inputs and next-token targets, each lengths[i] long."""
         c, r = divmod(i, _CHUNK)
-        if c not in self._chunks:
-            self._chunks[c] = self.data.global_batch(c, _CHUNK)
-        x, y = self._chunks[c]
+        x, y = self._chunk(c)
         n = int(self.lengths[i])
         return x[r, :n], y[r, :n]
 
@@ -110,11 +113,12 @@ class Documents:
         y = torch.full((batch.rows, batch.T), IGNORE_INDEX, dtype=torch.int64)
         if batch.probe:
             px, py = self.data.global_batch(PROBE_STREAM, batch.rows)
-            rows = [(px[j], py[j]) for j in range(batch.rows)]
-        else:
-            rows = [self.tokens(i) for i in batch.docs]
-        for j, ((dx, dy), n) in enumerate(zip(rows, batch.lengths)):
-            x[j, :n], y[j, :n] = dx[:n], dy[:n]
+            x[:], y[:] = px[:, :batch.T], py[:, :batch.T]
+            return x, y
+        for j, (i, n) in enumerate(zip(batch.docs, batch.lengths)):
+            c, r = divmod(i, _CHUNK)
+            dx, dy = self._chunk(c)
+            x[j, :n], y[j, :n] = dx[r, :n], dy[r, :n]
         return x, y
 
 

@@ -112,9 +112,14 @@ def fit_length(model_cfg: GPTConfig, rows: int, budget: int) -> int:
     """The longest padded length T ≤ block_size whose predicted peak with `rows` rows fits
     the budget (0 if none does): the cap, and rows × it the token budget, that the budget
     allows."""
-    fits = [T for T in range(1, model_cfg.block_size + 1)
-            if predicted_peak(model_cfg, rows, T) <= budget]
-    return max(fits, default=0)
+    lo, hi = 0, model_cfg.block_size  # the peak grows with T: bisect for the last that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predicted_peak(model_cfg, rows, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def held_out_loss(model, docs: Documents, rows: int = 4) -> float:

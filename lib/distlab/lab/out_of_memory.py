@@ -42,7 +42,7 @@ def policy_batches(docs: Documents, rows: int, cap: int, max_tokens: int, steps:
                    window: int = 256, seed: int = 0) -> dict[str, list]:
     """The policies compared, each `steps` batches long (a reserve_first probe comes on top):
     pad to longest; the same with one probe step at rows × max_len first; a length cap;
-    token-budget buckets; buckets with their own worst shape probed first."""
+    token-budget buckets with their own worst shape probed first."""
     pad = pad_to_longest(docs, rows)[:steps]
     buckets = token_buckets(docs, max_tokens, window, seed)[:steps]
     if len(pad) < steps or len(buckets) < steps:
@@ -51,7 +51,6 @@ def policy_batches(docs: Documents, rows: int, cap: int, max_tokens: int, steps:
         "pad to longest": pad,
         "pad + reserve at start": reserve_first(pad, *worst_shape("pad", docs, rows)),
         "length cap": capped(docs, rows, cap)[:steps],
-        "token-budget buckets": buckets,
         "buckets + reserve at start": reserve_first(
             buckets, *worst_shape("buckets", docs, rows, max_tokens=max_tokens)),
     }
@@ -97,6 +96,24 @@ def formula_check(run: BudgetRun, model_cfg) -> dict:
 
 
 # -- (a) figures and tables ---------------------------------------------------------------------
+def lengths_figure(docs: Documents, fit: int, rows: int) -> go.Figure:
+    """Documents per length (log scale), with the longest padded length that fits the budget
+    and the modelled tail P(L > l) beside it."""
+    import numpy as np
+    counts = np.bincount(docs.lengths, minlength=docs.max_len + 1)
+    ls = np.nonzero(counts)[0]
+    fig = go.Figure()
+    fig.add_bar(x=ls, y=counts[ls], name="documents", marker_color=COLORS[0])
+    fig.add_vline(x=fit + 0.5, line=dict(color="#222222", dash="dash"),
+                  annotation_text=f"{rows} rows fit up to {fit} tokens",
+                  annotation_position="top right")
+    fig.update_layout(title=f"document lengths: {docs.n:,} documents, Pareto α = {docs.alpha}, "
+                            f"median {int(np.median(docs.lengths))}, longest {docs.lengths.max()}",
+                      xaxis_title="tokens", yaxis_title="documents (log scale)",
+                      yaxis_type="log", template="plotly_white", height=320, showlegend=False)
+    return fig
+
+
 def peak_figure(runs: dict[str, BudgetRun], budget: int,
                 unbounded: BudgetRun | None = None) -> go.Figure:
     """Peak per step per policy (MiB), the budget as a line, each run's first OOM marked ✕

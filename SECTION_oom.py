@@ -268,7 +268,7 @@ oom_claims = [
           f"{'no OOM after it' if bkt.first_oom is None else 'OOM after it'}",
           res.first_oom is not None and res.first_oom.step == 0 and res.first_oom.probe
           and bkt.first_oom is None),
-    claim("the fixes still learn", "",
+    claim("the fixes still learn", "interview answer",
           f"held-out loss: cap {capr.eval_before:.2f} → {capr.eval_after:.2f}, buckets "
           f"{bkt.eval_before:.2f} → {bkt.eval_after:.2f} (floor {floor:.2f}; learns: "
           f"{O.LEARN_SHARE:.0%} of the way down)",

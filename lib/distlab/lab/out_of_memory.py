@@ -133,7 +133,9 @@ def peak_figure(runs: dict[str, BudgetRun], budget: int,
     for i, (name, run) in enumerate(runs.items()):
         c = COLORS[i % len(COLORS)]
         fig.add_scatter(x=[s.step for s in run.steps], y=[s.peak / MiB for s in run.steps],
-                        mode="lines", name=name, line=dict(color=c, width=1.5),
+                        mode="lines", name=name,
+                        # the first (plain) run wide: the next ones retrace it until they differ
+                        line=dict(color=c, width=4 if i == 0 else 1.5),
                         legendgroup=name,
                         customdata=[[s.rows, s.T, s.elapsed_s] for s in run.steps],
                         hovertemplate="step %{x}: %{y:.3f} MiB, %{customdata[0]} rows × "

@@ -183,10 +183,10 @@ L = {k: O.leak_summary(r) for k, r in leaks.items()}
 
 # %% [markdown]
 # On a GPU the caching allocator rounds each tensor up to 512 bytes, so the kept scalars of
-# `.detach()` (or of a loss kept after backward) cost 512 bytes a step: 9 MiB after 18,000
-# steps, not an OOM. A kept graph with its activations costs a whole step's activations per
-# step, and dies within a few hundred steps: it is an OOM "after minutes", not hours, unless
-# it happens only at evaluation time, every N steps.
+# `.detach()` (or of a loss kept after backward) cost 512 bytes a step: about 9 MiB after
+# 18,000 steps, not an OOM. A kept graph with its activations costs a whole step's
+# activations per step, and the run dies after (free memory) / (one step's activations)
+# steps: minutes, not hours, unless it happens only at evaluation time, every N steps.
 
 # %% [markdown]
 # ### 3. Fragmentation of the CUDA caching allocator
@@ -242,6 +242,7 @@ oom_claims = [
           f"document of {cause['longest']} tokens (next {cause['second']}, median "
           f"{cause['median']}; {ROWS} rows fit up to {fit}); the {cause['step']} steps before "
           f"it fit; modelled p = {p_step:.1%} per step, mean {1 / p_step:.0f} steps",
+          # holds: ≥ 10 steps trained first, and one document did it (the next row fits)
           cause is not None and cause["step"] >= 10 and cause["second"] <= fit),
     claim("the peak is rows × longest row: 4Ψ + activation formula + the logits' gradients",
           "distlab.estimate.gpt_activation_bytes (Korthikanti et al. 2022's count, our GPT)",

@@ -31,8 +31,8 @@ allocate `count` tensors of `small_mib` MiB, free every other one (holes of smal
 live blocks), then ask for `large` tensors of 2 × small_mib + 2 MiB: no hole can hold one, and
 the stats are read after each phase. With `cap_mib` the process may hold only that much more
 than it held at the start (torch.cuda.set_per_process_memory_fraction, restored afterwards):
-the large requests then run into the cap while the holes would hold them twice over, and the
-allocator retries, then raises torch.OutOfMemoryError (caught and reported).
+the large requests then run into the cap while the holes add up to more than they ask for, and
+the allocator retries, then raises torch.OutOfMemoryError (caught and reported).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distlab.config import RunConfig
 from distlab.estimate import gpt_activation_bytes, gpt_params
 from distlab.long_sequences import Batch, Documents
 from distlab.memory import ActivationMeter, PeakMemoryTracker
@@ -99,7 +100,6 @@ class BudgetRun:
 
 def predicted_peak(model_cfg: GPTConfig, rows: int, T: int) -> int:
     """A step's peak bytes by formula (module doc): 4Ψ + gpt_activation_bytes + 8·R·T·V."""
-    from distlab.config import RunConfig
     c = model_cfg
     psi = gpt_params(c.n_layer, c.n_embd, c.vocab_size, c.block_size, c.mlp_ratio)
     run_cfg = RunConfig(n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head,

@@ -34,20 +34,23 @@ SMALL, COUNT, LARGE = 6, 30, 5  # measure_fragmentation's defaults, spelled out
 LARGE_BYTES = (2 * SMALL + 2) * MiB
 
 
-def _measure(cap_mib=None, conf=None) -> FragmentationReport:
-    """measure_fragmentation(SMALL, COUNT, LARGE, cap_mib) in a fresh process."""
+# The default allocator, named: should a torch release turn expandable segments on by
+# default, these tests still measure the one whose block sizes they are written for.
+DEFAULT = "expandable_segments:False"
+
+
+def _measure(cap_mib=None, conf=DEFAULT) -> FragmentationReport:
+    """measure_fragmentation(SMALL, COUNT, LARGE, cap_mib) in a fresh process under
+    PYTORCH_CUDA_ALLOC_CONF=conf."""
     code = ("import json, dataclasses, sys; from distlab.fragmentation import "
             "measure_fragmentation as m; print(json.dumps(dataclasses.asdict("
             f"m({SMALL}, {COUNT}, {LARGE}, cap_mib={cap_mib!r}))))")
-    env = dict(os.environ)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if conf:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rep = FragmentationReport(**json.loads(done.stdout.strip().splitlines()[-1]))
-    assert rep.cuda and rep.allocator == (conf or "")
+    assert rep.cuda and rep.allocator == conf
     _show(rep)
     return rep
 

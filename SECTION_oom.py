@@ -179,7 +179,7 @@ worst_err = max(c["rel_err"] for c in checks.values())
 leaks = {k: leak_run(k, steps=LEAK_STEPS, seed=SEED) for k in KEEPS}
 O.leak_figure(leaks).show()
 table(*O.leak_table(leaks))
-L = {k: O.leak_summary(r) for k, r in leaks.items()}
+kept = {k: O.leak_summary(r) for k, r in leaks.items()}  # growth, activations, nodes per way
 
 # %% [markdown]
 # On a GPU the caching allocator rounds each tensor up to 512 bytes, so the kept scalars of
@@ -276,22 +276,22 @@ oom_claims = [
           O.learned(capr, floor) and O.learned(bkt, floor)),
     claim("keeping the loss tensor (history.append(loss)) leaks one step's activations per "
           "step", "interview answer",
-          f"after backward(): +{L['tensor']['growth']:.0f} B/step, "
-          f"{L['tensor']['ratio']:.6f} of a step's activations "
-          f"({L['tensor']['activations'] / 1024:.0f} KiB): backward freed them; the graph's "
-          f"{L['tensor']['nodes']:.0f} nodes/step stay, on the host",
-          abs(L["tensor"]["ratio"] - 1) < 0.01),
+          f"after backward(): +{kept['tensor']['growth']:.0f} B/step, "
+          f"{kept['tensor']['ratio']:.6f} of a step's activations "
+          f"({kept['tensor']['activations'] / 1024:.0f} KiB): backward freed them; the graph's "
+          f"{kept['tensor']['nodes']:.0f} nodes/step stay, on the host",
+          abs(kept["tensor"]["ratio"] - 1) < 0.01),
     claim("a kept graph that backward did not free leaks one step's activations per step",
           "torch.autograd (retain_graph)",
-          f"retain_graph=True: +{L['retain_graph']['growth']:,.0f} B/step; eval loss without "
-          f"no_grad: +{L['eval_tensor']['growth']:,.0f} B/step; activations + the 4-byte "
-          f"loss: {L['retain_graph']['activations'] + 4:,} B",
-          all(L[k]["growth"] == L[k]["activations"] + 4 for k in ("retain_graph",
+          f"retain_graph=True: +{kept['retain_graph']['growth']:,.0f} B/step; eval loss without "
+          f"no_grad: +{kept['eval_tensor']['growth']:,.0f} B/step; activations + the 4-byte "
+          f"loss: {kept['retain_graph']['activations'] + 4:,} B",
+          all(kept[k]["growth"] == kept[k]["activations"] + 4 for k in ("retain_graph",
                                                                   "eval_tensor"))),
     claim("loss.item() keeps memory flat", "interview answer",
-          f".item(): +{L['item']['growth']:.0f} B/step; .detach(): "
-          f"+{L['detach']['growth']:.0f} B/step (the kept scalar)",
-          L["item"]["growth"] == 0 and L["detach"]["growth"] == 4),
+          f".item(): +{kept['item']['growth']:.0f} B/step; .detach(): "
+          f"+{kept['detach']['growth']:.0f} B/step (the kept scalar)",
+          kept["item"]["growth"] == 0 and kept["detach"]["growth"] == 4),
 ]
 if frag.cuda:  # measured only on a GPU; without one the cell above said so
     ph = frag.phases

@@ -56,7 +56,7 @@ def test_unigram_entropy_matches_a_count_on_sampled_data():
     assert data.loss_floor + 1 < data.unigram_entropy < data.loss_at_start - 0.1
 
 
-# -- RunConfig refuses what cannot work -------------------------------------------------------------
+# -- RunConfig refuses what cannot work -----------------------------------------------------------
 @pytest.mark.parametrize("changes, words", [
     (dict(bug="nope"), ["bug='nope' is not one of", "'shuffled_labels'", "'same_rows'"]),
     (dict(bug=1), ["bug=1 must be a string"]),
@@ -76,7 +76,7 @@ def test_bad_bug_settings_are_refused_with_a_clear_message(changes, words):
         assert w in str(e.value), (w, str(e.value))
 
 
-# -- the hooks and the probe's measures, without a launch ---------------------------------------------
+# -- the hooks and the probe's measures, without a launch -----------------------------------------
 def test_the_hooks_do_what_each_bug_says():
     cfg = RunConfig(global_batch=8, grad_accum=4, n_layer=1, n_embd=16, n_head=2, seq_len=8)
     data = MarkovData(cfg.vocab_size, cfg.seq_len, cfg.successors, cfg.seed)
@@ -115,7 +115,7 @@ def test_growth_check_can_fail_and_pass_on_made_up_traces():
     assert not unigram(at_unigram).passed and unigram(falling).passed
 
 
-# -- the drills, run for real --------------------------------------------------------------------------
+# -- the drills, run for real ---------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("drill", ["lr too high", "lr too low", "shuffled labels", "zero init",
                                    "zero_grad forgotten", "loss not divided by k",

@@ -130,11 +130,13 @@ def finite(t: Trace) -> Finding | None:
     if not bad and not bad_grad:
         return Finding("finite", True, f"every loss finite over {len(t.losses)} steps")
     first = min(bad + bad_grad)
+    where = "; ".join(f"{what} non-finite from step {s[0]}" for what, s in
+                      (("gradient norm", bad_grad), ("loss", bad)) if s)
     before = (f"; step {first - 1}: loss {t.losses[first - 1]:.3g}"
               + (f", gradient norm {norms[first - 1]:.3g}" if norms else "")) if first else ""
     return Finding("finite", False,
-                   f"non-finite from step {first} ({len(bad)} of {len(t.losses)} losses)"
-                   + before, "exploding gradients: learning rate too high, no clipping")
+                   f"{where} ({len(bad)} of {len(t.losses)} losses)" + before,
+                   "exploding gradients: learning rate too high, no clipping")
 
 
 def no_divergence(t: Trace) -> Finding | None:

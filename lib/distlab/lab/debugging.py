@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ipywidgets as W
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
 from distlab.dataset import make_data
-from distlab.diagnose import HEALTHY_UPDATE_RATIO, findings
+from distlab.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings
 from distlab.lab.common import RUN_COLORS, html_table
 from distlab.lab.panel import Explorer, LiveDashboard
 from distlab.lab.runs import launch_together
@@ -44,7 +45,6 @@ class Drill:
     fix_title: str
     reference: str | None = None  # compare step 0 with this run (diagnose.matches_reference)
     world: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 # SGD for the drills where the step size is the point: AdamW divides by the gradient's own
@@ -98,6 +98,11 @@ def drill_base(steps: int, **changes) -> RunConfig:
     return RunConfig(**{**cfg, **changes})
 
 
+# The two-rank runs stop here: the fingerprints show the bug from step 0, and a two-rank step
+# costs ~3x a one-rank one on 2 cores (an all-reduce per parameter tensor)
+TWO_RANK_STEPS = 60
+
+
 def drill_configs(base: RunConfig) -> dict[str, RunConfig]:
     """Every run the drills need: the healthy base, each drill, the fixes that are not the
     healthy run, the SGD reference, and "overfit one batch" (a finite dataset of one global
@@ -105,7 +110,9 @@ def drill_configs(base: RunConfig) -> dict[str, RunConfig]:
     sgd = base.replace(**_SGD)
     cfgs = {"healthy": base, "sgd": sgd,
             "overfit": base.replace(dataset_size=base.global_batch, epochs=base.steps)}
-    cfgs.update({name: base.replace(**d.changes) for name, d in DRILLS.items()})
+    for name, d in DRILLS.items():
+        steps = min(base.steps, TWO_RANK_STEPS) if d.world > 1 else base.steps
+        cfgs[name] = base.replace(**d.changes, steps=steps)
     cfgs["divided"] = cfgs["loss not divided by k"].replace(bug="none")
     cfgs["clipped"] = cfgs["exploding gradients"].replace(grad_clip=0.5)
     cfgs["per-rank rows"] = cfgs["same rows on every rank"].replace(bug="none")
@@ -180,23 +187,25 @@ def loss_figure(runs: dict[str, Run]) -> go.Figure:
     fig = make_subplots(rows=3, cols=3, subplot_titles=names, shared_xaxes=True,
                         vertical_spacing=0.09, horizontal_spacing=0.06)
     ref = runs["healthy"]
+    shown: set[str] = set()  # each legend entry once
     for i, name in enumerate(names):
         row, col = i // 3 + 1, i % 3 + 1
-        first = i == 0
-        _loss(fig, ref, "healthy run", HEALTHY_COLOR, 6, row, col, first)
-        _loss(fig, runs[name], "the drill (bug on)", RUN_COLORS[0], 2, row, col, first)
+        _loss(fig, ref, "healthy run", HEALTHY_COLOR, 6, row, col, shown)
+        _loss(fig, runs[name], "the drill (bug on)", RUN_COLORS[0], 2, row, col, shown)
         fix = DRILLS[name].fix if name in DRILLS else None
         if fix and fix != "healthy":
-            _loss(fig, runs[fix], "its fix", RUN_COLORS[2], 2, row, col, first, dash="dot")
+            _loss(fig, runs[fix], "its fix", RUN_COLORS[2], 2, row, col, shown, dash="dot")
         _nan_marker(fig, runs[name], row, col)
         for key, label, color, dash in REFERENCE_LINES:
             value = ref.info(key)
             if value is not None:
                 fig.add_scatter(x=[0, ref.cfg.steps - 1], y=[value, value], mode="lines",
-                                name=label, legendgroup=label, showlegend=first,
+                                name=label, legendgroup=label, showlegend=label not in shown,
                                 line=dict(color=color, dash=dash, width=1), row=row, col=col)
-    fig.update_yaxes(type="log", range=[math.log10(0.3), math.log10(150)])
-    fig.update_yaxes(range=[math.log10(1e-3), math.log10(150)], row=3, col=3)  # memorised
+                shown.add(label)
+    ticks = [0.001, 0.01, 0.1, 0.5, 1, 2, 4, 10, 100]
+    fig.update_yaxes(type="log", range=[math.log10(0.3), math.log10(300)], tickvals=ticks)
+    fig.update_yaxes(range=[math.log10(1e-3), math.log10(300)], row=3, col=3)  # memorised
     for r in (1, 2, 3):
         fig.update_yaxes(title_text="loss (nats/token)", row=r, col=1)
     for c in (1, 2, 3):
@@ -208,10 +217,12 @@ def loss_figure(runs: dict[str, Run]) -> go.Figure:
     return fig
 
 
-def _loss(fig, run, name, color, width, row, col, legend, dash="solid"):
+def _loss(fig, run, name, color, width, row, col, shown: set, dash="solid"):
     losses = [v if math.isfinite(v) else None for v in run.losses()]
-    fig.add_scatter(y=losses, mode="lines", name=name, legendgroup=name, showlegend=legend,
+    fig.add_scatter(y=losses, mode="lines", name=name, legendgroup=name,
+                    showlegend=name not in shown,
                     line=dict(color=color, width=width, dash=dash), row=row, col=col)
+    shown.add(name)
 
 
 def _nan_marker(fig, run, row, col):
@@ -243,7 +254,7 @@ def layers_figure(runs: dict[str, Run], names=("healthy", "lr too low", "zero in
     many)."""
     fig = make_subplots(rows=3, cols=len(names), shared_xaxes=True, vertical_spacing=0.07,
                         horizontal_spacing=0.05, subplot_titles=[
-                            f"{n}: {_zero_layers(runs[n])}" for n in names])
+                            f"{n}<br><sup>{_zero_layers(runs[n])}</sup>" for n in names])
     shown = set()
     for c, name in enumerate(names, 1):
         events = sorted(runs[name].history("step", rank=0), key=lambda e: e["step"])
@@ -270,7 +281,7 @@ def layers_figure(runs: dict[str, Run], names=("healthy", "lr too low", "zero in
     fig.update_yaxes(title_text="unit spread", row=3, col=1)
     for c in range(1, len(names) + 1):
         fig.update_xaxes(title_text="step", row=3, col=c)
-    fig.update_layout(height=720, width=1000, template="plotly_white",
+    fig.update_layout(height=760, width=1000, template="plotly_white",
                       title="per weight matrix (rank 0), one line each, coloured by where it sits",
                       margin=dict(l=70, r=20, t=80, b=50),
                       legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
@@ -280,7 +291,8 @@ def layers_figure(runs: dict[str, Run], names=("healthy", "lr too low", "zero in
 def _zero_layers(run: Run) -> str:
     last = max(run.history("step", rank=0), key=lambda e: e["step"])["diag"]["grad_norm"]
     zero = sum(v == 0 for v in last.values())
-    return f"{zero} of {len(last)} gradients exactly 0" if zero else "no zero gradient"
+    return (f"{zero} of {len(last)} gradients exactly 0 (not drawn)" if zero
+            else "no gradient exactly 0")
 
 
 def fingerprint_rows(runs: dict[str, Run], names=("same rows on every rank", "per-rank rows"),
@@ -377,3 +389,25 @@ class DebugExplorer(Explorer):
                                            line=dict(color=color, dash=dash, width=1),
                                            row=1, col=1)
         self.dashboard.fig.update_yaxes(type="log", row=1, col=1)
+
+
+# -- numbers the notebook quotes ------------------------------------------------------------------
+def median_update_ratio(run: Run) -> float:
+    """The median over steps of the median over weight matrices of ||dW||/||W|| (rank 0; the
+    layers stuck at 0 count as 0)."""
+    per_step = [sorted(e["diag"]["update_ratio"].values())
+                for e in run.history("step", rank=0)]
+    return float(np.median([np.median(v) for v in per_step]))
+
+
+def update_ratio_rows(runs: dict[str, Run], names=("healthy", "sgd", "lr too low",
+                                                   "lr too high", "clipped")) -> list[list]:
+    """Per run: optimizer, lr, the median update/weight ratio and how far it is from CS231n's
+    1e-3, with its last-quarter loss."""
+    rows = []
+    for n in names:
+        cfg, r = runs[n].cfg, median_update_ratio(runs[n])
+        loss = Trace.of(runs[n]).quarter(4)
+        rows.append([n, cfg.optimizer, f"{cfg.lr:g}", f"{r:.1e}",
+                     f"{r / HEALTHY_UPDATE_RATIO:.2g} x", f"{np.mean(loss):.3f}"])
+    return rows

@@ -58,7 +58,7 @@ print(f"ln V = {data.loss_at_start:.3f}, unigram entropy = {data.unigram_entropy
 # | drill | what is wrong | why it looks the way it does |
 # |---|---|---|
 # | lr too high | `lr=1.0` with AdamW | every step overshoots; the logits grow large and confidently wrong, so the loss climbs far **above** ln V, where even a uniform guess would be |
-# | lr too low | `lr=1e-5` | each step moves the weights by ~1e-4 of their size: the loss stays at ln V, the gradients are fine, the updates are tiny |
+# | lr too low | `lr=1e-5` | AdamW moves each weight by about lr per step, a few ten-thousandths of its size here: the gradients are fine, the updates are tiny, the loss stays at ln V |
 # | shuffled labels | every row gets another row's targets (`bug="shuffled_labels"`) | nothing in x predicts y any more, so the best model predicts the marginal of the next token: the loss drops fast to the **unigram entropy** and stays there |
 # | zero init | every `nn.Linear` starts at 0 (`bug="zero_init"`) | units of a layer that start equal compute the same output and get the same gradient, so no step can tell them apart (symmetry). In a block both Linears of each branch are 0, so every gradient inside it is 0 too (GELU(0) = 0; attention over v = 0 outputs 0): the blocks never start |
 # | zero_grad forgotten | `optimizer.zero_grad()` left out (`bug="no_zero_grad"`) | `backward()` adds into `.grad`, so each step applies the sum of every gradient so far: the gradient norm climbs step after step and the loss turns back up |
@@ -99,14 +99,14 @@ layers_figure(runs).show()
 # are in its docstring; in short:
 #
 # * **initial_loss**: step 0's loss within 10% of ln V (CS231n's sanity check "look for
-#   correct loss at chance performance": 4.155 against 4.159 here);
+#   correct loss at chance performance");
 # * **finite**: no NaN or inf in the loss or the gradient norm;
 # * **no_divergence**: the last quarter's loss not more than 5% above step 0's;
 # * **learning**: the loss goes at least 10% of the way to the floor, or the update ratio is
 #   at least 1e-3;
 # * **unigram**: the last two quarters' loss not within 0.1 nats of the unigram entropy;
 # * **gradient_growth**: the gradient norm does not climb step after step (rank correlation
-#   with the step ≥ 0.9, ×5 from the first quarter to the last) while the loss stalls;
+#   with the step ≥ 0.9, ×3 from the first quarter to the last) while the loss stalls;
 # * **symmetry**: no weight matrix with identical units (spread < 1e-6) at the end;
 # * **distinct_rows**: no two ranks with the same batch fingerprint at a step;
 # * **memorises** (a run on one batch): the loss ends below half the floor;
@@ -167,11 +167,12 @@ table(["run", "optimizer", "lr", "median update/weight", "of 1e-3", "last-quarte
       update_ratio_rows(runs))
 
 # %% [markdown]
-# In these short runs of a small model the healthy ratio is tens of times the heuristic's
-# 1e-3. AdamW moves every weight by about lr per step, whatever its gradient, and
-# weights of size 0.02 at lr 1e-2 give a ratio of ~0.5 at the start. The **learning** check
-# therefore uses 1e-3 only as a lower bound, and only together with a flat loss. Too high
-# a learning rate is left to the loss itself (**no_divergence**).
+# Where the healthy runs sit well above 1e-3, as in these short runs of a small model, that
+# is the optimizer and the init, not a sick run: AdamW's first steps move every weight by
+# about lr whatever its gradient, and weights of size 0.02 at lr 1e-2 make that a ratio of
+# ~0.5 (lr / 0.02), falling as the moments fill. The **learning** check therefore uses 1e-3
+# only as a lower bound, and only together with a flat loss; too high a learning rate is
+# left to the loss itself (**no_divergence**).
 
 # %% [markdown]
 # ### Try it: a drill from a dropdown

@@ -18,7 +18,7 @@ import torch
 from distlab import RunConfig
 from distlab.bugs import Bugs
 from distlab.dataset import MarkovData
-from distlab.diagnose import Trace, findings, gradient_growth, unigram
+from distlab.diagnose import Trace, findings, gradient_growth, symmetry, unigram
 from distlab.probe import fingerprint, unit_spread
 
 STEPS = 30
@@ -105,14 +105,17 @@ def test_unit_spread_and_fingerprints():
     assert fingerprint(x) == fingerprint(x.clone()) != fingerprint(x.flip(0))
 
 
-def test_growth_check_can_fail_and_pass_on_made_up_traces():
-    """The check's logic on its own: the same growing norms flag only when the loss stalls."""
+def test_checks_can_fail_and_pass_on_made_up_traces():
+    """The checks' logic on its own: the same growing norms flag only when the loss stalls."""
     diag = [{0: {"grad_norm_total": 1.0 + s}} for s in range(40)]
     falling = Trace([4 - 0.05 * s for s in range(40)], 4.16, 3.78, 0.86, diag)
     stalled = Trace([4 - 0.05 * min(s, 10) for s in range(40)], 4.16, 3.78, 0.86, diag)
     assert gradient_growth(falling).passed and not gradient_growth(stalled).passed
     at_unigram = Trace([3.78] * 40, 4.16, 3.78, 0.86, diag)
     assert not unigram(at_unigram).passed and unigram(falling).passed
+    # without diagnostics the checks that read them are left out, not failed
+    plain = Trace(stalled.losses, 4.16, 3.78, 0.86, [])
+    assert gradient_growth(plain) is None and symmetry(plain) is None
 
 
 # -- the drills, run for real ---------------------------------------------------------------------

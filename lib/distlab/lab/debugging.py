@@ -57,7 +57,7 @@ DRILLS = {
         "healthy", "lr 1e-2"),
     "lr too low": Drill(
         "learning rate too low (lr 1e-5)", dict(lr=1e-5), "learning",
-        "loss flat near ln V; update/weight ratio ~1e-4, under CS231n's 1e-3",
+        "loss flat near ln V; update/weight ratio well under CS231n's 1e-3",
         "healthy", "lr 1e-2"),
     "shuffled labels": Drill(
         "labels shuffled apart from the inputs", dict(bug="shuffled_labels"), "unigram",
@@ -151,7 +151,7 @@ def drill_results(runs: dict[str, Run]) -> dict[str, dict]:
     out = {}
     for name, d in DRILLS.items():
         mine = {f.check: f for f in found[name]}
-        own = mine.get(d.check) or (mine.get("reference") if d.reference else None)
+        own = mine.get(d.check)
         out[name] = {"failed": failed(found[name]), "caught": d.check in failed(found[name]),
                      "evidence": own.evidence if own else "(check did not apply)",
                      "fix_failed": failed(found[d.fix]), "fixed": not failed(found[d.fix]),

@@ -13,6 +13,7 @@ import numbers
 import re
 from dataclasses import dataclass, fields
 
+from distlab.bugs import BUGS
 # Each strategy names how the one training loop is parallelised. What a strategy supports, its
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
 from distlab.parallel import STRATEGIES  # noqa: F401  (re-exported: the panel lists them)
@@ -132,6 +133,11 @@ class RunConfig:
     fault_rank: int = 0
     fault_step: int = 0
     fault_module: str = ""  # fault="nan": the module whose weight gets the NaN ("": first Linear)
+    # debugging drills: a training bug on purpose (distlab.bugs.BUGS), and the measurements
+    # that find one (distlab.probe: per-layer gradient norms, update/weight ratios, unit
+    # spread, batch fingerprints in every step event; the checks: distlab.diagnose)
+    bug: str = "none"
+    diagnostics: bool = False
     # training checkpoints (distlab.checkpoint)
     checkpoint_every: int = 0  # save every k steps and after the last one (0: off)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
@@ -147,6 +153,7 @@ class RunConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("fault", self.fault, FAULTS)
+        _choice("bug", self.bug, BUGS)
         self._check_model()
         _choice("compress", self.compress, COMPRESSIONS)
         _choice("loss_scale", self.loss_scale, LOSS_SCALES)
@@ -205,6 +212,7 @@ class RunConfig:
                              "SyncBatchNorm's all-reduces in the forward (nor can torch's Join); "
                              "use drop_last=True or equal batches instead")
         self._check_features()
+        self._check_debugging()
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if not -1 <= self.straggler_rank < self.world_size or self.straggler_delay_s < 0:
@@ -366,7 +374,8 @@ class RunConfig:
                 "grad_clip": self.grad_clip > 0, "loss_scaling": self.loss_scale == "dynamic"
                 or (self.loss_scale == "auto" and self.precision == "fp16"),
                 "sp": self.sp, "backup_workers": self.backup_workers > 0,
-                "no_buffer_broadcast": not self.broadcast_buffers}
+                "no_buffer_broadcast": not self.broadcast_buffers,
+                "bugs": self.bug != "none", "diagnostics": self.diagnostics}
 
     def _check_features(self):
         """Every feature asked for must be one the strategy declares it supports."""
@@ -376,6 +385,14 @@ class RunConfig:
                 raise ValueError(f"{FEATURES[feature]}: strategy {self.strategy!r} does not "
                                  f"support it; strategies that do: "
                                  f"{', '.join(strategies(supporting=feature)) or 'none'}")
+
+    def _check_debugging(self):
+        from distlab import bugs
+        bugs.check(self)  # a bug that would change something under this config
+        if self.diagnostics and self._features_asked()["loss_scaling"]:
+            raise ValueError("diagnostics=True measures gradient norms before the optimizer "
+                             "step, where loss scaling leaves them scaled: use loss_scale='none' "
+                             "(fp32 or bf16)")
 
     def _check_model_parallel(self):
         degrees = strategy_class(self.strategy).degrees

@@ -88,21 +88,38 @@ class MarkovData:
         Position t's target depends only on token t, whose distribution starts uniform and then
         follows the chain, so the floor is the mean over positions of E_{a~p_t}[H(next | a)].
         """
+        row_entropy = -(self.probs * np.log(self.probs)).sum(axis=1)
+        return float(np.mean([p @ row_entropy for p in self._marginals()[:-1]]))
+
+    @property
+    def unigram_entropy(self) -> float:
+        """Cross-entropy (nats/token) of the best model that does not read the inputs: one
+        that knows only the position. Target t is token t+1, whose distribution is p_{t+1}
+        (the start is uniform, then the chain), so this is the mean over positions of
+        H(p_{t+1}): the entropy of the marginal next-token distribution. Labels shuffled
+        independently of the inputs (distlab.bugs) leave a model nothing better to learn.
+        loss_floor is H(target | input); the gap between the two is what the input tells."""
+        return float(np.mean([_entropy(p) for p in self._marginals()[1:]]))
+
+    def _marginals(self) -> list[np.ndarray]:
+        """The distribution of token t for t = 0..seq_len: uniform at 0, then p_{t+1} = p_t P."""
         V = self.vocab_size
         P = np.zeros((V, V))
         np.put_along_axis(P, self.succ, self.probs, axis=1)
-        row_entropy = -(self.probs * np.log(self.probs)).sum(axis=1)
-        p = np.full(V, 1.0 / V)
-        total = 0.0
+        out = [np.full(V, 1.0 / V)]
         for _ in range(self.seq_len):
-            total += p @ row_entropy
-            p = p @ P
-        return float(total / self.seq_len)
+            out.append(out[-1] @ P)
+        return out
 
     @property
     def loss_at_start(self) -> float:
         """Cross-entropy of a uniform guess, ln V: where an untrained model starts."""
         return float(np.log(self.vocab_size))
+
+
+def _entropy(p: np.ndarray) -> float:
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
 
 
 def make_data(cfg):
@@ -179,6 +196,11 @@ class ClusterData:
         """Cross-entropy of a uniform guess over the classes, ln(classes)."""
         return float(np.log(self.classes))
 
+    @property
+    def unigram_entropy(self) -> float:
+        """The best loss without reading x: the classes are equally likely, so ln(classes)."""
+        return self.loss_at_start
+
 
 # -- finite datasets ----------------------------------------------------------------------------
 
@@ -200,6 +222,7 @@ class FiniteDataset:
         self.y = torch.cat([r[1] for r in rows])
         self.source = source
         self.loss_floor, self.loss_at_start = source.loss_floor, source.loss_at_start
+        self.unigram_entropy = getattr(source, "unigram_entropy", None)
 
     def __len__(self) -> int:
         return len(self.x)

@@ -3,7 +3,7 @@
     start = steps done in the checkpoint resumed from (distlab.checkpoint), else 0
     for step in range(start, steps):
         drills.before_step                   a fault on purpose (distlab.drills)
-        x, y  = this rank's part of the step's global batch
+        x, y  = this rank's part of the step's global batch (bugs.rows: a bug on purpose)
         loss  = model(x, y)                  (under autocast for bf16/fp16; meter.forward counts
                                              the activations it saves)
         (loss * scale).backward()            (dynamic loss scaling: fp16)
@@ -12,7 +12,8 @@
         unscale, check inf/NaN, clip, then strategy.optimizer_step(optimizer) or skip it
                                              (distlab.precision.finish_step)
         log one "step" event: loss, tokens, and what the StepMeter measured (time, bytes per
-                              collective, memory by category), loss scale and skipped
+                              collective, memory by category), loss scale and skipped, and
+                              with diagnostics=True what the Probe measured (distlab.probe)
         save a checkpoint if one is due; leave if the job got a preemption notice
 """
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import factory, wire
+from distlab.bugs import Bugs
 from distlab.checkpoint.checkpointer import Checkpointer
 from distlab.comm import Comm
 from distlab.config import RunConfig
@@ -36,6 +38,7 @@ from distlab.models import GPT, GPTConfig
 from distlab.nan import NanDetector
 from distlab.parallel import make_strategy
 from distlab.precision import apply_fp32_modules, finish_step, make_loss_scaler, resolve_loss_scale
+from distlab.probe import Probe
 from distlab.step_meter import StepMeter
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,6 +84,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
     comm = Comm()
     model = build_model(cfg).to(device)
+    bugs = Bugs(cfg, rank, world)  # a training bug on purpose (RunConfig.bug; "none": correct)
+    bugs.initialise(model)
     if cfg.fp32_modules:  # fp32 islands under autocast, by name (before wrapping adds prefixes)
         apply_fp32_modules(model, cfg.fp32_modules)
     # with loss scaling, an inf gradient is routine (the step is skipped): check forward only
@@ -98,9 +103,11 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     data = finetune.data(factory.build_data(cfg) if cfg.data else make_data(cfg))
     meter = StepMeter(cfg, model, comm, device)  # time, bytes and memory of each step
     drills = Drills(cfg, rank, log)  # faults, a straggler, a delay per step: on purpose
+    probe = Probe(cfg)  # per-layer gradients and updates, batch fingerprints (diagnostics)
     comm.take_step_stats()  # setup traffic (the initial broadcast) is not a step's
     log.write("start", n_params=sum(p.numel() for p in model.parameters()),
               loss_floor=data.loss_floor, loss_at_start=data.loss_at_start,
+              unigram_entropy=getattr(data, "unigram_entropy", None),
               device=str(device), backend=dist.get_backend(), world_size=world,
               threads=torch.get_num_threads(), pid=os.getpid(),
               role="server" if strategy.is_server() else "worker",
@@ -123,7 +130,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         meter.start()
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
-        batch = strategy.batch(data, step)
+        batch = bugs.rows(strategy.batch(data, step), data, step)
         if batch is None:  # this rank has no rows left (a finite dataset)
             if strategy.out_of_data(model, step):
                 continue
@@ -145,7 +152,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
                 with meter.forward(), autocast(cfg, device):
                     # each micro-batch's mean loss, scaled so the accumulated gradient is the
                     # gradient of the mean over all of this rank's rows
-                    loss = model(x, y) / cfg.grad_accum
+                    loss = model(x, y) / bugs.loss_divisor  # cfg.grad_accum, unless a bug
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 if detector is not None:
                     detector.check_gradients(model)
@@ -153,13 +160,16 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         drills.before_reduce()
         strategy.reduce_gradients(model)
         finetune.after_reduce()  # EWC's penalty gradient, the same on every rank
+        probe.before_update(model, x_all)
         precision = finish_step(strategy, model, optimizer, scaler, cfg.grad_clip)
         measured = meter.end(strategy, model, optimizer)  # step_s, comm, memory
-        optimizer.zero_grad(set_to_none=True)
+        diagnosed = probe.after_update(model)
+        if bugs.zero_grad:  # forgetting this is a bug (bug="no_zero_grad")
+            optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
         comm_per_step.append(measured["comm"])
         log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), lr=cfg.lr_at(step),
-                  **measured, **precision, **strategy.step_info())
+                  **measured, **precision, **strategy.step_info(), **diagnosed)
         finetune.evaluate(model, step + 1, log, comm)
         if ckpt is not None and ckpt.after_step(step):
             break  # preempted: every rank saved, now they leave together

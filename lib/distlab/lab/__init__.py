@@ -8,7 +8,7 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
                         data_parallel, stragglers and scaling (02), memory_and_precision (03),
                         zero_and_fsdp (04), tensor_parallel (05), pipeline_parallel (06),
                         parallelism_3d (07), lora_finetuning (08), checkpoints_and_faults (09),
-                        your_model (10)
+                        your_model (10); debugging (the debugging drills)
 
 `from distlab import lab` gives the panel's API: lab.watch(run), lab.ControlPanel(), ...
 """

@@ -155,6 +155,7 @@ class LiveDashboard:
         self._thread: threading.Thread | None = None
         self._loss_traces: dict[int, object] = {}  # id(run) -> its loss trace
         self._floor_traces: dict[float, object] = {}  # loss floor -> its dashed line
+        self._names: dict[int, str] = {}  # id(run) -> a label given to watch()
         self.fig = _make_figure()
         self.status = W.HTML()
         self.widget = W.VBox([self.fig, self.status])
@@ -162,12 +163,15 @@ class LiveDashboard:
         for run in runs or ():
             self.watch(run)
 
-    def watch(self, run: Run) -> Run:
+    def watch(self, run: Run, label: str | None = None) -> Run:
+        """Add a run; `label` names it in the legend and status (default: run_label)."""
         with self._lock:
             if run not in self.runs:
                 self.runs.append(run)
+                if label is not None:
+                    self._names[id(run)] = label
                 self._loss_traces[id(run)] = self.fig.add_scatter(
-                    x=[], y=[], mode="lines", name=run_label(run, len(self.runs)),
+                    x=[], y=[], mode="lines", name=self._label(run, len(self.runs)),
                     line=_run_line(len(self.runs) - 1), row=1, col=1).data[-1]
             start = self._thread is None and not run.done
             if start:  # decided under the lock, so the thread cannot exit in between
@@ -201,7 +205,7 @@ class LiveDashboard:
     def refresh(self):
         """Redraw from the runs' events now (the thread calls this; so may a cell)."""
         with self._lock:
-            labels = {id(r): run_label(r, i + 1) for i, r in enumerate(self.runs)}
+            labels = {id(r): self._label(r, i + 1) for i, r in enumerate(self.runs)}
             self._draw_losses()
             if self.runs:
                 self._draw_ranks(self.runs[-1], labels[id(self.runs[-1])])
@@ -210,6 +214,9 @@ class LiveDashboard:
                 for r in self.runs)
             for fn in list(self.listeners):  # under the lock: one thread sets widgets at a time
                 fn()
+
+    def _label(self, run: Run, index: int) -> str:
+        return self._names.get(id(run)) or run_label(run, index)
 
     def _draw_losses(self):
         floors = {}

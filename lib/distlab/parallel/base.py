@@ -56,6 +56,10 @@ FEATURES = {
     "backup_workers": "backup_workers > 0",
     "no_buffer_broadcast": "broadcast_buffers=False (each rank keeps its own buffers, such as "
                            "BatchNorm's running statistics)",
+    "bugs": "bug != 'none' (a training bug on purpose, distlab.bugs, in a loop that holds "
+            "whole gradients)",
+    "diagnostics": "diagnostics=True (per-layer gradient norms and update ratios of whole "
+                   "gradients, distlab.probe)",
 }
 
 

@@ -112,6 +112,7 @@ class Single(ReplicatedDP):
     """One process, the whole global batch: the baseline every strategy is checked against.
     A finite dataset is read through the same sampler, at world size 1."""
     name = "single"
+    supports = ReplicatedDP.supports | {"bugs", "diagnostics"}
 
     @classmethod
     def check_config(cls, cfg):
@@ -131,7 +132,7 @@ class Single(ReplicatedDP):
 
 class AllReduceDP(ReplicatedDP):
     name = "allreduce"
-    supports = ReplicatedDP.supports | {"join"}
+    supports = ReplicatedDP.supports | {"join", "bugs", "diagnostics"}
 
     active: list[int] | None = None  # join: ranks with data this step
     optimizer = None  # remembered at the first step, for a joined rank's shadow steps

@@ -195,3 +195,13 @@ def test_step_event_reads_3d_bytes_under_mesh_and_a_pipeline_stash():
     assert memory(three_d) == {"params": 8, "activations": 640}
     ddp = {"comm": {"all_reduce": stats(50)}, "memory": {"activations": 33}}
     assert (bytes_sent(ddp), memory(ddp)["activations"]) == (50, 33)
+
+
+def test_launch_checks_refuse_in_the_status_line_and_start_nothing(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    panel = _panel(runs_root=str(blocker / "runs"))  # RunConfig accepts it; preflight cannot
+    assert not panel.run_button.disabled
+    panel._on_run_click(None)
+    shown = html.unescape(panel.status.value)
+    assert not panel.runs and "not started" in shown and "is a file, not a folder" in shown

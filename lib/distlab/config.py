@@ -198,6 +198,11 @@ class RunConfig:
             raise ValueError(f"global_batch={self.global_batch} does not divide among "
                              f"{dp} data-parallel ranks (world_size={self.world_size}); choose "
                              f"a multiple of {dp}")
+        if self.local_batch % self.microbatches:
+            raise ValueError(f"global_batch={self.global_batch} gives each pipeline "
+                             f"{self.local_batch} rows ({dp} data-parallel ranks), not divisible "
+                             f"into microbatches={self.microbatches} equal micro-batches; choose "
+                             f"a global_batch that is a multiple of {dp * self.microbatches}")
         if self.global_batch % (dp * self.grad_accum):
             raise ValueError(f"global_batch={self.global_batch} does not split into "
                              f"{dp} ranks x grad_accum={self.grad_accum} equal micro-batches; "
@@ -395,18 +400,25 @@ class RunConfig:
                              "(fp32 or bf16)")
 
     def _check_model_parallel(self):
-        degrees = strategy_class(self.strategy).degrees
-        tp = self.tp if "tp" in degrees else 1
-        pp = self.pp if "pp" in degrees else 1
+        cls = strategy_class(self.strategy)
+        tp = self.tp if "tp" in cls.degrees else 1
+        pp = self.pp if "pp" in cls.degrees else 1
         if self.tp > 1 and tp == 1:
             raise ValueError(f"tp={self.tp}: tensor parallelism needs a strategy that splits "
                              f"the model by tp: {', '.join(_with_degree('tp'))}")
         if self.pp > 1 and pp == 1:
             raise ValueError(f"pp={self.pp}: pipeline parallelism needs a strategy that splits "
                              f"the model into stages: {', '.join(_with_degree('pp'))}")
-        if degrees and degrees != {"tp", "pp"} and self.world_size != tp * pp:
-            raise ValueError(f"world_size={self.world_size}: strategy {self.strategy!r} uses "
-                             f"tp x pp = {tp * pp} ranks")
+        _positive_int("world_size", self.world_size)
+        layouts = cls.layouts(self.world_size)  # the strategy's own rule (Strategy.layouts)
+        if {"tp": tp, "pp": pp} not in layouts:
+            runs = " or ".join(f"tp={d['tp']}, pp={d['pp']}" for d in layouts)
+            raise ValueError(f"world_size={self.world_size} with tp={tp}, pp={pp}: strategy "
+                             f"{self.strategy!r} runs {runs} at this world size")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={self.virtual_stages}: only the interleaved "
+                             f"schedule reads it (schedule={self.schedule!r} runs one model "
+                             "chunk per rank); set schedule='interleaved' or virtual_stages=1")
         if self.n_head % tp or self.n_embd % tp:
             raise ValueError(f"n_head={self.n_head} and n_embd={self.n_embd} must divide by "
                              f"tp={tp} (each rank holds whole heads)")
@@ -418,6 +430,10 @@ class RunConfig:
         if pp > 1 and self.schedule in ("1f1b", "interleaved") and self.microbatches < pp:
             raise ValueError(f"schedule={self.schedule!r} needs microbatches >= pp "
                              f"({self.microbatches} < {pp})")
+        if pp > 1 and self.schedule == "interleaved" and self.microbatches % pp:
+            raise ValueError(f"schedule='interleaved' needs microbatches divisible by pp "
+                             f"({self.microbatches} by {pp}): micro-batches go round the "
+                             "ranks in groups of pp")
 
     @property
     def dp_degree(self) -> int:

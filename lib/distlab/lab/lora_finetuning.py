@@ -28,6 +28,7 @@ from distlab.lab.panel import Explorer
 from distlab.launch import new_run_dir, runs_root
 from distlab.lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
 from distlab.run import Run
+from distlab.step_event import bytes_sent, memory
 from distlab.train import build_model
 
 TARGET_COLORS = {"qv": "#1f5fbf", "attn": "#e8590c", "attn_mlp": "#2b8a3e"}
@@ -79,13 +80,13 @@ def trainable_of(cfg: RunConfig) -> int:
 
 def last_memory(run: Run, rank: int = 0) -> dict:
     """The last step's memory by category (bytes) on one rank."""
-    return max(run.history("step", rank=rank), key=lambda e: e["step"])["memory"]
+    return memory(max(run.history("step", rank=rank), key=lambda e: e["step"]))
 
 
 def last_step_bytes_sent(run: Run, rank: int = 0) -> int:
     """Bytes one rank sent in the last step, every collective kind together."""
     e = max(run.history("step", rank=rank), key=lambda e: e["step"])
-    return sum(v["bytes_sent"] for v in e["comm"].values())
+    return bytes_sent(e)
 
 
 def last_step_wire(run: Run, rank: int = 0) -> int | None:

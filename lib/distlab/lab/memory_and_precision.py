@@ -25,6 +25,7 @@ from plotly.subplots import make_subplots
 from distlab.config import RunConfig
 from distlab.lab.common import MEMORY_COLORS as COLORS, MiB
 from distlab.run import Run
+from distlab.step_event import memory
 
 
 
@@ -35,7 +36,7 @@ def steps_of(run: Run, rank: int = 0) -> list[dict]:
 
 def last_memory(run: Run, rank: int = 0) -> dict:
     """The memory dict of `rank`'s last step."""
-    return steps_of(run, rank)[-1]["memory"]
+    return memory(steps_of(run, rank)[-1])
 
 
 def median_step_s(run: Run, skip: int = 1) -> float:

@@ -24,7 +24,9 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import dataclasses
 import html
+import itertools
 import os
 import threading
 import time
@@ -35,10 +37,13 @@ from IPython.display import display
 from plotly.subplots import make_subplots
 
 from distlab import factory
-from distlab.config import ALLREDUCE_ALGORITHMS, PRECISIONS, STRATEGIES, RunConfig
+from distlab.config import (ALLREDUCE_ALGORITHMS, COMPRESSIONS, DP_GATHERS, PRECISIONS, SCHEDULES,
+                            STRATEGIES, RunConfig)
 from distlab.lab.common import MEMORY_CATEGORIES, MEMORY_COLORS, MiB, RUN_COLORS
 from distlab.launch import launch
+from distlab.parallel import DEGREES, KNOBS, reads, strategy_class, strategy_knobs
 from distlab.run import Run
+from distlab.step_event import bytes_sent, comm, memory
 
 # At most four redraws a second: each redraw sends every trace's data to the browser again
 # (plotly 7 has no streaming API), and a faster rate only adds traffic, not information.
@@ -76,13 +81,6 @@ def loss_curve(run: Run) -> tuple[list[int], list[float]]:
 def step_events(run: Run, step: int) -> list[dict]:
     """Each rank's event of one step, in rank order."""
     return sorted((e for e in run.history("step") if e["step"] == step), key=lambda e: e["rank"])
-
-
-def bytes_sent(event: dict) -> int:
-    """Bytes one rank's collectives booked in one step (distlab.comm's formulas and counts),
-    summed over the kinds it used, the mesh groups' included."""
-    groups = [event.get("comm", {}), *event.get("mesh", {}).get("comm", {}).values()]
-    return sum(c["bytes_sent"] for g in groups for c in g.values())
 
 
 def wire_sent(event: dict) -> int | None:
@@ -246,6 +244,7 @@ class LiveDashboard:
         """Memory by category and bytes sent, per rank, at the latest step all ranks finished."""
         step = run.steps_done() - 1
         events = step_events(run, step) if step >= 0 else []
+        memories = [memory(e) for e in events]  # a pipeline's activations too (step_event)
         ranks = [f"rank {e['rank']}" for e in events]
         where = f"{label}, step {step}" if events else f"{label}, no step yet"
         sent = [bytes_sent(e) for e in events]
@@ -254,7 +253,7 @@ class LiveDashboard:
                       and "wire" in e), None)
         with self.fig.batch_update():
             for trace, (key, _) in zip(self.fig.data[:len(MEMORY_CATEGORIES)], MEMORY_CATEGORIES):
-                b = [e["memory"].get(key, 0) for e in events]
+                b = [m.get(key, 0) for m in memories]
                 trace.update(x=ranks, y=[v / MiB for v in b], customdata=b)
             comm = self.fig.data[len(MEMORY_CATEGORIES)]
             comm.update(x=ranks, y=[v / MiB for v in sent], customdata=sent,
@@ -266,7 +265,7 @@ class LiveDashboard:
                 hovertext=[_wire_breakdown(e) for e in events] if seen else [])
             # With track_peak, each rank's peak of aten allocations in the step: a bar stacks
             # what is held at the step's end, the marker what the step needed at its worst.
-            peaks = [e["memory"].get("peak") for e in events]
+            peaks = [m.get("peak") for m in memories]
             has_peak = any(p is not None for p in peaks)
             self.fig.data[len(MEMORY_CATEGORIES) + 1].update(
                 x=ranks if has_peak else [], showlegend=has_peak,
@@ -274,10 +273,7 @@ class LiveDashboard:
                 customdata=peaks if has_peak else [])
             # Which run and step the bars show goes under them: titles above have no room.
             self.fig.layout.xaxis2.title.text = where
-            self.fig.layout.xaxis3.title.text = (
-                (where if not blind else f"{where}; on the wire: not seen ({blind})")
-                if any(sent) or any(seen) or not events else
-                f"{label} sent nothing: one process")
+            self.fig.layout.xaxis3.title.text = _bytes_title(run, label, where, events, blind)
 
     def __repr__(self):
         return f"LiveDashboard({len(self.runs)} runs)"
@@ -344,11 +340,20 @@ def _wire_breakdown(event: dict) -> str:
 
 
 def _comm_breakdown(event: dict) -> str:
-    groups = {"": event.get("comm", {}),
-              **{f"{g}.": c for g, c in event.get("mesh", {}).get("comm", {}).items()}}
-    parts = [f"{g}{k}: {v['calls']} calls, {v['bytes_sent']:,} B"
-             for g, kinds in groups.items() for k, v in kinds.items() if v["calls"]]
+    parts = [f"{k}: {v['calls']} calls, {v['bytes_sent']:,} B"
+             for k, v in comm(event).items() if v["calls"]]
     return "<br>".join(parts) or "no collectives"
+
+
+def _bytes_title(run: Run, label: str, where: str, events: list[dict], blind: str | None) -> str:
+    """Under the bytes chart: which run and step, and why a bar may be missing. "One process"
+    only where the run has one (single, dp's threads), not wherever no byte was booked."""
+    unseen = f"; on the wire: not seen ({blind})" if blind else ""
+    if events and not any(bytes_sent(e) or wire_sent(e) for e in events):
+        if run.cfg is not None and run.cfg.processes == 1:
+            return f"{label} sent nothing: one process"
+        return f"{where}: nothing booked{unseen}"
+    return where + unseen
 
 
 def _error_html(what: str, e: BaseException) -> str:
@@ -378,12 +383,34 @@ show_run = watch
 
 
 # -- the control panel ---------------------------------------------------------------------------
+# Which knobs a strategy reads is the registry's to say (distlab.parallel.reads: KNOBS, each
+# class's degrees and supports); the panel only lists the widgets it builds. Its strategy
+# knobs: every field of parallel.KNOBS, the degrees tp and pp, and the features that shape the
+# parallelism itself (the others, LoRA, EWC, a finite dataset, belong to their notebooks).
+PANEL_FEATURES = ("offload", "sp", "backup_workers")
+# Knobs whose options are narrowed to what RunConfig accepts, in this order: each is fitted with
+# the earlier ones fixed and the later ones free ("layout" is tp and pp together, from
+# Strategy.layouts). Changing one may move a later one (1f1b at pp=4 raises micro-batches to 4).
+FITTED = ("layout", "schedule", "microbatches", "virtual_stages", "param_dtype")
+MICROBATCHES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (1, 2, 4)
+
+
 class ControlPanel:
     """Knobs for a RunConfig, Run and Stop buttons, progress, status and a live dashboard.
 
     `ControlPanel(steps=50, n_layer=2)` sets the defaults: any RunConfig field; those without a
     widget are passed through unchanged. `extra_widgets={"successors": W.IntSlider(...)}` adds
-    knobs: a key names the RunConfig field the widget's value goes to.
+    knobs: a key names the RunConfig field the widget's value goes to (a built-in knob of that
+    name is replaced).
+
+    Only what runs is offered. The knobs a strategy does not read (distlab.parallel.reads) are
+    hidden and left at RunConfig's defaults; tp and pp offer the strategy's layouts at the world
+    size (Strategy.layouts); the schedule, micro-batches, virtual stages and ZeRO-3's parameter
+    dtype offer the values RunConfig accepts with the other knobs as they are (a knob with one
+    value left is disabled, its tooltip says why). Whatever RunConfig still refuses (a global
+    batch the workers cannot split) is shown in the status line and Run is disabled until a knob
+    changes; launch()'s own checks (distlab.preflight) are shown there when Run is pressed.
     """
 
     def __init__(self, dashboard: LiveDashboard | None = None, extra_widgets: dict | None = None,
@@ -394,63 +421,80 @@ class ControlPanel:
         self.dashboard = dashboard or LiveDashboard()
         self.runs: list[Run] = []
         self.last_run: Run | None = None
-        self.knobs = _make_knobs(self.base)
-        for name, widget in (extra_widgets or {}).items():
-            self.add_knob(name, widget)
+        self.valid = True  # whether the knobs describe a config RunConfig accepts
+        self._syncing = False
+        self.knobs: dict[str, W.Widget] = {}
+        self._own: set[str] = set()  # knobs this panel built (their options are its to set)
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
                                     disabled=True)
         self.progress = W.IntProgress(value=0, min=0, max=self.base.steps, description="steps")
         self.status = W.HTML("ready: pick the knobs and press Run")
         self.details = W.HTML()  # a failing rank's traceback
+        self.controls = W.HBox([], layout=W.Layout(flex_flow="row wrap"))
+        for name, widget in _make_knobs(self.base).items():
+            self.add_knob(name, widget, _own=True)
+        for name, widget in (extra_widgets or {}).items():
+            self.add_knob(name, widget)
         self.run_button.on_click(self._on_run_click)
         self.stop_button.on_click(self._on_stop_click)
-        self.knobs["world_size"].observe(self._on_world_size, names="value")
-        self.knobs["strategy"].observe(self._on_strategy, names="value")
-        self._on_strategy({"new": self.knobs["strategy"].value})
         self.dashboard.listeners.append(self._show_progress)
-        self.controls = W.HBox([], layout=W.Layout(flex_flow="row wrap"))
-        self._layout_controls()
+        self._sync(None)
         self.widget = W.VBox([
             self.controls, W.HBox([self.run_button, self.stop_button, self.progress]),
             self.status, self.details, self.dashboard.widget])
         self.widget.add_class("distlab-panel")
 
-    def add_knob(self, name: str, widget: W.Widget):
-        """Add a widget whose value goes to RunConfig field `name`."""
+    def add_knob(self, name: str, widget: W.Widget, _own: bool = False):
+        """Add a widget whose value goes to RunConfig field `name` (replacing the panel's own
+        knob of that name, if any)."""
         if name not in self.base.to_dict():
             raise ValueError(f"{name!r} is not a RunConfig field")
         self.knobs[name] = widget
-        if hasattr(self, "controls"):
-            self._layout_controls()
-
-    def _layout_controls(self):
+        (self._own.add if _own else self._own.discard)(name)
+        widget.observe(lambda change, n=name: self._on_change(n, change), names="value")
         self.controls.children = tuple(self.knobs.values())
+        if hasattr(self, "widget"):  # built: show the new knob under the strategy's rules
+            self._sync(name)
 
     # -- building and starting runs ------------------------------------------------------------
     def config(self, **overrides) -> RunConfig:
         """The RunConfig the knobs describe now (overrides win). Raises ValueError if invalid."""
+        values = {**self._values(), **overrides}
+        return RunConfig.from_dict(values)
+
+    def shown(self) -> list[str]:
+        """The knobs on display now: every general one, and the strategy knobs it reads."""
+        return [n for n, w in self.knobs.items() if w.layout.display != "none"]
+
+    def _values(self) -> dict:
+        """RunConfig fields from the knobs: those the chosen strategy reads from their widgets;
+        a strategy knob it does not read at RunConfig's default (as RunConfig.replace does)."""
+        strategy = self.knobs["strategy"].value
         values = self.base.to_dict()
+        for name in strategy_knobs():
+            if not reads(strategy, name) and (name in self.knobs or name in KNOBS
+                                               or name in DEGREES):
+                values[name] = _DEFAULTS[name]
         for name, widget in self.knobs.items():
-            if not getattr(widget, "disabled", False):  # a knob this strategy does not read
+            if name not in strategy_knobs() or reads(strategy, name):
                 values[name] = widget.value
         values["lr"] = float(f"{values['lr']:.3g}")  # undo the slider's snapping (see _make_knobs)
-        values.update(overrides)
-        return RunConfig.from_dict(values)
+        return values
 
     def run(self, **overrides) -> Run:
         """Start a run of the knobs' config (with overrides) without blocking; returns it."""
         if self.last_run is not None and not self.last_run.done:
             raise RuntimeError("the last run is still going: wait for it or press Stop")
         cfg = self.config(**overrides)
-        run = launch(cfg)
+        run = launch(cfg)  # distlab.preflight's checks first: a ValueError starts nothing
         self.runs.append(run)
         self.last_run = run
         self.progress.max, self.progress.value, self.progress.bar_style = cfg.steps, 0, ""
         self.run_button.disabled, self.stop_button.disabled = True, False
         self.details.value = ""
         self.status.value = html.escape(f"starting {run_label(run)}: spawning "
-                                        f"{cfg.world_size} process(es)")
+                                        f"{cfg.processes} process(es)")
         self.dashboard.watch(run)  # its thread now drives _show_progress
         return run
 
@@ -479,21 +523,115 @@ class ControlPanel:
             self.status.value = _error_html("stop failed", e)
 
     # -- keeping knobs consistent ----------------------------------------------------------------
-    def _on_world_size(self, change):
-        # 'single' is one process by definition: more ranks means a parallel strategy.
-        strategy = self.knobs["strategy"]
-        if change["new"] > 1 and strategy.value == "single":
-            parallel = next(s for s in self.knobs["strategy"].options if s != "single")
-            strategy.value = parallel
-            self.status.value = html.escape(f"strategy set to '{parallel}': 'single' runs "
-                                            f"exactly one process")
+    def _on_change(self, name: str, change):
+        if self._syncing:  # the panel's own updates, not the user's
+            return
+        note = ""
+        strategy, world = self.knobs["strategy"], self.knobs["world_size"]
+        # 'single' is one process by definition: more ranks means a parallel strategy, and
+        # picking 'single' means one rank.
+        if name == "world_size" and change["new"] > 1 and strategy.value == "single":
+            parallel = next(s for s in strategy.options if s != "single")
+            strategy.value = parallel  # fits the knobs to it (this observer, called again)
+            note = f"strategy set to '{parallel}': 'single' runs exactly one process"
+        if name == "strategy" and change["new"] == "single" and world.value != 1:
+            world.value = 1
+            note = "world size set to 1: 'single' runs exactly one process"
+        self._sync(name, note)
 
-    def _on_strategy(self, change):
-        if change["new"] == "single" and self.knobs["world_size"].value != 1:
-            self.knobs["world_size"].value = 1
-            self.status.value = "world size set to 1: 'single' runs exactly one process"
-        # The all-reduce algorithm only matters to the strategy that all-reduces gradients.
-        self.knobs["allreduce"].disabled = change["new"] != "allreduce"
+    def _sync(self, changed: str | None, note: str = ""):
+        """Show the knobs the strategy reads, fit the fitted ones, check the whole config."""
+        self._syncing = True
+        try:
+            strategy = self.knobs["strategy"].value
+            for name, widget in self.knobs.items():
+                read = name not in strategy_knobs() or reads(strategy, name)
+                widget.layout.display = None if read else "none"
+            self._fit(changed)
+        finally:
+            self._syncing = False
+        self._validate(note)
+
+    def _fit(self, changed: str | None):
+        values = self._values()
+        order = [k for k in FITTED if self._fitted(k)]
+        moved_pp = False
+        for i, k in enumerate(order):
+            options = self._options(k, values)
+            if not options:  # a knob of someone else's offers none of them: RunConfig says why
+                continue
+            later = [self._options(d, values) for d in order[i + 1:]]
+            verdicts = [(o, _refusal({**values, **o}, later)) for o in options]
+            ok = [o for o, why in verdicts if why is None] or options  # none: say why below
+            pick = self._pick(k, ok, values, changed, moved_pp)
+            moved_pp |= "pp" in pick and pick["pp"] != values["pp"]
+            values.update(pick)
+            refused = next((why for _, why in verdicts if why is not None), None)
+            self._show(k, options, ok, pick, refused)
+
+    def _fitted(self, k: str) -> bool:
+        strategy = self.knobs["strategy"].value
+        names = DEGREES if k == "layout" else (k,)
+        return any(reads(strategy, n) and n in self.knobs for n in names)
+
+    def _options(self, k: str, values: dict) -> list[dict]:
+        """The values knob k may take, as RunConfig fields: tp and pp from the strategy's
+        layouts at this world size, the others from the panel's lists."""
+        if k == "layout":
+            layouts = strategy_class(values["strategy"]).layouts(values["world_size"])
+            return [d for d in layouts if all(self._can_show(n, d[n]) for n in DEGREES)]
+        base = {"schedule": SCHEDULES, "param_dtype": PRECISIONS,
+                "microbatches": sorted({*MICROBATCHES, self.base.microbatches}),
+                "virtual_stages": sorted({*VIRTUAL_STAGES, self.base.virtual_stages})}[k]
+        return [{k: v} for v in base if self._can_show(k, v)]
+
+    def _can_show(self, name: str, value) -> bool:
+        """A knob someone else built (extra_widgets) keeps its own options."""
+        widget = self.knobs.get(name)
+        return (widget is None or name in self._own or not hasattr(widget, "options")
+                or value in _option_values(widget))
+
+    def _pick(self, k, ok, values, changed, moved_pp) -> dict:
+        current = ({n: values[n] for n in DEGREES} if k == "layout" else {k: values[k]})
+        if k == "layout" and changed in ("strategy", "world_size"):
+            return ok[0]  # the strategy's preferred layout at this world size
+        if k == "layout" and current not in ok:  # keep the degree just picked, move the other
+            lead = "pp" if changed == "pp" else "tp"
+            return next((o for o in ok if o[lead] == current[lead]), ok[0])
+        if k == "microbatches":  # a pipeline of p stages gets at least p micro-batches
+            want = max(values["microbatches"], values["pp"]) if moved_pp else current[k]
+            return next((o for o in ok if o[k] >= want), ok[-1])
+        return current if current in ok else ok[0]
+
+    def _show(self, k, options, ok, pick, refused):
+        names = DEGREES if k == "layout" else (k,)
+        for n in names:
+            widget = self.knobs.get(n)
+            if widget is None:
+                continue
+            if n in self._own:  # pp: the layouts with the tp picked
+                values = sorted({o[n] for o in ok if n != "pp" or o["tp"] == pick["tp"]})
+                if tuple(_option_values(widget)) != tuple(values):
+                    widget.options = values
+                widget.disabled = len(values) == 1
+                widget.tooltip = _why_not(k, refused, self.knobs, widget.disabled)
+            if not hasattr(widget, "options") or pick[n] in _option_values(widget):
+                widget.value = pick[n]
+
+    def _validate(self, note: str = ""):
+        """RunConfig's verdict on the knobs, in the status line; Run only when it accepts."""
+        try:
+            cfg = self.config()
+        except ValueError as e:
+            self.valid = False
+            self.status.value = _error_html("cannot run", e)
+        else:
+            self.valid = True
+            self.status.value = html.escape(
+                f"{note + '; ' if note else ''}ready: {cfg.strategy} on {cfg.world_size} "
+                f"rank(s), {cfg.processes} process(es); press Run")
+        going = self.last_run is not None and not self.last_run.done
+        self.run_button.disabled = going or not self.valid
 
     # -- progress (called from the dashboard's thread) ------------------------------------------
     def _show_progress(self):
@@ -505,7 +643,7 @@ class ControlPanel:
         self.status.value = html.escape(describe(run, run_label(run)))
         if not done:
             return
-        self.run_button.disabled, self.stop_button.disabled = False, True
+        self.run_button.disabled, self.stop_button.disabled = not self.valid, True
         self.progress.bar_style = {"done": "success", "failed": "danger"}.get(run.status, "warning")
         if run.status == "failed" and run.error is not None:
             self.status.value = f"<span style='color:#c00'>{self.status.value}</span>"
@@ -516,19 +654,59 @@ class ControlPanel:
         return f"ControlPanel({len(self.runs)} runs)"
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+
+
+def _refusal(values: dict, later: list[list[dict]]) -> str | None:
+    """None if some choice of the later knobs' options makes `values` a config RunConfig
+    accepts (tried with the current choices first), else its message for the current ones."""
+    first = None
+    for combo in itertools.product(*[lst or [{}] for lst in later]):
+        try:
+            RunConfig.from_dict({**values, **{k: v for o in combo for k, v in o.items()}})
+            return None
+        except ValueError as e:
+            first = first or str(e)
+    return first
+
+
+def _why_not(k: str, refused: str | None, knobs: dict, disabled: bool) -> str:
+    """A fitted knob's tooltip: why values are missing or it cannot be changed."""
+    if refused:
+        return f"not offered: {refused}"
+    if disabled and k == "layout":
+        strategy, world = knobs["strategy"].value, knobs["world_size"].value
+        return f"the only layout of {strategy!r} at world size {world} (Strategy.layouts)"
+    return ""
+
+
+def _option_values(widget) -> list:
+    """A selection widget's values (options may be labels or (label, value) pairs)."""
+    return [o[1] if isinstance(o, tuple) else o for o in widget.options]
+
+
 def strategies_for(cfg: RunConfig) -> tuple[str, ...]:
     """The strategies that can run cfg's model: all of them for distlab's GPT; for a model of
     your own (RunConfig.model="package.module:function") those that do not reach into the GPT's
     layers (Strategy.any_model)."""
-    from distlab.parallel import strategy_class
     if not factory.is_spec(cfg.model):
         return STRATEGIES
     return tuple(s for s in STRATEGIES if strategy_class(s).any_model)
 
 
 def _make_knobs(cfg: RunConfig) -> dict:
-    """One widget per RunConfig field the panel exposes, keyed by the field's name."""
+    """One widget per RunConfig field the panel exposes, keyed by the field's name: the general
+    ones, then every strategy knob (shown only under the strategies that read it)."""
     style = {"description_width": "initial"}
+
+    def num(kind, name, description, **bounds):  # each its own Layout: _sync hides them apart
+        return kind(value=getattr(cfg, name), description=description, style=style,
+                    layout=W.Layout(width="190px"), **bounds)
+
+    def choice(name, options, description):
+        return W.Dropdown(options=list(options), value=getattr(cfg, name),
+                          description=description, style=style)
+
     return {
         "strategy": W.Dropdown(options=strategies_for(cfg), value=cfg.strategy,
                                description="strategy", style=style),
@@ -541,8 +719,35 @@ def _make_knobs(cfg: RunConfig) -> dict:
         # value by at most 0.012%, which config() then rounds away.
         "lr": W.FloatLogSlider(value=cfg.lr, base=10, min=-5, max=0, step=1e-4,
                                readout_format=".2e", description="learning rate", style=style),
-        "precision": W.Dropdown(options=PRECISIONS, value=cfg.precision, description="precision",
-                                style=style),
-        "allreduce": W.Dropdown(options=ALLREDUCE_ALGORITHMS, value=cfg.allreduce,
-                                description="all-reduce", style=style),
+        "precision": choice("precision", PRECISIONS, "precision"),
+        "global_batch": num(W.BoundedIntText, "global_batch", "global batch", min=1,
+                            max=1 << 16),
+        # the strategy knobs (distlab.parallel.strategy_knobs), in PANEL_FEATURES and KNOBS
+        "allreduce": choice("allreduce", ALLREDUCE_ALGORITHMS, "all-reduce"),
+        "tp": choice("tp", [cfg.tp], "tp (tensor-parallel ranks)"),
+        "pp": choice("pp", [cfg.pp], "pp (pipeline stages)"),
+        "schedule": choice("schedule", SCHEDULES, "schedule"),
+        "microbatches": choice("microbatches", sorted({*MICROBATCHES, cfg.microbatches}),
+                               "micro-batches"),
+        "virtual_stages": choice("virtual_stages",
+                                 sorted({*VIRTUAL_STAGES, cfg.virtual_stages}), "virtual stages"),
+        "pp_op_delay_s": num(W.BoundedFloatText, "pp_op_delay_s", "delay per op (s)", min=0,
+                             max=10, step=0.01),
+        "sp": W.Checkbox(value=cfg.sp, description="sequence parallel (sp)", indent=False),
+        "offload": W.Checkbox(value=cfg.offload, description="offload (optimizer state on CPU)",
+                              indent=False),
+        "param_dtype": choice("param_dtype", PRECISIONS, "param dtype"),
+        "reduce_dtype": W.Dropdown(options=[("as param dtype", ""), *[(p, p) for p in PRECISIONS]],
+                                   value=cfg.reduce_dtype, description="reduce dtype",
+                                   style=style),
+        "dp_threads": W.Checkbox(value=cfg.dp_threads, description="replicas in threads",
+                                 indent=False),
+        "dp_gather": choice("dp_gather", DP_GATHERS, "replicas return"),
+        "bucket_mb": num(W.BoundedFloatText, "bucket_mb", "bucket MiB", min=1e-3, max=1024,
+                         step=0.05),
+        "compress": choice("compress", COMPRESSIONS, "compression"),
+        "topk_ratio": num(W.BoundedFloatText, "topk_ratio", "top-k ratio", min=1e-4, max=1,
+                          step=0.01),
+        "backup_workers": num(W.BoundedIntText, "backup_workers", "backup workers", min=0,
+                              max=64),
     }

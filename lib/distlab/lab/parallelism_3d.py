@@ -41,6 +41,7 @@ from distlab.models import GPT, GPTConfig
 from distlab.parallel.mesh import KINDS, Mesh, coords, layout
 from distlab.parallel.pipeline.pp import stage_blocks
 from distlab.parallel.tensor.tp import plan_table
+from distlab.step_event import bytes_sent
 
 FP32 = 4
 SOURCES = {"tp": "Shoeybi et al. 2019 (Megatron-LM), f/g all-reduces; ring bus bytes",
@@ -196,7 +197,7 @@ def wire_rows(step_events) -> list[dict]:
             last[e["rank"]] = e
     rows = []
     for r, e in sorted(last.items()):
-        booked = sum(v["bytes_sent"] for g in e["mesh"]["comm"].values() for v in g.values())
+        booked = bytes_sent(e)  # every group's (distlab.step_event)
         w = e.get("wire", {})
         alone = {k: v for k, v in (w.get("by_kind") or {}).items() if "+" not in k}
         rows.append({"rank": r, "booked": booked, "wire": w.get("sent"), "alone": alone,

@@ -12,6 +12,7 @@ distlab.parallel.pipeline.pp.PipelineParallel.step_info).
 
 from __future__ import annotations
 
+import html
 import statistics
 
 import ipywidgets as W
@@ -144,7 +145,9 @@ def bubble_curve(rows: list[dict], title: str) -> go.Figure:
 class PipelineExplorer(Explorer):
     """Schedule, micro-batches and virtual stages; Run trains the real `pp` pipeline (one
     launch, `base`'s other settings) and redraws the Gantt chart of its last step. An invalid
-    combination is refused with RunConfig's message in the status line."""
+    combination is refused with RunConfig's message in the status line. Virtual stages are
+    offered with the interleaved schedule only (the others run one model chunk per rank): the
+    knob is disabled under the others, and says why beside it."""
 
     def __init__(self, base: RunConfig, schedules=("naive", "gpipe", "1f1b", "interleaved"),
                  microbatches=(1, 2, 4, 8), virtual_stages=(1, 2)):
@@ -155,6 +158,9 @@ class PipelineExplorer(Explorer):
                                        description="micro-batches")
         self.virtual = W.Dropdown(options=list(virtual_stages), value=virtual_stages[0],
                                   description="virtual stages")
+        self.virtual_note = W.HTML()  # why the virtual stages are disabled, when they are
+        self.schedule.observe(lambda _change: self._offer_virtual(), names="value")
+        self._offer_virtual()
         self.button = W.Button(description="Run", button_style="primary")
         self.status = W.HTML()
         self.fig = go.FigureWidget()
@@ -162,7 +168,19 @@ class PipelineExplorer(Explorer):
         self.button.on_click(lambda _b: self._safe_run())
         self.last: dict | None = None
         self.widget = W.VBox([W.HBox([self.schedule, self.microbatches, self.virtual,
-                                      self.button]), self.status, self.fig])
+                                      self.button]), self.virtual_note, self.status, self.fig])
+
+    def _offer_virtual(self):
+        """Virtual stages only under the interleaved schedule: disabled (at 1) otherwise."""
+        sc = self.schedule.value
+        interleaved = sc == "interleaved"
+        self.virtual.disabled = not interleaved
+        if not interleaved and 1 in self.virtual.options:
+            self.virtual.value = 1
+        why = (f"virtual stages: only the interleaved schedule reads them; {sc} runs one model "
+               "chunk per rank" if not interleaved else "")
+        self.virtual.tooltip = why
+        self.virtual_note.value = f"<small style='color:#666'>{html.escape(why)}</small>"
 
     def config(self) -> RunConfig:
         sc = self.schedule.value
@@ -172,10 +190,15 @@ class PipelineExplorer(Explorer):
     def run(self, **values) -> dict:
         """Set the knobs (schedule=, microbatches=, virtual_stages=), train, redraw; returns
         {"config", "run", "measured", "total", "ideal", "pipelines"}."""
-        for k, w in (("schedule", self.schedule), ("microbatches", self.microbatches),
-                     ("virtual_stages", self.virtual)):
+        for k, w in (("schedule", self.schedule), ("microbatches", self.microbatches)):
             if k in values:
                 w.value = values[k]
+        v = values.get("virtual_stages", 1)
+        if v != 1 and self.schedule.value != "interleaved":
+            raise ValueError(f"virtual_stages={v}: only the interleaved schedule reads it "
+                             f"(schedule={self.schedule.value!r} runs one model chunk per rank)")
+        if "virtual_stages" in values:
+            self.virtual.value = v
         cfg = self.config()
         self.status.value = f"running {cfg.schedule}, m={cfg.microbatches} ..."
         run = launch_together({"explorer": cfg}, name="pp-explorer")["explorer"]

@@ -19,6 +19,7 @@ import torch
 
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS
+from distlab.step_event import bytes_sent
 
 FP32 = 4
 
@@ -65,8 +66,7 @@ def wire_range(run) -> tuple[int, int] | None:
 def booked_per_step(run) -> set:
     """The distinct totals distlab.comm booked for one rank in one step, over every rank and
     step of a run."""
-    return {sum(v["bytes_sent"] for v in e.get("comm", {}).values())
-            for e in run.history("step")}
+    return {bytes_sent(e) for e in run.history("step")}
 
 
 # -- where the collectives sit -------------------------------------------------------------------
@@ -162,14 +162,14 @@ def bytes_figure(rows: list[tuple[str, str, float, float]], title: str) -> go.Fi
 
 # -- the control panel ---------------------------------------------------------------------------
 def tp_panel(**defaults):
-    """A lab.ControlPanel with two knobs added: the tp degree (world_size follows it, since
-    every rank of `tp` / `tp-torch` is a tensor-parallel rank) and sp."""
+    """A lab.ControlPanel whose tp knob leads: the world size follows it, since every rank of
+    `tp` / `tp-torch` is a tensor-parallel rank (the panel's own tp knob follows the world size
+    instead; its sp knob shows under the strategies that support sp)."""
     from distlab.lab.panel import ControlPanel
 
     tp = W.Dropdown(options=[2, 4], value=defaults.get("tp", 2), description="tp")
-    sp = W.Checkbox(value=defaults.get("sp", False), description="sequence parallel (sp)")
     defaults = {"strategy": "tp", **defaults, "world_size": tp.value, "tp": tp.value}
-    panel = ControlPanel(extra_widgets={"tp": tp, "sp": sp}, **defaults)
+    panel = ControlPanel(extra_widgets={"tp": tp}, **defaults)
 
     def follow(change):
         panel.knobs["world_size"].value = change["new"]

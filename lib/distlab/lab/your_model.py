@@ -14,6 +14,7 @@ from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS, fmt_bytes
 from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
 from distlab.run import Run
+from distlab.step_event import comm
 
 
 def compare(base: RunConfig, variants: dict[str, dict]) -> tuple[Run, dict[str, Run]]:
@@ -30,7 +31,7 @@ def step_bytes(run: Run, field: str = "bytes_sent") -> int:
     """Rank 0's bytes per step, summed over its collectives (booked by distlab.comm; torch's
     own collectives, as in fsdp-torch, are not booked), from its last step."""
     last = max(run.history("step", rank=0), key=lambda e: e["step"])
-    return sum(v.get(field, 0) or 0 for v in last.get("comm", {}).values())
+    return sum(v.get(field, 0) or 0 for v in comm(last).values())
 
 
 def worst_diffs(single: Run, runs: dict[str, Run]) -> dict[str, float]:

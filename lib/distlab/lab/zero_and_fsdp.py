@@ -34,6 +34,7 @@ from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, es
 from distlab.launch import launch
 from distlab.parallel import strategy_class
 from distlab.run import Run
+from distlab.step_event import comm, memory
 
 # The strategies the notebook compares, as "stages": DDP keeps everything on every rank.
 STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1-torch": 1, "fsdp-torch": 3}
@@ -65,12 +66,12 @@ def memory_by_rank(run: Run, step: int | None = None) -> list[dict]:
     """Each rank's memory dict (bytes by category) at `step` (default: the last step every
     rank finished), in rank order."""
     step = run.steps_done() - 1 if step is None else step
-    return [e["memory"] for e in lab.step_events(run, step)]
+    return [memory(e) for e in lab.step_events(run, step)]
 
 
 def comm_by_step(run: Run, rank: int) -> list[dict]:
     """One rank's {kind: bytes_sent} for every step, in step order."""
-    return [{k: v["bytes_sent"] for k, v in e.get("comm", {}).items()}
+    return [{k: v["bytes_sent"] for k, v in comm(e).items()}
             for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
 
 

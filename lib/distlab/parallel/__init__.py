@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from distlab.parallel.base import FEATURES, Strategy
+from distlab.parallel.base import DEGREES, FEATURE_FIELDS, FEATURES, Strategy
 
 REGISTRY = {
     # data parallel (parallel/data_parallel/)
@@ -77,9 +77,28 @@ def strategies(supporting: str | None = None) -> tuple[str, ...]:
     return tuple(s for s in REGISTRY if supporting in strategy_class(s).supports)
 
 
+def strategy_knobs() -> tuple[str, ...]:
+    """The RunConfig fields that only some strategies read: KNOBS's, the model-parallel degrees
+    (Strategy.degrees) and the fields that ask for an optional feature (Strategy.supports)."""
+    return (*KNOBS, *DEGREES, *FEATURE_FIELDS.values())
+
+
+def reads(strategy: str, field: str) -> bool:
+    """Whether `strategy` reads RunConfig field `field`: KNOBS's fields under the strategies
+    they list, tp and pp under those declaring the degree, a feature's field under those
+    supporting the feature; any other field every strategy reads."""
+    cls = strategy_class(strategy)
+    if field in KNOBS:
+        return strategy in KNOBS[field]
+    if field in DEGREES:
+        return field in cls.degrees
+    feature = {f: name for name, f in FEATURE_FIELDS.items()}.get(field)
+    return feature is None or feature in cls.supports
+
+
 def make_strategy(cfg, comm) -> Strategy:
     return strategy_class(cfg.strategy)(cfg, comm)
 
 
-__all__ = ["FEATURES", "REGISTRY", "STRATEGIES", "Strategy", "make_strategy", "strategies",
-           "strategy_class"]
+__all__ = ["DEGREES", "FEATURES", "FEATURE_FIELDS", "KNOBS", "REGISTRY", "STRATEGIES", "Strategy",
+           "make_strategy", "reads", "strategies", "strategy_class", "strategy_knobs"]

@@ -5,6 +5,7 @@ compares strategy names):
 
     name                    the RunConfig.strategy value (its line in distlab.parallel.REGISTRY)
     degrees                 the model-parallel degrees it reads: "tp", "pp" (RunConfig.tp, .pp)
+    layouts(world_size)     the (tp, pp) it runs at that world size, preferred first
     supports                optional features it implements (FEATURES below)
     checkpoint_layout       strategies with the same layout read each other's checkpoints;
                             None: this strategy does not checkpoint
@@ -63,6 +64,18 @@ FEATURES = {
 }
 
 
+# The RunConfig field that asks for each feature: what a control panel shows as its knob, under
+# the strategies that declare the feature (distlab.parallel.reads).
+FEATURE_FIELDS = {
+    "finite_data": "dataset_size", "join": "join", "lora": "lora_rank", "ewc": "ewc_lambda",
+    "eval": "eval_every", "offload": "offload", "grad_clip": "grad_clip",
+    "loss_scaling": "loss_scale", "sp": "sp", "backup_workers": "backup_workers",
+    "no_buffer_broadcast": "broadcast_buffers",
+}
+# The model-parallel degrees a strategy may declare in `degrees` (RunConfig fields of these names)
+DEGREES = ("tp", "pp")
+
+
 class Strategy:
     name = ""
     degrees: frozenset = frozenset()
@@ -87,6 +100,22 @@ class Strategy:
         tp = cfg.tp if "tp" in cls.degrees else 1
         pp = cfg.pp if "pp" in cls.degrees else 1
         return cfg.world_size // (tp * pp)
+
+    @classmethod
+    def layouts(cls, world_size: int) -> list[dict]:
+        """The model-parallel degrees {"tp": t, "pp": p} this strategy runs at world_size,
+        preferred first (RunConfig refuses any other; a control panel offers these). A degree
+        the strategy does not read is 1. One degree read: it spans the world (tp: tp = world,
+        pp: pp = world). Both (a mesh, world = dp x tp x pp): every t x p dividing the world,
+        those splitting the model both ways first, then the most model-parallel ranks."""
+        if cls.degrees and set(cls.degrees) != set(DEGREES):
+            return [{d: world_size if d in cls.degrees else 1 for d in DEGREES}]
+        if not cls.degrees:
+            return [{"tp": 1, "pp": 1}]
+        pairs = [(t, p) for t in range(1, world_size + 1) for p in range(1, world_size + 1)
+                 if world_size % (t * p) == 0]
+        pairs.sort(key=lambda tp: (-(tp[0] > 1) - (tp[1] > 1), -tp[0] * tp[1], -tp[0]))
+        return [{"tp": t, "pp": p} for t, p in pairs]
 
     @classmethod
     def processes(cls, cfg) -> int:

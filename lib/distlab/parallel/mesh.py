@@ -107,11 +107,8 @@ class ThreeD(Strategy):
     degrees = frozenset({"tp", "pp"})
     supports = frozenset({"loss_scaling"})  # not sp, grad_clip, a finite dataset (docstring)
 
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.world_size % (cfg.tp * cfg.pp):
-            raise ValueError(f"world_size={cfg.world_size} is not a multiple of "
-                             f"tp x pp = {cfg.tp * cfg.pp} (3d: world = dp x tp x pp)")
+    # world = dp x tp x pp: RunConfig checks (tp, pp) against Strategy.layouts, whose rule for
+    # two degrees is this mesh's (every tp x pp dividing the world)
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

@@ -70,7 +70,7 @@ FEATURE_FIELDS = {
     "finite_data": "dataset_size", "join": "join", "lora": "lora_rank", "ewc": "ewc_lambda",
     "eval": "eval_every", "offload": "offload", "grad_clip": "grad_clip",
     "loss_scaling": "loss_scale", "sp": "sp", "backup_workers": "backup_workers",
-    "no_buffer_broadcast": "broadcast_buffers",
+    "no_buffer_broadcast": "broadcast_buffers", "bugs": "bug", "diagnostics": "diagnostics",
 }
 # The model-parallel degrees a strategy may declare in `degrees` (RunConfig fields of these names)
 DEGREES = ("tp", "pp")

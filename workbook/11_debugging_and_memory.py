@@ -531,7 +531,7 @@ all_tokens = sum(b.tokens for b in batches["pad to longest"])
 big = max(checks.values(), key=lambda c: c["rows"] * c["T"])
 oom_claims = [
     claim("a rare long sequence can OOM a run hours in, with no code changed",
-          "interview question",
+          "a common production failure (variable-length data)",
           "no OOM in this run" if cause is None else
           f"first OOM at step {cause['step']} of {steps} ({cause['elapsed_s']:.2f} s in): one "
           f"document of {cause['longest']} tokens (next {cause['second']}, median "
@@ -546,17 +546,17 @@ oom_claims = [
           f"{worst_err:.3%} (tolerance 1%)",
           worst_err <= 0.01),
     claim("a length cap bounds the peak, at the cost of the tokens past the cap",
-          "interview answer",
+          "common practice",
           f"max peak {capr.max_peak / MiB:.3f} MiB ≤ {BUDGET / MiB:.2f}, no OOM in {steps} "
           f"steps; trained {capr.tokens_trained:,} of the same documents' {all_tokens:,} tokens",
           capr.first_oom is None and capr.max_peak <= BUDGET),
-    claim("bucketing with a token budget bounds the peak", "interview answer; fairseq's "
+    claim("bucketing with a token budget bounds the peak", "common practice; fairseq's "
           "max_tokens",
           f"max peak {bkt.max_peak / MiB:.3f} MiB ≤ {BUDGET / MiB:.2f}, no OOM in {steps} "
           f"steps (its probe included); padding {bkt.padding_fraction:.0%} (pad to longest "
           f"{pad.padding_fraction:.0%}); {bkt.tokens_trained:,} tokens trained",
           bkt.first_oom is None and bkt.max_peak <= BUDGET),
-    claim("reserving for the maximum at start moves the OOM to step 0", "interview answer",
+    claim("reserving for the maximum at start moves the OOM to step 0", "common practice",
           f"pad + reserve: OOM at step {res.first_oom.step if res.first_oom else '—'} "
           f"({res.steps[0].peak / MiB:.2f} MiB probe, {res.steps[0].elapsed_s:.2f} s in), "
           f"not step {cause['step'] if cause else '—'}; buckets + reserve: probe "
@@ -564,13 +564,13 @@ oom_claims = [
           f"{'no OOM after it' if bkt.first_oom is None else 'OOM after it'}",
           res.first_oom is not None and res.first_oom.step == 0 and res.first_oom.probe
           and bkt.first_oom is None),
-    claim("the fixes still learn", "interview answer",
+    claim("the fixes still learn", "common practice",
           f"held-out loss: cap {capr.eval_before:.2f} → {capr.eval_after:.2f}, buckets "
           f"{bkt.eval_before:.2f} → {bkt.eval_after:.2f} (floor {floor:.2f}; learns: "
           f"{O.LEARN_SHARE:.0%} of the way down)",
           O.learned(capr, floor) and O.learned(bkt, floor)),
     claim("keeping the loss tensor (history.append(loss)) leaks one step's activations per "
-          "step", "interview answer",
+          "step", "common practice",
           f"after backward(): +{kept['tensor']['growth']:.0f} B/step, "
           f"{kept['tensor']['ratio']:.6f} of a step's activations "
           f"({kept['tensor']['activations'] / 1024:.0f} KiB): backward freed them; the graph's "
@@ -583,7 +583,7 @@ oom_claims = [
           f"loss: {kept['retain_graph']['activations'] + 4:,} B",
           all(kept[k]["growth"] == kept[k]["activations"] + 4 for k in ("retain_graph",
                                                                   "eval_tensor"))),
-    claim("loss.item() keeps memory flat", "interview answer",
+    claim("loss.item() keeps memory flat", "common practice",
           f".item(): +{kept['item']['growth']:.0f} B/step; .detach(): "
           f"+{kept['detach']['growth']:.0f} B/step (the kept scalar)",
           kept["item"]["growth"] == 0 and kept["detach"]["growth"] == 4),

@@ -320,8 +320,8 @@ def dp_vs_ddp_claim(dp_step_s: float, ddp_step_s: float, replicas: int, cores: i
     from distlab.lab.common import claim
     ratio = dp_step_s / ddp_step_s
     return claim(
-        "DDP is faster than DP (the interview answer: 1.8× on 4 V100s, ResNet-50)",
-        "interview answer; torch.nn.DataParallel docs recommend DDP",
+        "DDP is faster than DP (a common figure: 1.8× on 4 V100s, ResNet-50)",
+        "torch.nn.DataParallel docs recommend DDP",
         f"this run: dp {dp_step_s * 1e3:.1f} ms/step, ddp {ddp_step_s * 1e3:.1f} ms/step = "
         f"{ratio:.2f}× ({replicas} replicas, tiny GPT, {cores} CPU cores). The 1.8× is not "
         "reproducible here: no GPUs, no ResNet-50, and DP's cost there (copies between GPUs, "
@@ -365,7 +365,7 @@ def lr_rule_claims(curves: list[dict]) -> list[dict]:
     seed, linear = loss_at_samples(inv, budget), loss_at_samples(lin, budget)
     rows.append(claim(
         "\"reduce the learning rate in proportion to the effective batch\"",
-        "interview answer; the opposite of Goyal et al. 2017's linear rule",
+        "a common rule of thumb; the opposite of Goyal et al. 2017's linear rule",
         f"B={b1}: lr/{b1 // b0} = {inv['lr']:g} reaches {seed:.3f} at {budget} samples "
         f"({inv['final_loss']:.3f} at equal steps); k·lr = {lin['lr']:g} reaches {linear:.3f} "
         f"({lin['final_loss']:.3f})",

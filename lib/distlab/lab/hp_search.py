@@ -34,12 +34,14 @@ import optuna
 from distlab import RunConfig
 from distlab.lab.runs import launch_together
 from distlab.lab.search import (
+    N_STARTUP,
     TrialRun,
     completed,
     grid_values,
     held_out_loss,
     measured,
     new_study,
+    open_storage,
     record,
     run_trial,
     sampler,
@@ -145,13 +147,15 @@ def _tell(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
 
 # -- the comparisons -----------------------------------------------------------------------------
 def compare_methods(spec: HPSpec, n_trials: int, seed: int, grid: dict,
-                    methods=("grid", "random", "tpe", "gp"),
+                    methods=("grid", "random", "tpe", "gp"), n_startup: int = N_STARTUP,
                     storage: str | None = None) -> dict[str, optuna.Study]:
     """One study per method, n_trials live trials each (the grid: its product of values, which
-    should be n_trials). Every study has the same seed."""
+    should be n_trials). Every study has the same seed; TPE and GP fit their model after
+    n_startup random trials."""
     out = {}
     for m in methods:
-        study = new_study(f"hp-{m}", sampler(m, seed, grid if m == "grid" else None),
+        study = new_study(f"hp-{m}", sampler(m, seed, grid if m == "grid" else None,
+                                             n_startup=n_startup),
                           storage=storage, spec=asdict(spec))
         out[m] = optimize(study, spec, n_trials)
     return out
@@ -256,7 +260,7 @@ def main(argv=None):
     p.add_argument("--sampler", default="random", choices=("random", "tpe", "gp"))
     p.add_argument("--seed", type=int, default=1, help="differ per worker, or they draw alike")
     a = p.parse_args(argv)
-    study = optuna.load_study(study_name=a.study, storage=a.storage,
+    study = optuna.load_study(study_name=a.study, storage=open_storage(a.storage),
                               sampler=sampler(a.sampler, a.seed))
     spec = HPSpec(**study.user_attrs["spec"])
     optimize(study, spec, a.trials)

@@ -47,11 +47,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sqlite3
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
 import optuna
+import sqlalchemy
 import torch
 
 from distlab import RunConfig, launch
@@ -75,6 +77,35 @@ def storage_url(root: str = "") -> str:
     return f"sqlite:///{os.path.join(folder, 'search.db')}"
 
 
+_STORAGES: dict[str, optuna.storages.RDBStorage] = {}
+
+
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's database storage for `url`, one per URL in this process. A SQLite file is put in
+    write-ahead-log mode with synchronous=NORMAL: a commit is then an append, not an fsync, and
+    readers do not block the writer (two workers on one file). Measured on the 2-core machine:
+    a trial's storage writes (ask, params, result, a report, tell) took 0.16 s in SQLite's
+    default mode and 0.04 s in this one. A crash of the machine may lose the last commits; the
+    file stays consistent (SQLite's WAL guarantee)."""
+    if url in _STORAGES:
+        return _STORAGES[url]
+    if url.startswith("sqlite:///"):
+        with contextlib.closing(sqlite3.connect(url[len("sqlite:///"):])) as con:
+            con.execute("PRAGMA journal_mode=WAL")  # kept in the file: every later opener
+    storage = optuna.storages.RDBStorage(url)
+    if url.startswith("sqlite:///"):
+        sqlalchemy.event.listen(storage.engine, "connect", _synchronous_normal)
+        storage.engine.dispose()  # the connections opened so far predate the listener
+    _STORAGES[url] = storage
+    return storage
+
+
+def _synchronous_normal(dbapi_connection, _record):
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA synchronous=NORMAL")  # per connection, unlike journal_mode
+    cursor.close()
+
+
 def new_study(name: str, sampler: optuna.samplers.BaseSampler, *,
               storage: str | optuna.storages.BaseStorage | None = None,
               pruner: optuna.pruners.BasePruner | None = None, directions=("minimize",),
@@ -83,7 +114,9 @@ def new_study(name: str, sampler: optuna.samplers.BaseSampler, *,
     `storage` (a database URL or an optuna storage; None: storage_url()'s SQLite file).
     `spec`, the objective's plain-data description, is kept in the study's user attributes: a
     worker that loads the study anywhere rebuilds the same objective from it."""
-    study = optuna.create_study(storage=storage or storage_url(), sampler=sampler,
+    if storage is None or isinstance(storage, str):
+        storage = open_storage(storage or storage_url())
+    study = optuna.create_study(storage=storage, sampler=sampler,
                                 pruner=pruner, study_name=f"{name}-{uuid.uuid4().hex[:6]}",
                                 directions=list(directions))
     if spec is not None:
@@ -307,6 +340,14 @@ def trials_to_reach(study: optuna.Study, target: float) -> int | None:
         if best <= target:
             return i + 1
     return None
+
+
+def near_best(studies, untrained_loss: float, fraction: float = 0.02) -> float:
+    """A target loss: the best any of the studies found, plus `fraction` of the way back up to
+    the untrained loss (ln V for our data). 'As good as the best found', without asking for its
+    last few thousandths."""
+    best = min(s.best_value for s in studies)
+    return best + fraction * (untrained_loss - best)
 
 
 def search_overhead_s(study: optuna.Study) -> float:

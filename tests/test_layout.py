@@ -13,8 +13,10 @@ import subprocess
 import sys
 
 LIB = pathlib.Path(__file__).resolve().parent.parent / "lib"
-# what only the workbook layer may import (psutil: the fault drills check for leftover processes)
-WORKBOOK_PACKAGES = ("plotly", "ipywidgets", "anywidget", "IPython", "psutil", "distlab.lab")
+# what only the workbook layer may import (psutil: the fault drills check for leftover processes;
+# optuna: the search section's studies)
+WORKBOOK_PACKAGES = ("plotly", "ipywidgets", "anywidget", "IPython", "psutil", "optuna",
+                     "distlab.lab")
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -210,9 +210,10 @@ def loss_figure(runs: dict[str, Run]) -> go.Figure:
         fig.update_yaxes(title_text="loss (nats/token)", row=r, col=1)
     for c in (1, 2, 3):
         fig.update_xaxes(title_text="step", row=3, col=c)
-    fig.update_layout(height=760, width=1000, template="plotly_white",
+    # the legend sits beside the charts, in a right margin wide enough for its longest label
+    fig.update_layout(height=760, width=1100, template="plotly_white",
                       title="the drills' loss (mean over ranks) beside the healthy run",
-                      margin=dict(l=60, r=20, t=70, b=50),
+                      margin=dict(l=60, r=260, t=70, b=50),
                       legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
     return fig
 
@@ -281,9 +282,9 @@ def layers_figure(runs: dict[str, Run], names=("healthy", "lr too low", "zero in
     fig.update_yaxes(title_text="unit spread", row=3, col=1)
     for c in range(1, len(names) + 1):
         fig.update_xaxes(title_text="step", row=3, col=c)
-    fig.update_layout(height=760, width=1000, template="plotly_white",
+    fig.update_layout(height=760, width=1100, template="plotly_white",
                       title="per weight matrix (rank 0), one line each, coloured by where it sits",
-                      margin=dict(l=70, r=20, t=80, b=50),
+                      margin=dict(l=70, r=200, t=80, b=50),
                       legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
     return fig
 

@@ -351,7 +351,6 @@ from distlab import RunConfig
 from distlab.flops import count_step_flops
 from distlab.lab.common import claim, claims_table, table
 from distlab.lab.time_to_train import (
-    DAY,
     achieved,
     check_prediction,
     cluster_days,

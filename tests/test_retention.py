@@ -60,3 +60,25 @@ def test_the_command_prints_what_it_freed(tmp_path, capsys):
     assert main([str(tmp_path), "--keep", "0"]) == 0
     out = capsys.readouterr().out
     assert "deleted 3 run folders (3.0 MiB); 0 kept" in out and not run_folders(str(tmp_path))
+
+
+def test_two_launches_pruning_at_once_do_not_fail(tmp_path, monkeypatch):
+    """Threads of one process (parallel search workers) each launch, so each prunes: a folder
+    the other deleted meanwhile is skipped, not an error."""
+    import threading
+    _make_runs(tmp_path, 30)
+    monkeypatch.setenv("DISTLAB_KEEP_RUNS", "1")
+    errors = []
+
+    def make():
+        try:
+            for _ in range(5):
+                new_run_dir(str(tmp_path), "w1")
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+    threads = [threading.Thread(target=make) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(run_folders(str(tmp_path))) == 20  # the new ones are busy: kept

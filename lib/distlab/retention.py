@@ -45,7 +45,11 @@ def folder_bytes(path: str) -> int:
 
 
 def _last_change(path: str) -> float:
-    newest = os.lstat(path).st_mtime
+    """Newest mtime in the folder; +inf if it is gone (another launch pruned it meanwhile)."""
+    try:
+        newest = os.lstat(path).st_mtime
+    except OSError:
+        return float("inf")
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
             try:

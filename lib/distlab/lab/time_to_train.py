@@ -109,7 +109,8 @@ def scaling_figure(rows: list[dict]) -> go.Figure:
     fig.add_scatter(x=[str(w) for w in worlds], y=[one * w for w in worlds],
                     name="ideal (N × one)",
                     mode="lines+markers", line=dict(color=RUN_COLORS[-1], dash="dash"))
-    fig.update_layout(title=f"Throughput against ranks ({os.cpu_count()} cores; bar labels: "
+    fig.update_layout(template="plotly_white",
+                      title=f"Throughput against ranks ({os.cpu_count()} cores; bar labels: "
                             "scaling efficiency)", xaxis_title="ranks (one thread each)",
                       yaxis_title="tokens / s", height=380, width=720,
                       legend=dict(x=1.02, y=1, xanchor="left"))

@@ -63,5 +63,6 @@ def test_wait_shows_a_live_progress_line(capsys):
         any(s.startswith("starting 1 rank") for s in lines[:-1]), lines
     from distlab.run import Run
     assert Run.load(run.dir).progress_line(2.0).startswith("done: 4 steps in 2.0 s")
+    import distlab.lab  # noqa: F401 - turns progress on in a notebook's kernel, not here
     quiet = launch(run.cfg.replace(step_delay_s=0.0)).wait(timeout=120)
     assert quiet.status == "done" and capsys.readouterr().out == ""  # off by default

@@ -37,5 +37,15 @@ from distlab.lab.panel import (
 __all__ = ["ControlPanel", "Explorer", "LiveDashboard", "MEMORY_CATEGORIES", "MiB", "bytes_sent",
            "dashboard_for", "describe", "loss_curve", "step_events", "watch", "wire_sent"]
 
-if "ipykernel" in sys.modules:  # in a notebook: a cell that waits on a run shows its progress
+
+
+def _in_a_kernel() -> bool:
+    """True in a Jupyter kernel (a notebook), False in scripts and tests, even those that have
+    imported ipykernel (nbval does)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+if _in_a_kernel():  # in a notebook: a cell that waits on a run shows its progress
     _run.SHOW_PROGRESS = True

@@ -47,36 +47,28 @@ def _run_all(path):
 
 
 def test_outputs_do_not_dirty_the_tree_but_edits_do(checkout, tmp_path_factory):
+    """One checkout for every case: each git call runs the filter, a Python process (~1 s)."""
     nb = checkout / "nb.ipynb"
     _run_all(nb)
     assert _git(checkout, "status", "--porcelain").strip() == "M nb.ipynb"  # no filter yet
     prefix = tmp_path_factory.mktemp("venv")
     install(str(checkout), prefix=str(prefix))
-    assert _git(checkout, "diff") == ""  # git sees the notebook as committed
-    assert post_save(os_path=str(nb))  # what JupyterLab runs after the save
+    install(str(checkout), prefix=str(prefix))  # twice: adds nothing
+    attributes = (checkout / ".git" / "info" / "attributes").read_text().splitlines()
+    assert attributes.count("*.ipynb filter=nbstripout") == 1
+    hook = prefix / "etc" / "jupyter" / "jupyter_server_config.d" / "distlab.json"
+    assert "distlab.lab.git_outputs.post_save" in hook.read_text()
+    assert post_save(os_path=str(nb))  # what JupyterLab runs after the save: outputs only
     assert _git(checkout, "status", "--porcelain") == ""
     assert _git(checkout, "diff", "--cached") == ""  # and nothing was staged
     assert "step 0" in nb.read_text()  # the outputs are still in the file, for a reload
+    new = checkout / "mine.ipynb"  # a notebook of the user's own, untracked: never added
+    shutil.copy(nb, new)
+    assert not post_save(os_path=str(new))
     doc = nbformat.read(nb, 4)
     doc.cells[1].source += "\n# an edit"
     nbformat.write(doc, nb)
     assert not post_save(os_path=str(nb))  # an edit is the user's to stage
-    assert _git(checkout, "status", "--porcelain").strip() == "M nb.ipynb"
-    assert "# an edit" in _git(checkout, "diff") and _git(checkout, "diff", "--cached") == ""
-    hook = prefix / "etc" / "jupyter" / "jupyter_server_config.d" / "distlab.json"
-    assert "distlab.lab.git_outputs.post_save" in hook.read_text()
-
-
-def test_an_untracked_notebook_is_not_added(checkout):
-    install(str(checkout), prefix=str(checkout / "venv"))
-    new = checkout / "mine.ipynb"
-    shutil.copy(checkout / "nb.ipynb", new)
-    assert not post_save(os_path=str(new))
-    assert "?? mine.ipynb" in _git(checkout, "status", "--porcelain")
-
-
-def test_installing_twice_adds_nothing(checkout):
-    install(str(checkout), prefix=str(checkout / "venv"))
-    install(str(checkout), prefix=str(checkout / "venv"))
-    attributes = (checkout / ".git" / "info" / "attributes").read_text().splitlines()
-    assert attributes.count("*.ipynb filter=nbstripout") == 1
+    assert _git(checkout, "status", "--porcelain").splitlines() == [" M nb.ipynb",
+                                                                   "?? mine.ipynb"]
+    assert _git(checkout, "diff", "--cached") == ""

@@ -408,7 +408,7 @@ display(Markdown(
 # shows this machine, as a cluster's would show its network.
 
 # %%
-runs = scaling_runs(TT)
+runs = scaling_runs(TT, worlds=(1, 2) if QUICK else (1, 2, 4))
 rows = scaling_rows(runs)
 scaling_figure(rows).show()
 table(["ranks", "step (ms, median)", "tokens / s", "scaling efficiency"],

@@ -79,3 +79,15 @@ def test_notebooks_are_picked_by_number_or_name(tmp_path):
         write_notebook(tmp_path / f"{name}.ipynb", "pass")
     assert [p.stem for p in tool.find_notebooks(tmp_path, ["02", "00_a"])] == ["00_a", "02_c"]
     assert [p.stem for p in tool.find_notebooks(tmp_path)] == ["00_a", "01_b", "02_c"]
+
+
+def test_full_mode_reports_each_notebook_against_its_budget():
+    tool = load_tool()
+    results = [{"notebook": "00_start_here", "status": "pass", "seconds": 61.0, "rows": []},
+               {"notebook": "04_zero_and_fsdp", "status": "pass", "seconds": 179.0, "rows": []}]
+    table = "\n".join(tool.summary_lines(results, "full"))
+    assert "| 00_start_here | pass | 61 | **over** 60 s |" in table
+    assert "| 04_zero_and_fsdp | pass | 179 | within 180 s |" in table
+    assert "| all | 0 failed | 240 | 1 over |" in table
+    assert "| — |" in "\n".join(tool.summary_lines(results, "quick"))
+

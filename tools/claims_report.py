@@ -216,18 +216,35 @@ def notebook_lines(r: dict) -> list[str]:
     return lines + [""]
 
 
-def summary_lines(results: list[dict]) -> list[str]:
-    rows = [[r["notebook"], r["status"], f"{r['seconds']:.0f}", len(r["rows"]),
+# Full-mode Run All budgets on a quiet 2-core machine: the first notebook must reach its point
+# within a minute, every other within three.
+BUDGET_S = {"00": 60}
+DEFAULT_BUDGET_S = 180
+
+
+def budget(notebook: str, seconds: float, mode: str) -> str:
+    """'within N s' or '**over** N s' in full mode; quick mode has no budget here (CI's)."""
+    if mode != "full":
+        return "—"
+    limit = BUDGET_S.get(notebook[:2], DEFAULT_BUDGET_S)
+    return f"within {limit} s" if seconds <= limit else f"**over** {limit} s"
+
+
+def summary_lines(results: list[dict], mode: str = "full") -> list[str]:
+    rows = [[r["notebook"], r["status"], f"{r['seconds']:.0f}",
+             budget(r["notebook"], r["seconds"], mode), len(r["rows"]),
              sum(x["holds"] for x in r["rows"])] for r in results]
     total = [["all", f"{sum(r['status'] == 'fail' for r in results)} failed",
-              f"{sum(r['seconds'] for r in results):.0f}", sum(x[3] for x in rows),
-              sum(x[4] for x in rows)]]
+              f"{sum(r['seconds'] for r in results):.0f}",
+              f"{sum(x[3].startswith('**over') for x in rows)} over", sum(x[4] for x in rows),
+              sum(x[5] for x in rows)]]
     return ["## Summary", ""] + md_table(
-        ("notebook", "status", "seconds", "claims", "hold"), rows + total) + [""]
+        ("notebook", "status", "seconds", "Run All budget", "claims", "hold"),
+        rows + total) + [""]
 
 
 def render(meta: dict, results: list[dict]) -> str:
-    lines = header_lines(meta) + summary_lines(results)
+    lines = header_lines(meta) + summary_lines(results, meta["mode"])
     for r in results:
         lines += notebook_lines(r)
     return "\n".join(lines)
@@ -272,7 +289,8 @@ def main(argv=None) -> int:
         r = run_notebook(path, args.quick, args.timeout_per_cell, args.executed)
         results.append(r)
         err = f"  {r['error']['ename']}: {r['error']['evalue'][:200]}" if r["error"] else ""
-        print(f"{path.stem}: {r['status']} in {r['seconds']:.0f} s, {len(r['rows'])} claims, "
+        print(f"{path.stem}: {r['status']} in {r['seconds']:.0f} s "
+              f"({budget(path.stem, r['seconds'], mode)}), {len(r['rows'])} claims, "
               f"{held(r)}{err}", flush=True)
     meta["seconds"] = sum(r["seconds"] for r in results)
     meta["runs_bytes"] = runs_bytes(args.workbook)

@@ -229,7 +229,7 @@ assert by_rank_step(again) == by_rank_step(two)
 
 # %%
 panel = lab.ControlPanel(steps=STEPS, **MODEL)
-panel.widget
+panel
 
 # %% [markdown]
 # ## What the textbook says, what the runs measured

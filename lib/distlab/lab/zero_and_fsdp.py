@@ -341,8 +341,10 @@ def reduction_figure(mixes: dict[str, BytesPerParam], measured: dict[str, tuple[
         fig.add_scatter(x=[n], y=[ratio], mode="markers", name=label,
                         marker=dict(size=12, symbol="star", color=common.MEMORY_COLORS[i % 3],
                                     line=dict(color="#000", width=1)))
-    for y in (4, 8):  # on this log axis: common.hline puts the label at the line
-        common.hline(fig, y, f"{y}×", log=True, line_dash="dot", line_color="#999")
+    for y in (4, 8):  # on this log axis: common.hline puts the label at the line, at the
+        # right end (at the left it would sit against the axis's tick labels)
+        common.hline(fig, y, f"{y}×", log=True, position="top right", line_dash="dot",
+                     line_color="#999")
     fig.update_xaxes(type="log", title_text="N_d (data-parallel ranks)")
     fig.update_yaxes(type="log", title_text="plain DP bytes / ZeRO bytes (model states)")
     fig.update_layout(height=440, template="plotly_white", legend=dict(font=dict(size=10)),

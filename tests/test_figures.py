@@ -41,15 +41,21 @@ def test_the_tolerance_label_of_the_equivalence_figure_is_on_its_line():
     assert label.y == pytest.approx(-3) and label.yref == "y2"
 
 
-def test_a_hint_hides_the_axes_until_data_and_then_goes():
-    fig = go.FigureWidget()
-    fig.add_bar(x=[], y=[])
+def test_a_hint_hides_the_axes_and_titles_until_data_and_then_goes():
+    from plotly.subplots import make_subplots
+    fig = go.FigureWidget(make_subplots(rows=2, cols=1, subplot_titles=("a", "b")))
+    fig.add_bar(x=[], y=[], row=1, col=1)
+    fig.update_layout(height=700)
     common.show_hint(fig, "press Run")
-    assert common.has_hint(fig) and fig.layout.xaxis.visible is False
-    assert fig.layout.showlegend is False
+    common.show_hint(fig, "starting")  # a second hint replaces the first
+    assert [(a.text, a.visible) for a in fig.layout.annotations] == [
+        ("a", False), ("b", False), ("starting", None)]
+    assert fig.layout.xaxis2.visible is False and fig.layout.showlegend is False
+    assert fig.layout.height == common.HINT_HEIGHT
     common.clear_hint(fig)
-    assert not common.has_hint(fig) and fig.layout.xaxis.visible is True
-    assert fig.layout.showlegend is None
+    assert [(a.text, a.visible) for a in fig.layout.annotations] == [("a", True), ("b", True)]
+    assert fig.layout.xaxis2.visible is True and fig.layout.showlegend is None
+    assert fig.layout.height == 700 and not common.has_hint(fig)
 
 
 def test_the_dashboard_starts_with_a_hint_and_one_legend_per_chart():

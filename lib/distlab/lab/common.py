@@ -97,28 +97,29 @@ def hline(fig, y: float, text: str = "", log: bool = False, position: str = "top
 
 
 HINT = "distlab-hint"  # the name of the annotation show_hint writes
+HINT_HEIGHT = 200  # px: a hint needs a line, not a whole figure's height of white
 
 
 def show_hint(fig, text: str):
     """A figure with no data yet: its axes, subplot titles and legend hidden, `text` in the
-    middle instead (empty axes from 0 to 6 say nothing). clear_hint(fig) undoes it."""
-    if any(a.name == HINT and a.text == text for a in fig.layout.annotations):
+    middle instead (empty axes from 0 to 6 say nothing), the figure HINT_HEIGHT tall.
+    clear_hint(fig) undoes it, its height back (kept in layout.meta meanwhile)."""
+    hints = [a for a in fig.layout.annotations if a.name == HINT]
+    if hints and hints[0].text == text:
         return  # shown already: a redraw sends nothing
-    with fig.batch_update():
+    import plotly.graph_objects as go
+    hint = go.layout.Annotation(name=HINT, text=text, xref="paper", yref="paper", x=0.5, y=0.5,
+                                showarrow=False, font=dict(size=14, color="#666"))
+    others = [a for a in fig.layout.annotations if a.name != HINT]
+    with fig.batch_update():  # the annotations in one assignment: a batch reads stale values
+        fig.layout.annotations = [go.layout.Annotation(a, visible=False) for a in others] + [
+            hint]  # the subplot titles hidden, the hint shown
+        if hints:
+            return
         fig.update_xaxes(visible=False)
         fig.update_yaxes(visible=False)
-        fig.layout.showlegend = False
-        hint = None
-        for a in fig.layout.annotations:
-            if a.name == HINT:
-                hint = a
-            else:
-                a.visible = False
-        if hint is None:
-            fig.add_annotation(name=HINT, text=text, xref="paper", yref="paper", x=0.5, y=0.6,
-                               showarrow=False, font=dict(size=14, color="#666"))
-        elif hint.text != text:
-            hint.text = text
+        fig.layout.meta = {"height_before_hint": fig.layout.height}
+        fig.layout.update(showlegend=False, height=HINT_HEIGHT)
 
 
 def has_hint(fig) -> bool:
@@ -127,16 +128,18 @@ def has_hint(fig) -> bool:
 
 
 def clear_hint(fig):
-    """Undo show_hint: axes, titles and legend back, the hint gone (nothing if none)."""
+    """Undo show_hint: axes, titles, legend and height back, the hint gone (nothing if none)."""
     if not has_hint(fig):
         return
+    import plotly.graph_objects as go
+    others = [go.layout.Annotation(a, visible=True) for a in fig.layout.annotations
+              if a.name != HINT]
     with fig.batch_update():
-        fig.layout.annotations = [a for a in fig.layout.annotations if a.name != HINT]
-        for a in fig.layout.annotations:
-            a.visible = None
+        fig.layout.annotations = others
         fig.update_xaxes(visible=True)
         fig.update_yaxes(visible=True)
-        fig.layout.showlegend = None
+        height = (fig.layout.meta or {}).get("height_before_hint")
+        fig.layout.update(showlegend=None, height=height, meta=None)
 
 
 def mib(b) -> str:

@@ -314,7 +314,7 @@ def _make_figure() -> go.FigureWidget:
     underneath. Side by side, the lower two would share one legend column at the right, the
     memory categories beside the bytes chart."""
     fig = make_subplots(
-        rows=3, cols=1, row_heights=[0.44, 0.28, 0.28], vertical_spacing=0.11,
+        rows=3, cols=1, row_heights=[0.44, 0.28, 0.28], vertical_spacing=0.125,
         subplot_titles=("loss per step (mean over ranks)",
                         "memory per rank by category, at the end of the step",
                         "bytes sent per rank in one step"))
@@ -339,7 +339,7 @@ def _make_figure() -> go.FigureWidget:
                           # "normal": stacked bars would otherwise list bottom-up
                           traceorder="normal")
                for name, top in zip(("legend", "legend2", "legend3"), tops)}
-    fig.update_layout(barmode="stack", height=760, width=960, template="plotly_white",
+    fig.update_layout(barmode="stack", height=800, width=960, template="plotly_white",
                       margin=dict(l=70, r=20, t=40, b=50), **legends)
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
@@ -382,6 +382,15 @@ def _bytes_title(run: Run, label: str, where: str, events: list[dict], blind: st
             return f"{label} sent nothing: one process"
         return f"{where}: nothing booked{unseen}"
     return where + unseen
+
+
+def _plotly_bundle(fig: go.Figure) -> dict:
+    """fig as a mime bundle, to update a display in place. display(fig) would not do: a
+    plotly figure displays itself (_ipython_display_), as a new output, whatever display_id
+    it is given. The notebook's renderers make the bundle; plotly's own mimetype if none is
+    set (outside Jupyter)."""
+    return fig._repr_mimebundle_() or {"application/vnd.plotly.v1+json": fig.to_plotly_json(),
+                                       "text/plain": f"<{len(fig.data)} traces>"}
 
 
 # Under a widget that stays live (a panel, an explorer, a dashboard whose run outlasts its
@@ -448,7 +457,7 @@ def _leave_static_copy(dash: LiveDashboard, handle):
         if thread is not None:  # its last redraw: let it finish, then draw once more here
             thread.join(timeout=5 * dash.poll_s + 5)
         dash.refresh()
-        handle.update(go.Figure(dash.fig))
+        handle.update(_plotly_bundle(go.Figure(dash.fig)), raw=True)
         display(Markdown("  \n".join(dash.status_lines())))
 
     shell.events.register("post_run_cell", at_cell_end)

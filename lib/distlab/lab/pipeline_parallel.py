@@ -74,7 +74,7 @@ def schedule_rows(kind: str, p: int, m: int, v: int = 1) -> list[list[str]]:
 VISIBLE_SHARE = 0.002
 
 
-def _bars(fig, rows_events, row_label, scale=1e3) -> list[str]:
+def _bars(fig, rows_events, row_label, scale=1e3, unit=" ms") -> list[str]:
     """Add one horizontal bar per event: rows_events is [(row name, [events]), ...]. Each op
     drawn gets one legend entry, and only ops with a bar wide enough to see do (a send that
     returns at once would list a colour found nowhere in the chart). Returns the ops too thin
@@ -98,7 +98,7 @@ def _bars(fig, rows_events, row_label, scale=1e3) -> list[str]:
                         hovertemplate=f"{row_label(name)} {OP_NAMES[op]} mb {e.get('mb')} "
                                       f"chunk {e.get('chunk')}: %{{base:.1f}}–%{{x:.1f}}<extra></extra>")
             seen.add(op)
-    return [f"{OP_NAMES[op]} (at most {widest[op] * scale:.2g} wide)"
+    return [f"{OP_NAMES[op]} (each at most {widest[op] * scale:.2g}{unit})"
             for op in OP_NAMES if op in widest and op not in visible]
 
 
@@ -141,7 +141,7 @@ def ideal_gantt(kind: str, p: int, m: int, v: int = 1, title: str = "") -> go.Fi
             t = max(t, e["t1"])
         rows.append((f"rank {r}", evs))
     fig = go.Figure()
-    thin = _bars(fig, rows, lambda n: n, scale=1)
+    thin = _bars(fig, rows, lambda n: n, scale=1, unit=" forward")
     fig.update_layout(title=_title(title or f"{kind}: ideal timeline (p={p}, m={m}, v={v})",
                                    thin),
                       barmode="overlay", xaxis_title="time (units of one forward)",

@@ -267,7 +267,7 @@ def traffic_heatmap(fig, cfg: RunConfig, step_events, row=None, col=None, colorb
     fig.add_heatmap(z=[[v / scale for v in r] for r in M], x=[f"to {j}" for j in range(n)],
                     y=[f"rank {i}" for i in range(n)], text=text, texttemplate="%{text}",
                     colorscale="Blues",
-                    colorbar=dict(title=f"{unit} per step", len=0.8, x=colorbar_x),
+                    colorbar=dict(title=f"{unit}/step", len=0.8, x=colorbar_x),
                     customdata=M, hovertemplate=f"%{{y}} → %{{x}}: %{{z:.3g}} {unit} per step "
                                                 "(%{customdata:,} bytes)<extra></extra>", **kw)
     fig.update_xaxes(title_text="receiver", **kw)

@@ -257,7 +257,8 @@ def traffic_matrix(cfg: RunConfig, step_events) -> tuple[list[list[int]], list[l
 # -- figures -------------------------------------------------------------------------------------
 def traffic_heatmap(fig, cfg: RunConfig, step_events, row=None, col=None, colorbar_x=None):
     """Add the traffic matrix as a heatmap (bytes per step in one unit, common.byte_unit) to
-    fig, cells labelled by group (colorbar_x: where its colour bar goes, for a heatmap in a left subplot)."""
+    fig, cells labelled by group (colorbar_x: where its colour bar goes, for a heatmap in a
+    left subplot)."""
     M, K = traffic_matrix(cfg, step_events)
     n = len(M)
     scale, unit = byte_unit([v for r in M for v in r])  # one unit for every cell

@@ -174,3 +174,9 @@ def test_the_explorer_runs_a_drill_and_shows_its_findings():
     run = explorer.run(drill="lr too low", wait=True)
     assert run.status == "done"
     assert "learning" in explorer.status.value and "FAILED" in explorer.report.value
+    # ln V and the unigram entropy go in with the dashboard's axes (a hint stood before)
+    from distlab.lab.common import has_hint
+    from distlab.lab.debugging import REFERENCE_LINES
+    names = [t.name for t in explorer.dashboard.fig.data]
+    assert not has_hint(explorer.dashboard.fig)
+    assert all(any(n.startswith(label) for n in names) for _, label, *_ in REFERENCE_LINES[:2])

@@ -49,7 +49,10 @@ from distlab.lab.common import claim, claims_table
 # A `RunConfig` holds every knob of a run and checks them before any process starts.
 # `launch(cfg)` spawns the ranks and returns a `Run` handle at once; training goes on in
 # the background. `lab.watch(run)` shows a live dashboard under the cell, and
-# `run.wait()` blocks until the run ends (interrupting the kernel stops the run).
+# `run.wait()` blocks until the run ends (interrupting the kernel stops the run). When
+# the cell ends with its runs over, the live figure gives way to a static copy of its last
+# drawing: a live figure lives in the kernel and would not survive a reload, the copy is
+# saved with the notebook.
 #
 # The first run uses strategy `single`: one process trains on the whole batch. It is the
 # baseline every parallel strategy in this workbook is compared with.
@@ -81,7 +84,7 @@ assert len(losses) == STEPS
 assert losses[-1] - floor < 0.5 * (losses[0] - floor)
 
 # %% [markdown]
-# **Memory** (bottom left): what one rank holds, by category, measured from the tensors
+# **Memory** (middle): what one rank holds, by category, measured from the tensors
 # themselves at the latest step: parameters, gradients, optimizer state, activations (the
 # tensors autograd saved for the backward pass) and scratch buffers of the collectives.
 # In fp32 each parameter takes 4 bytes; a gradient is a tensor of the same shape; AdamW
@@ -100,7 +103,7 @@ print(f"AdamW state = 2 × parameters + {adam_counters} bytes of step counters")
 assert adam_counters >= 0 and adam_counters % 4 == 0
 
 # %% [markdown]
-# **Bytes** (bottom right): how many bytes each rank sent during one step, summed over
+# **Bytes** (bottom): how many bytes each rank sent during one step, summed over
 # the collectives it called (hover over a bar for the breakdown). A single process talks
 # to no one, so this run sent nothing.
 
@@ -229,7 +232,7 @@ assert by_rank_step(again) == by_rank_step(two)
 
 # %%
 panel = lab.ControlPanel(steps=STEPS, **MODEL)
-panel.widget
+panel
 
 # %% [markdown]
 # ## What the textbook says, what the runs measured

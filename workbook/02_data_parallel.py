@@ -66,7 +66,7 @@ import ipywidgets as W
 from distlab import RunConfig, RunError, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab import stragglers
-from distlab.lab.common import claim, claims_table, fmt_bytes, table
+from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.data_parallel import (
     bucket_plan,
     bucket_timeline,
@@ -164,8 +164,8 @@ single, dp_run = one["single"], one["dp"]
 n_params = single.info("n_params")
 P = 4 * n_params  # fp32 gradient (= parameter) bytes
 dp = dp_summary(dp_run)
-print(f"{n_params:,} parameters, P = {P:,} bytes; dp with {dp['replicas']} replicas, "
-      f"{dp['threads']} Python threads, {dp['intra_op_threads']} torch thread(s)")
+say(f"{n_params:,} parameters, P = {P:,} bytes; dp with {dp['replicas']} replicas, "
+    f"{dp['threads']} Python threads, {dp['intra_op_threads']} torch thread(s)")
 
 # %%
 n = dp["replicas"]
@@ -195,9 +195,9 @@ assert dp["replica0_factor"] == n - 1 and dp["replica0_only_s"] > 0
 # %%
 dp_bottleneck_figure(dp_run, dp).show()
 moved = [a + b for a, b in zip(dp["bytes_sent"], dp["bytes_recv"])]
-print(f"replica 0 moved {fmt_bytes(moved[0])} per step, each other replica "
-      f"{fmt_bytes(moved[1])}: {moved[0] / moved[1]:.2f}x (n - 1 = {n - 1}); replica 0 "
-      f"also spent {dp['replica0_only_s'] * 1e3:.2f} ms per step on work only it does")
+say(f"replica 0 moved {fmt_bytes(moved[0])} per step, each other replica "
+    f"{fmt_bytes(moved[1])}: {moved[0] / moved[1]:.2f}x (n - 1 = {n - 1}); replica 0 "
+    f"also spent {dp['replica0_only_s'] * 1e3:.2f} ms per step on work only it does")
 dp_diff = worst_param_diff(dp_run.states[0], single.states[0])
 dp_loss_diff = max_step_loss_diff(dp_run.losses(), single.losses())
 print(f"dp vs single after {STEPS} steps: worst parameter difference {dp_diff:.1e}, "
@@ -230,8 +230,8 @@ grouped_bars({"threads": {"forward of all replicas": fw_thr * 1e3,
 gil_speedup = fw_seq / fw_thr
 verdict = (f"{gil_speedup:.2f}x faster" if gil_speedup >= 1
            else f"{1 / gil_speedup:.2f}x slower")
-print(f"the replicas' forward in threads was {verdict} than one after another "
-      f"({dp['intra_op_threads']} torch thread per replica, {os.cpu_count()} cores)")
+say(f"the replicas' forward in threads was {verdict} than one after another "
+    f"({dp['intra_op_threads']} torch thread per replica, {os.cpu_count()} cores)")
 # in threads, a replica's forward waits for the GIL and for a core: it takes longer
 assert rep_thr > rep_seq
 
@@ -399,9 +399,9 @@ bucket_timeline(shown).show()
 bwd = statistics.median(e["ddp"]["backward"][1] for e in ddp_steps)
 comm = statistics.median(e["ddp"]["comm_s"] for e in ddp_steps)
 overlap = statistics.median(overlaps)
-print(f"{len(plan)} buckets; over {len(ddp_steps)} rank-steps: overlap median {overlap:.0%} "
-      f"(min {min(overlaps):.0%}, max {max(overlaps):.0%}); backward {bwd * 1e3:.1f} ms, "
-      f"communication {comm * 1e3:.1f} ms (medians)")
+say(f"{len(plan)} buckets; over {len(ddp_steps)} rank-steps: overlap median {overlap:.0%} "
+    f"(min {min(overlaps):.0%}, max {max(overlaps):.0%}); backward {bwd * 1e3:.1f} ms, "
+    f"communication {comm * 1e3:.1f} ms (medians)")
 print(f"at most backward / communication = {min(1, bwd / comm):.0%} of the communication "
       "can hide under backward")
 for e in ddp.history("step"):
@@ -443,8 +443,8 @@ step_change = statistics.median(abs(a[t + 1] - a[t]) for t in range(len(a) - 1))
 for k, g in gaps.items():
     print(f"{k}: largest per-step loss gap {max(g):.1e} at step {g.index(max(g))}, "
           f"{g[-1]:.1e} at the last step (tolerance {LOSS_TOL:g})")
-print(f"ddp-torch's parameters vs single after {STEPS} steps: {torch_param_diff:.1e} "
-      f"(tolerance {TOL:g}); median change of the loss per step: {step_change:.1e}")
+say(f"ddp-torch's parameters vs single after {STEPS} steps: {torch_param_diff:.1e} "
+    f"(tolerance {TOL:g}); median change of the loss per step: {step_change:.1e}")
 assert max(ddp_loss_diff.values()) <= LOSS_TOL and torch_param_diff <= TOL
 assert 10 * LOSS_TOL < step_change  # the tolerance could not hide a real divergence
 
@@ -778,9 +778,9 @@ small, lin = by[(b0, "none", 0)], by[(b1, "linear", 0)]
 big_lin, big_lin_wu = by[(bmax, "linear", 0)], by[(bmax, "linear", w)]
 print(f"equal steps: B={b1} with the linear rule reaches {lin['final_loss']:.3f}, "
       f"B={b0} {small['final_loss']:.3f}")
-print(f"B={bmax}, linear rule (lr {big_lin['lr']:g}): diverged without warm-up: "
-      f"{big_lin['diverged']}; with {w} warm-up steps: {big_lin_wu['diverged']} "
-      f"(final loss {big_lin_wu['final_loss']:.3f})")
+say(f"B={bmax}, linear rule (lr {big_lin['lr']:g}): diverged without warm-up: "
+    f"{big_lin['diverged']}; with {w} warm-up steps: {big_lin_wu['diverged']} "
+    f"(final loss {big_lin_wu['final_loss']:.3f})")
 assert lin["final_loss"] < small["final_loss"]  # k x batch, k x lr: more progress per step
 assert big_lin["diverged"] and not big_lin_wu["diverged"]  # warm-up rescues the largest lr
 
@@ -803,7 +803,7 @@ panel = lab.ControlPanel(
     strategy="ddp", world_size=2, steps=STEPS, optimizer="sgd", lr=0.1,
     threads_per_rank=1, **GPT)
 assert panel.config(grad_accum=2).grad_accum == 2  # the knobs reach the RunConfig
-panel.widget
+panel
 
 # %% [markdown]
 # ## What the textbook says, what this run measured

@@ -81,7 +81,7 @@ from distlab import estimate as E
 from distlab import gpu as G
 from distlab import precision as P
 from distlab.lab.common import MEMORY_CATEGORIES as CATEGORIES
-from distlab.lab.common import claim, claims_table, mib, table
+from distlab.lab.common import claim, claims_table, mib, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.memory_and_precision import (
     autocast_weight_copy_bytes,
@@ -411,8 +411,8 @@ table(["gradient entries cast to fp16", "become 0"],
        ["× 2^16", f"{uf['zero_fraction_scaled']:.3%}"],
        ["× 2^16, leaving out the key projections' biases (gradient analytically 0)",
         f"{uf['zero_fraction_scaled_without_k_bias']:.3%}"]])
-print(f"unscaled, {uf['subnormal_fraction_unscaled']:.1%} of the entries are below fp16's "
-      f"smallest normal (2^-14): even the survivors lose mantissa bits")
+say(f"unscaled, {uf['subnormal_fraction_unscaled']:.1%} of the entries are below fp16's "
+    f"smallest normal (2^-14): even the survivors lose mantissa bits")
 assert uf["zero_fraction_unscaled"] > 0.05 and uf["zero_fraction_scaled_without_k_bias"] == 0.0
 assert uf["overflow_fraction_scaled"] == 0.0
 
@@ -457,8 +457,8 @@ clip = clipping_after_overflow(scale=2.0**24, max_norm=1.0)
 table(["gradient entries", "inf after backward", "norm clipping saw",
        "finite after clipping"],
       [[clip["numel"], clip["inf_after_backward"], clip["norm"], clip["finite_after_clip"]]])
-print(f"{clip['numel'] - clip['finite_after_clip']} entries are NaN after clipping: "
-      "the overflow reached the optimizer anyway; the loss scaler skips such a step")
+say(f"{clip['numel'] - clip['finite_after_clip']} entries are NaN after clipping: "
+    "the overflow reached the optimizer anyway; the loss scaler skips such a step")
 assert clip["inf_after_backward"] > 0 and clip["finite_after_clip"] < clip["numel"]
 
 # %% [markdown]
@@ -591,9 +591,9 @@ print(f"fp32, micro-batches of 1 … 32: largest loss difference from the whole 
 assert accum_diff < ACCUM_TOL
 peak_saved_accum = 1 - peaks["fp32"][1] / peaks["fp32"][32]
 one_row = peaks["bf16"][1] / peaks["fp32"][1]
-print(f"at 1 row, bf16's peak is {one_row:.2f}× fp32's: its 2-byte weight copies "
-      f"({mib(autocast_weight_copy_bytes(sweep[('bf16', 1)]))} MiB) against one row's "
-      f"activations saved; at 32 rows {peaks['bf16'][32] / peaks['fp32'][32]:.2f}×")
+say(f"at 1 row, bf16's peak is {one_row:.2f}× fp32's: its 2-byte weight copies "
+    f"({mib(autocast_weight_copy_bytes(sweep[('bf16', 1)]))} MiB) against one row's "
+    f"activations saved; at 32 rows {peaks['bf16'][32] / peaks['fp32'][32]:.2f}×")
 
 # %% [markdown]
 # ## 5. "It fits at batch 1. We need batch 32."
@@ -662,8 +662,8 @@ print(f"fastest within the budget on this machine: {fastest['step']} "
 whole = timed1["fp32"].losses()
 alone_diff = max(abs(x - y) for x, y in zip(timed1["accumulation alone"].losses(), whole))
 step_change = sorted(abs(whole[i + 1] - whole[i]) for i in range(len(whole) - 1))[len(whole) // 2]
-print(f"accumulation alone vs the whole batch: largest loss difference {alone_diff:.1e} over "
-      f"{len(whole)} steps; the loss's median change per step {step_change:.1e}")
+say(f"accumulation alone vs the whole batch: largest loss difference {alone_diff:.1e} over "
+    f"{len(whole)} steps; the loss's median change per step {step_change:.1e}")
 assert alone_diff < ACCUM_TOL < step_change / 10
 
 # %% [markdown]

@@ -82,7 +82,7 @@ from distlab.estimate import (
     zero_model_states,
     zero_table,
 )
-from distlab.lab.common import KiB, claim, claims_table, table
+from distlab.lab.common import claim, claims_table, say, table
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lab.zero_and_fsdp import (
     WIRE_GLOO,
@@ -207,9 +207,9 @@ gathered_units = z3["gathered_peak_bytes"] / unit_bytes
 grad_units = z3["grad_buffer_peak_bytes"] / unit_bytes
 print(f"all-gathers per step: {rows[-1]['gathers']}, prefetched: {rows[-1]['prefetched']}; "
       f"blocked waiting: {sum(r['blocked_s'] for r in rows) / len(rows) * 1e3:.1f} ms per step")
-print(f"peak gathered parameters: {z3['gathered_peak_bytes']:,} B = {gathered_units:g} x the "
-      f"largest unit; peak flat gradients: {z3['grad_buffer_peak_bytes']:,} B = "
-      f"{grad_units:g} x; the whole model is {4 * psi:,} B")
+say(f"peak gathered parameters: {z3['gathered_peak_bytes']:,} B = {gathered_units:g} x the "
+    f"largest unit; peak flat gradients: {z3['grad_buffer_peak_bytes']:,} B = "
+    f"{grad_units:g} x; the whole model is {4 * psi:,} B")
 assert z3["gathered_peak_bytes"] < 4 * psi and z3["grad_buffer_peak_bytes"] < 4 * psi
 
 # %% [markdown]
@@ -361,9 +361,9 @@ optim_z1t = [m["optim"] for m in mem["zero1-torch"]]
 n_tensors = gpt_param_tensors(ADAM)  # AdamW keeps one step counter per tensor
 print(f"zero1-torch optimizer state per rank: {optim_z1t} bytes (zero1: "
       f"{m0['zero1']['optim']:,} on every rank)")
-print(f"fsdp-torch activations: {m0['fsdp-torch']['activations']:,} B vs our GPT's "
-      f"{m0['ddp']['activations']:,} B (+{m0['fsdp-torch']['activations'] - m0['ddp']['activations']:,} "
-      f"B of gathered weights saved for backward)")
+say(f"fsdp-torch activations: {m0['fsdp-torch']['activations']:,} B vs our GPT's "
+    f"{m0['ddp']['activations']:,} B (+{m0['fsdp-torch']['activations'] - m0['ddp']['activations']:,} "
+    f"B of gathered weights saved for backward)")
 assert sum(optim_z1t) == 8 * psi + 4 * n_tensors  # every state tensor once, somewhere
 assert max(optim_z1t) > min(optim_z1t)            # greedy whole tensors: uneven
 assert sum(m["params"] for m in mem["fsdp-torch"]) == 4 * psi
@@ -463,7 +463,7 @@ if not blind:
 
 # %%
 explorer = MemoryExplorer(ADAM.replace(steps=WIDGET_STEPS))
-explorer.widget
+explorer
 
 # %% [markdown]
 # The next cell does what the button does, with the knobs set to FSDP2 with offload on 2
@@ -475,9 +475,11 @@ assert len(explorer.measured) == 2 and explorer.last_run.status == "done"
 for m in explorer.measured:
     assert model_states(m) == model_states(explorer.estimate)
     assert m["params"] == m["grads"] == m["optim"] == 0  # all of it on the host
-# what the thread drew: each rank's bar, then the estimate's, in KiB
+# what the thread drew: each rank's bar, then the estimate's, in the axis's unit
 drawn = {t.name: list(t.y) for t in explorer.fig.data if t.visible}
-assert drawn["parameters (host)"] == [m["params_offloaded"] / KiB for m in explorer.measured]             + [explorer.estimate["params_offloaded"] / KiB]
+host_params = [m["params_offloaded"] for m in explorer.measured] + [
+    explorer.estimate["params_offloaded"]]
+assert drawn["parameters (host)"] == [b / explorer.scale for b in host_params]
 host = {k: v for k, v in explorer.measured[0].items() if k.endswith("_offloaded")}
 print(f"{explorer.last_run.cfg.strategy} × 2, offload: device model states 0 B; host {host}")
 
@@ -574,8 +576,8 @@ table(hdr + ["in host memory (GB)", "fits in 80 GB"],
 per_gpu = PSI_70B / 8
 z3_8 = zero_model_states(PSI_70B, 8, 3, MIXED_ADAM)
 z3_8_off = zero_model_states(PSI_70B, 8, 3, MIXED_ADAM, offload=("optim", "grads"))
-print(f"70B / 8 = {per_gpu / 1e9:.2f}B parameters per GPU; as bf16 weights alone "
-      f"{2 * per_gpu / GB:.1f} GB; with gradients and Adam state {z3_8.device / GB:.0f} GB")
+say(f"70B / 8 = {per_gpu / 1e9:.2f}B parameters per GPU; as bf16 weights alone "
+    f"{2 * per_gpu / GB:.1f} GB; with gradients and Adam state {z3_8.device / GB:.0f} GB")
 assert round(per_gpu / 1e9) == 9 and z3_8.device == 140e9 and z3_8.device > GPU
 assert z3_8_off.device == 17.5e9 and z3_8_off.host == 122.5e9
 
@@ -640,9 +642,9 @@ for mode, b in per_seq.items():
     result[mode] = (d, f)
     rows.append([mode, f"{b / GB:.3f}", d["per_gpu"], f"{d['tokens']:,}", f["per_gpu"],
                  f"{f['tokens']:,}"])
-print(f"Ψ = {psi_q5 / 1e9:.2f}B, L = {L} layers; per GPU: DDP {ddp_states / GB:.1f} GB of states "
-      f"({(GPU - ddp_states) / GB:.1f} GB free), FSDP {fsdp_states / GB:.2f} GB with "
-      f"{gathered_units:g} + {grad_units:g} layer units of working set ({(GPU - fsdp_states) / GB:.1f} GB free)")
+say(f"Ψ = {psi_q5 / 1e9:.2f}B, L = {L} layers; per GPU: DDP {ddp_states / GB:.1f} GB of states "
+    f"({(GPU - ddp_states) / GB:.1f} GB free), FSDP {fsdp_states / GB:.2f} GB with "
+    f"{gathered_units:g} + {grad_units:g} layer units of working set ({(GPU - fsdp_states) / GB:.1f} GB free)")
 table(["activations per sequence", "GB per sequence", "DDP: sequences per GPU",
        "DDP: tokens per step", "FSDP: sequences per GPU", "FSDP: tokens per step"], rows)
 (none_d, none_f), (sel_d, sel_f) = result["none"], result["selective"]

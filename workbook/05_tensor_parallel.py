@@ -332,7 +332,7 @@ panel = tp_panel(strategy="tp", steps=STEPS, optimizer="sgd", lr=0.1, threads_pe
 panel.knobs["tp"].value = 4
 assert panel.config().world_size == 4 and panel.config(sp=True).sp  # knobs reach the RunConfig
 panel.knobs["tp"].value = 2
-panel.widget
+panel
 
 # %% [markdown]
 # ## What the textbook says, what this run measured

@@ -58,7 +58,7 @@ GPT = dict(n_layer=4, n_embd=32, n_head=2, seq_len=16, global_batch=8)
 # %%
 
 from distlab import RunConfig
-from distlab.lab.common import claim, claims_table, fmt_bytes, table
+from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.pipeline_parallel import (
     PipelineExplorer,
     bubble_curve,
@@ -210,9 +210,9 @@ assert all(a > b for a, b in zip(measured_curve, measured_curve[1:]))  # falls w
 to_ideal = lambda b: b / (1 - b)
 f1, il = by_run["bubble 1f1b"], by_run["bubble interleaved"]
 il_ratio = to_ideal(f1["measured"]) / to_ideal(il["measured"])
-print(f"idle / busy: 1f1b {to_ideal(f1['measured']):.3f} (formula {f1['ideal']:.3f}), "
-      f"interleaved v={V} {to_ideal(il['measured']):.3f} (formula {il['ideal']:.3f}): "
-      f"{il_ratio:.2f}x smaller (v = {V})")
+say(f"idle / busy: 1f1b {to_ideal(f1['measured']):.3f} (formula {f1['ideal']:.3f}), "
+    f"interleaved v={V} {to_ideal(il['measured']):.3f} (formula {il['ideal']:.3f}): "
+    f"{il_ratio:.2f}x smaller (v = {V})")
 assert il_ratio > 1.5  # v = 2; the 0.05 bubble tolerance allows ~1.6x-2.6x here
 naive = by_run["bubble naive"]
 print(f"naive: measured {naive['measured']:.3f}, (p-1)/p = {(P - 1) / P:.3f}")
@@ -306,11 +306,10 @@ pp_bytes, pp_formula = seen[("interleaved", "pp_send_act")], want
 # %%
 explorer = PipelineExplorer(DELAYED, microbatches=(1, 2, 4, 8), virtual_stages=(1, 2))
 res = explorer.run(schedule="interleaved", microbatches=M, virtual_stages=V)
-print(explorer.status.value)
 assert {bar.y[0] for bar in explorer.fig.data} == {f"rank {r}" for r in range(P)}
 assert all(p["peak_in_flight"] >= 1 for p in res["pipelines"])
 assert abs(res["measured"] - res["total"]) <= BUBBLE_TOL
-explorer.widget
+explorer
 
 # %% [markdown]
 # ## What the textbook says, what this run measured

@@ -62,7 +62,7 @@ GPT = dict(n_layer=4, n_embd=32, n_head=4, seq_len=16, global_batch=16)
 from distlab import RunConfig
 from distlab.comm import LINKS
 from distlab.estimate import GB
-from distlab.lab.common import claim, claims_table, fmt_bytes, table
+from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.parallelism_3d import wire_rows as mesh_wire_rows
 from distlab.lab.parallelism_3d import (
@@ -248,9 +248,9 @@ assert all(abs(r["measured"] - r["total"]) <= BUBBLE_TOL for r in brows)
 assert all(a > b for a, b in zip(measured_curve, measured_curve[1:]))
 # The challenge: 50% idle at m = 4 is p = 5 stages: (5-1)/(4+5-1) = 0.5
 idle4, idle16 = bubble_formula("gpipe", 5, 4), bubble_formula("gpipe", 5, 16)
-print(f"The challenge: p=5, m=4 idles {idle4:.0%}; m=16 idles {idle16:.0%}. Its trade-off, "
-      f"more micro-batches = more activation memory, is GPipe's (all m stashed); 1F1B "
-      f"stashes at most p (measured in 06_pipeline_parallel)")
+say(f"The challenge: p=5, m=4 idles {idle4:.0%}; m=16 idles {idle16:.0%}. Its trade-off, "
+    f"more micro-batches = more activation memory, is GPipe's (all m stashed); 1F1B "
+    f"stashes at most p (measured in 06_pipeline_parallel)")
 
 # %% [markdown]
 # ## 5. ZeRO-1 over dp shards the optimizer state by dp
@@ -301,9 +301,9 @@ tp_nv = tp_comm_time(GPT3_175B, Cluster(gpus=1024), g3.tp, g3.pp, g3.micro_batch
                      g3.micro_batches, g3.recompute)
 tp_ib = tp_comm_time(GPT3_175B, Cluster(gpus=1024, intra=IB_HDR), g3.tp, g3.pp,
                      g3.micro_batch, g3.micro_batches, g3.recompute)
-print(f"GPT-3 on 1024 A100s ({describe_row(g3)}): tensor-parallel communication "
-      f"{tp_nv:.2f} s per step on NVLink, {tp_ib:.2f} s on InfiniBand "
-      f"(compute {g3.compute_s:.2f} s, pipeline sends {g3.pp_comm_s:.2f} s)")
+say(f"GPT-3 on 1024 A100s ({describe_row(g3)}): tensor-parallel communication "
+    f"{tp_nv:.2f} s per step on NVLink, {tp_ib:.2f} s on InfiniBand "
+    f"(compute {g3.compute_s:.2f} s, pipeline sends {g3.pp_comm_s:.2f} s)")
 assert tp_in_node < pp_in_node and tp_ib > 5 * tp_nv
 
 # %% [markdown]
@@ -339,10 +339,10 @@ g3_rows = plan(GPT3_175B, Cluster(gpus=4096), 1536, 0.5)
 print(plan_table(g3_rows, 5))
 rank_888, row_888 = layout_rank(g3_rows, 64, 8, 8)
 gap = row_888.step_s / g3_rows[0].step_s - 1
-print(f"64 × 8 × 8 fits ({row_888.memory / GB:.1f} GB per GPU) and ranks #{rank_888} of "
-      f"the layouts, {gap:.1%} slower than the fastest ({describe_row(g3_rows[0])}): a "
-      f"near-tie. Every top layout uses tp = 8, one whole node, as Narayanan et al. 2021 do "
-      f"for GPT models of 145.6B parameters and up (t = 8, p >= 8).")
+say(f"64 × 8 × 8 fits ({row_888.memory / GB:.1f} GB per GPU) and ranks #{rank_888} of "
+    f"the layouts, {gap:.1%} slower than the fastest ({describe_row(g3_rows[0])}): a "
+    f"near-tie. Every top layout uses tp = 8, one whole node, as Narayanan et al. 2021 do "
+    f"for GPT models of 145.6B parameters and up (t = 8, p >= 8).")
 assert row_888.fits and gap < 0.05 and all(r.tp == 8 for r in g3_rows[:5])
 
 # %% [markdown]
@@ -418,16 +418,16 @@ least = min(r.memory for r in plan(m70b, c8, 64, 0.5, fits_only=False, zero23_wi
 offload = [r for r in plan(m70b, c8, 64, 0.5, zero_stages=(3,), offload=("optim",)) if r.dp == 8]
 grow = {g: best(m70b, Cluster(gpus=g), 64, 0.5, zero23_with_pp=True) for g in (8, 16)}
 z3_64 = memory_per_gpu(m70b, Cluster(gpus=64), 64, 1, 1, 3, 1, "full", 1)[0]
-print(f"8 × 80 GB: layouts that fit: {len(fits8)}; the least memory any layout needs is "
-      f"{least / GB:.0f} GB per GPU (FSDP/ZeRO-3 alone: 16 × 70e9 / 8 = "
-      f"{16 * 70e9 / 8 / GB:.0f} GB of states)")
-print(f"FSDP + optimizer offloaded to CPU (ZeRO-Offload): {offload[0].states / GB:.0f} GB of "
-      f"states, {offload[0].memory / GB:.1f} GB per GPU with activations: fits "
-      f"({describe_row(offload[0])})")
+say(f"8 × 80 GB: layouts that fit: {len(fits8)}; the least memory any layout needs is "
+    f"{least / GB:.0f} GB per GPU (FSDP/ZeRO-3 alone: 16 × 70e9 / 8 = "
+    f"{16 * 70e9 / 8 / GB:.0f} GB of states)")
+say(f"FSDP + optimizer offloaded to CPU (ZeRO-Offload): {offload[0].states / GB:.0f} GB of "
+    f"states, {offload[0].memory / GB:.1f} GB per GPU with activations: fits "
+    f"({describe_row(offload[0])})")
 print(f"without offload, two nodes (16 GPUs) are the fewest whole nodes that fit it: "
       f"{describe_row(grow[16])}, {grow[16].memory / GB:.0f} GB per GPU")
-print(f"on 64 GPUs ZeRO-3 holds {z3_64 / GB:.1f} GB of model states per GPU, not ~4 GB "
-      f"(~4 GB is 70e9 × 4 bytes / 64: fp32 weights alone)")
+say(f"on 64 GPUs ZeRO-3 holds {z3_64 / GB:.1f} GB of model states per GPU, not ~4 GB "
+    f"(~4 GB is 70e9 × 4 bytes / 64: fp32 weights alone)")
 assert not fits8 and grow[8] is None and grow[16] is not None and offload[0].fits
 
 # %% [markdown]
@@ -452,10 +452,10 @@ table(["global batch 512", "layout", "step s", "tokens/s", "MFU"],
       [[n, describe_row(r), f"{r.step_s:.2f}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.2f}"]
        for n, r in (("DDP", ddp), ("FSDP", fsdp))])
 days_1t = training_time(m60.params, 1e12, 8, 312e12, 0.5) / DAY
-print(f"tokens per step is not throughput: with gradient accumulation DDP runs the same "
-      f"global batch at {ddp.tokens_per_s / fsdp.tokens_per_s:.2f}× FSDP's tokens/s here. "
-      f"1T tokens: 6·N·D at MFU 0.5 on 8 A100s takes {days_1t:.0f} days; at the answer's "
-      f"16K tokens/s, {1e12 / 16e3 / DAY:.0f} days, not 17 hours")
+say(f"tokens per step is not throughput: with gradient accumulation DDP runs the same "
+    f"global batch at {ddp.tokens_per_s / fsdp.tokens_per_s:.2f}× FSDP's tokens/s here. "
+    f"1T tokens: 6·N·D at MFU 0.5 on 8 A100s takes {days_1t:.0f} days; at the answer's "
+    f"16K tokens/s, {1e12 / 16e3 / DAY:.0f} days, not 17 hours")
 assert ddp.tokens_per_s >= fsdp.tokens_per_s and days_1t > 100
 
 # %% [markdown]
@@ -479,9 +479,9 @@ est = [("6·N·D at 140 TFLOP/s per GPU", training_time(N, D, n, 140e12, 1.0)),
        (f"planner: {g3_steps:,.0f} steps × {g3.step_s:.2f} s ({describe_row(g3)})",
         g3_steps * g3.step_s)]
 table(["estimate", "days"], [[name, f"{s / DAY:.1f}"] for name, s in est])
-print(f"Narayanan et al.'s 34 days is 8·N·D at 140 TFLOP/s ({est[1][1] / DAY:.1f} days); "
-      f"the same throughput counted as 6·N·D gives {est[0][1] / DAY:.1f}; the planner's "
-      f"step (MFU {g3.mfu:.2f} after bubble and communication) gives {est[3][1] / DAY:.1f}")
+say(f"Narayanan et al.'s 34 days is 8·N·D at 140 TFLOP/s ({est[1][1] / DAY:.1f} days); "
+    f"the same throughput counted as 6·N·D gives {est[0][1] / DAY:.1f}; the planner's "
+    f"step (MFU {g3.mfu:.2f} after bubble and communication) gives {est[3][1] / DAY:.1f}")
 assert abs(est[1][1] / DAY - 34) < 0.5 and est[0][1] < est[1][1]
 
 # %% [markdown]
@@ -496,11 +496,10 @@ assert abs(est[1][1] / DAY - 34) < 0.5 and est[0][1] < est[1][1]
 # %%
 explorer = MeshExplorer(BASE, single)
 res = explorer.run(**WIDGET)
-print(explorer.status.value)
 assert all(r["measured"] == r["predicted"] for r in res["rows"])
 assert res["param_diff"] <= TOL and res["loss_diff"] <= TOL
 assert len(explorer.fig.data) == 3  # heatmap, single's loss, 3d's loss
-explorer.widget
+explorer
 
 # %% [markdown]
 # ## What the textbook says, what this run measured

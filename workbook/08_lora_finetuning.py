@@ -59,7 +59,7 @@ import torch
 from distlab import RunConfig
 from distlab.comm import ring_allreduce_bytes
 from distlab.dataset import MarkovData
-from distlab.lab.common import claim, claims_table, fmt_bytes, table
+from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.lora_finetuning import (
     LoRAExplorer,
     curves_figure,
@@ -235,8 +235,8 @@ curves_figure({"fine-tuned from task 0": full, "from scratch": scratch}, "task1"
               "task 1: fine-tuning vs training from scratch", floors["task1"]).show()
 ft_end, sc_end = final_eval(full)["task1"], final_eval(scratch)["task1"]
 reach = steps_to_reach(full, "task1", sc_end)
-print(f"task-1 loss after {FT_STEPS} steps: fine-tuned {ft_end:.3f}, scratch {sc_end:.3f};"
-      f" fine-tuning reached scratch's final loss at step {reach}")
+say(f"task-1 loss after {FT_STEPS} steps: fine-tuned {ft_end:.3f}, scratch {sc_end:.3f};"
+    f" fine-tuning reached scratch's final loss at step {reach}")
 assert ft_end < sc_end and reach is not None and reach < FT_STEPS
 
 # %% [markdown]
@@ -353,11 +353,11 @@ for k in ("sgd full", "sgd lora"):
     assert booked[k] == formula, (k, booked[k], formula)
     diff = worst_param_diff(ddp[k].states[0], runs[k].states[0])
     assert diff < 1e-5, (k, diff)
-    print(f"{k}: {n:,} trainable, {fmt_bytes(booked[k])} per step per rank booked "
-          f"(formula {fmt_bytes(formula)}), "
-          + ("on the wire not measured here" if on_wire[k] is None else
-             f"{fmt_bytes(on_wire[k])} on the wire")
-          + f"; worst parameter diff vs single {diff:.1e}")
+    say(f"{k}: {n:,} trainable, {fmt_bytes(booked[k])} per step per rank booked "
+        f"(formula {fmt_bytes(formula)}), "
+        + ("on the wire not measured here" if on_wire[k] is None else
+           f"{fmt_bytes(on_wire[k])} on the wire")
+        + f"; worst parameter diff vs single {diff:.1e}")
 lora_state, ref = ddp["sgd lora"].states[0], runs["sgd lora"].states[0]
 assert all(torch.equal(lora_state[k], ref[k]) for k in ref if "lora" not in k)
 ratio = booked["sgd lora"] / booked["sgd full"]

@@ -207,7 +207,7 @@ printed_done = [line for line in terminal.stdout.splitlines() if line.startswith
 # %%
 panel = ControlPanel(model=MODEL, data=DATA, strategy="zero3", world_size=2, steps=STEPS,
                      optimizer="sgd", lr=0.3, global_batch=32, threads_per_rank=1)
-panel.widget
+panel
 
 # %%
 panel.run().wait(timeout=300)  # the same as pressing Run, then waiting for it

@@ -65,7 +65,7 @@ import time
 
 from distlab.dataset import MarkovData
 from distlab.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings, matches_reference
-from distlab.lab.common import claim, claims_table, table
+from distlab.lab.common import claim, claims_table, say, table
 from distlab.lab.debugging import (
     DRILL_HEADER,
     DebugExplorer,
@@ -371,10 +371,10 @@ steps = math.ceil(STEPS_PER_MEAN / p_step)
 cap, max_tokens = fit, ROWS * fit  # the fixes get what the budget allows
 # enough documents for the policy that reads the most (buckets: up to max_tokens / MIN_LEN)
 docs = Documents(steps * max_tokens // MIN_LEN, MIN_LEN, MAX_LEN, ALPHA, seed=SEED)
-print(f"device budget {BUDGET / MiB:.2f} MiB: {ROWS} rows fit up to L* = {fit} tokens "
-      f"(predicted); P(one document > L*) = {docs.tail(fit):.3%}, "
-      f"P(a batch of {ROWS} pads past L*) = p = {p_step:.2%} per step, "
-      f"mean {1 / p_step:.0f} steps to the first OOM; each policy runs {steps} steps")
+say(f"device budget {BUDGET / MiB:.2f} MiB: {ROWS} rows fit up to L* = {fit} tokens "
+    f"(predicted); P(one document > L*) = {docs.tail(fit):.3%}, "
+    f"P(a batch of {ROWS} pads past L*) = p = {p_step:.2%} per step, "
+    f"mean {1 / p_step:.0f} steps to the first OOM; each policy runs {steps} steps")
 O.lengths_figure(docs, fit, ROWS).show()
 
 # %% [markdown]
@@ -416,21 +416,21 @@ table(*O.policy_table(runs, docs.data.loss_floor))
 # %%
 cause = O.oom_cause(runs["pad to longest"], batches["pad to longest"])
 if cause is None:
-    print(f"pad to longest: no step over the budget in {steps} steps (P = "
-          f"{math.exp(-STEPS_PER_MEAN):.0%} by the model); nothing to diagnose in this run")
+    say(f"pad to longest: no step over the budget in {steps} steps (P = "
+        f"{math.exp(-STEPS_PER_MEAN):.0%} by the model); nothing to diagnose in this run")
 else:
     fitted = runs["pad to longest"].steps[:cause["step"]]
-    print(f"pad to longest dies at step {cause['step']}, {cause['elapsed_s']:.2f} s in: its "
-          f"batch pads to {cause['T']} tokens for one document of {cause['longest']} "
-          f"(next longest {cause['second']}, median {cause['median']}); the "
-          f"{len(fitted)} steps before it peaked at most "
-          f"{max((s.peak for s in fitted), default=0) / MiB:.2f} MiB of {BUDGET / MiB:.2f}")
+    say(f"pad to longest dies at step {cause['step']}, {cause['elapsed_s']:.2f} s in: its "
+        f"batch pads to {cause['T']} tokens for one document of {cause['longest']} "
+        f"(next longest {cause['second']}, median {cause['median']}); the "
+        f"{len(fitted)} steps before it peaked at most "
+        f"{max((s.peak for s in fitted), default=0) / MiB:.2f} MiB of {BUDGET / MiB:.2f}")
 if unbounded is not None:
     over = [s.step for s in unbounded.steps if s.oom]
     worst = O.longest_step(unbounded)
-    print(f"had it gone on: {len(over)} of {steps} steps over the budget "
-          f"({len(over) / steps:.1%}; modelled p = {p_step:.1%}), the largest "
-          f"{unbounded.max_peak / MiB:.2f} MiB at step {worst.step} ({worst.rows} × {worst.T})")
+    say(f"had it gone on: {len(over)} of {steps} steps over the budget "
+        f"({len(over) / steps:.1%}; modelled p = {p_step:.1%}), the largest "
+        f"{unbounded.max_peak / MiB:.2f} MiB at step {worst.step} ({worst.rows} × {worst.T})")
 
 # %% [markdown]
 # **The measured peak against the formula.** At these sizes activations outweigh the model,

@@ -73,7 +73,7 @@ import optuna
 from distlab.estimate import MiB
 from distlab.lab import arch_search, hp_search, search
 from distlab.lab import search_figures as figs
-from distlab.lab.common import claim, claims_table, table
+from distlab.lab.common import claim, claims_table, say, table
 
 # %% tags=["parameters"]
 QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
@@ -156,8 +156,8 @@ table(["study", "best loss", "distinct learning rates tried"],
       [["grid", f"{grid_best:.3f}", len({t.params['lr'] for t in rvg['grid'].trials})]]
       + [[f"random, seed {s}", f"{b:.3f}", d] for s, b, d in zip(RVG_SEEDS, random_best,
                                                                  distinct)])
-print(f"main effect on the grid (spread of the mean loss over a parameter's values): "
-      f"lr {effects['lr']:.3f} nats, weight decay {effects['weight_decay']:.4f} nats")
+say(f"main effect on the grid (spread of the mean loss over a parameter's values): "
+    f"lr {effects['lr']:.3f} nats, weight decay {effects['weight_decay']:.4f} nats")
 per_trial_together = sum(rvg["walls"]) / (len(rvg["walls"]) * rvg["trials_per_launch"])
 print(f"one launch for {rvg['trials_per_launch']} trials: {per_trial_together:.3f} s per trial")
 
@@ -266,10 +266,10 @@ table(["method", "trials drawn", "refused before running", "runs", "run folders 
 for t in arch_search.refused(arch["random"])[:3]:
     print(f"refused {t.params}: {t.user_attrs['refused'][:110]}")
 estimate_gap = arch_search.estimate_vs_measured(arch.values())
-print(f"distlab.estimate against what the runs measured (params, grads, optimizer state, "
-      f"activations): largest difference {estimate_gap:.0f} bytes over "
-      f"{sum(len(search.completed(s)) for s in arch.values())} runs; budget "
-      f"{arch_spec.budget_bytes / MiB:.2f} MiB")
+say(f"distlab.estimate against what the runs measured (params, grads, optimizer state, "
+    f"activations): largest difference {estimate_gap:.0f} bytes over "
+    f"{sum(len(search.completed(s)) for s in arch.values())} runs; budget "
+    f"{arch_spec.budget_bytes / MiB:.2f} MiB")
 
 # %% [markdown]
 # The hypervolume is the area the front dominates up to a reference point just past the worst
@@ -349,7 +349,7 @@ from IPython.display import Markdown, display
 
 from distlab import RunConfig
 from distlab.flops import count_step_flops
-from distlab.lab.common import claim, claims_table, table
+from distlab.lab.common import claim, claims_table, say, table
 from distlab.lab.time_to_train import (
     achieved,
     check_prediction,

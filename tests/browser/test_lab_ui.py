@@ -117,11 +117,14 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
             wait_cells_finished(page, n_code, RUN_ALL_TIMEOUT_S)
             t_run_all = time.time() - t0
 
-            # The first dashboard (the `single` run, drawn live while its cell blocked).
-            first = page.locator(".distlab-dashboard").first
+            # The first dashboard (the `single` run): drawn live while its cell blocked, then,
+            # the run over, left as a static plotly figure in the cell's output (what a reload
+            # shows again); the only live dashboard left is the control panel's.
+            first = page.locator(".jp-Notebook .js-plotly-plot").first
             first.scroll_into_view_if_needed()
-            wait_until(lambda: [t["n"] for t in loss_traces(page, ".distlab-dashboard")]
+            wait_until(lambda: [t["n"] for t in loss_traces(page, ".jp-Notebook")]
                        == [QUICK_STEPS], 15, "the first dashboard did not draw every step")
+            assert page.locator(".distlab-dashboard").count() == 1  # the panel's
             shot(first, shots_dir / "00_first_run_dashboard.png", shots)
 
             # The control panel: a click must reach the kernel and start a run.

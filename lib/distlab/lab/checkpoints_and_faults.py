@@ -23,7 +23,7 @@ from plotly.subplots import make_subplots
 
 from distlab.checkpoint import checkpoint_root, latest_checkpoint, load_full
 from distlab.config import RunConfig
-from distlab.lab.common import RUN_COLORS as COLORS
+from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
 from distlab.events import LogTail, rank_log_path
 from distlab.launch import launch
 from distlab.run import Run, RunError
@@ -194,13 +194,17 @@ def save_cost_figure(cost: dict[str, dict[int, dict]]) -> go.Figure:
     full (rank 0 writes everything) beside sharded (each rank its part)."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("bytes written per save, by rank",
                                                         "seconds per save (median), by rank"))
+    scale, unit = byte_unit([v["bytes"] for ranks in cost.values() for v in ranks.values()])
     for i, (label, ranks) in enumerate(cost.items()):
         x = [f"rank {r}" for r in ranks]
-        for col, key in ((1, "bytes"), (2, "seconds")):
-            fig.add_bar(x=x, y=[v[key] for v in ranks.values()], name=label, row=1, col=col,
-                        marker_color=COLORS[i % len(COLORS)], showlegend=col == 1,
-                        legendgroup=label)
-    fig.update_yaxes(title_text="bytes per save", row=1, col=1)
+        for col, key, div in ((1, "bytes", scale), (2, "seconds", 1)):
+            fig.add_bar(x=x, y=[v[key] / div for v in ranks.values()], name=label, row=1,
+                        col=col, marker_color=COLORS[i % len(COLORS)], showlegend=col == 1,
+                        legendgroup=label, customdata=[v[key] for v in ranks.values()],
+                        hovertemplate=f"{label}, %{{x}}: " + (
+                            f"%{{y:.3g}} {unit} (%{{customdata:,}} bytes)" if key == "bytes"
+                            else "%{y:.3f} s") + "<extra></extra>")
+    fig.update_yaxes(title_text=f"written per save ({unit})", row=1, col=1)
     fig.update_yaxes(title_text="seconds per save", row=1, col=2)
     fig.update_layout(barmode="group", height=360, template="plotly_white",
                       title="What one checkpoint costs each rank")

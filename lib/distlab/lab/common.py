@@ -7,10 +7,12 @@ kernel's memory counters are; the papers' decimal GB (10^9) is distlab.estimate'
 from __future__ import annotations
 
 import html
+import math
 
 from distlab.estimate import MiB  # noqa: F401  (re-exported: the notebooks' unit)
 
 KiB = 2**10
+GiB = 2**30
 
 # One colour per run or configuration, in the order they are drawn (the last is a neutral grey).
 RUN_COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00",
@@ -28,6 +30,20 @@ def markdown_table(header, rows) -> str:
     def row(cells):
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
     return "\n".join([row(header), "|" + "---|" * len(header)] + [row(r) for r in rows])
+
+
+def md_escape(text: str) -> str:
+    """Text shown literally in Markdown: every ASCII punctuation mark backslash-escaped
+    (CommonMark allows it for all of them), so '*', '_' or '|' format nothing."""
+    return "".join("\\" + c if c in "\\`*_{}[]<>()#+-.!|~" else c for c in str(text))
+
+
+def say(*lines: str):
+    """Show lines of text under the cell as Markdown, one paragraph with a break after each
+    line: Markdown wraps a long line at a space, where print() output breaks mid-word.
+    The text is shown literally (md_escape)."""
+    from IPython.display import Markdown, display
+    display(Markdown("  \n".join(md_escape(line) for line in lines)))
 
 
 def table(header, rows):
@@ -49,6 +65,81 @@ def fmt_bytes(b: float) -> str:
     """Bytes in the unit that reads best: B below 10 KiB, then KiB, then MiB."""
     return f"{b:,.0f} B" if b < 10 * 1024 else f"{b / 1024:,.1f} KiB" if b < MiB else \
         f"{b / MiB:,.2f} MiB"
+
+
+def byte_unit(*values) -> tuple[float, str]:
+    """(scale, name) of the one unit a byte axis shows: the largest of KiB, MiB and GiB in
+    which the largest value is at least 1, so ticks read 0.5 ... 900 in the axis title's unit,
+    never "25k" (25,000 KiB). KiB also for small values (and all zeros); None is ignored.
+    `values` are numbers or iterables of them: byte_unit(sent, wire) for two series."""
+    flat = []
+    for v in values:
+        flat.extend(v if isinstance(v, (list, tuple, set)) or hasattr(v, "__next__") else [v])
+    top = max((abs(v) for v in flat if v is not None), default=0)
+    return (GiB, "GiB") if top >= GiB else (MiB, "MiB") if top >= MiB else (KiB, "KiB")
+
+
+def hline(fig, y: float, text: str = "", log: bool = False, position: str = "top left",
+          row=None, col=None, **line):
+    """A horizontal line at y with a label. plotly's add_hline places its annotation in the
+    axis's own units, which on a log axis are log10 of the value: a label for y=4 would land at
+    1e4 (and stretch the autorange up to it). Here the label goes where the line is."""
+    kw = dict(row=row, col=col) if row is not None else {}
+    fig.add_hline(y=y, **line, **kw)
+    if text:
+        shape = fig.layout.shapes[-1]  # the subplot's axes, as add_hline chose them
+        ypos, xpos = position.split()
+        fig.add_annotation(text=text, showarrow=False, xref=shape.xref, yref=shape.yref,
+                           x=0 if xpos == "left" else 1, xanchor=xpos,
+                           y=math.log10(y) if log else y,
+                           yanchor="bottom" if ypos == "top" else "top")
+    return fig
+
+
+HINT = "distlab-hint"  # the name of the annotation show_hint writes
+HINT_HEIGHT = 200  # px: a hint needs a line, not a whole figure's height of white
+
+
+def show_hint(fig, text: str):
+    """A figure with no data yet: its axes, subplot titles and legend hidden, `text` in the
+    middle instead (empty axes from 0 to 6 say nothing), the figure HINT_HEIGHT tall.
+    clear_hint(fig) undoes it, its height back (kept in layout.meta meanwhile)."""
+    hints = [a for a in fig.layout.annotations if a.name == HINT]
+    if hints and hints[0].text == text:
+        return  # shown already: a redraw sends nothing
+    import plotly.graph_objects as go
+    hint = go.layout.Annotation(name=HINT, text=text, xref="paper", yref="paper", x=0.5, y=0.5,
+                                showarrow=False, font=dict(size=14, color="#666"))
+    others = [a for a in fig.layout.annotations if a.name != HINT]
+    with fig.batch_update():  # the annotations in one assignment: a batch reads stale values
+        fig.layout.annotations = [go.layout.Annotation(a, visible=False) for a in others] + [
+            hint]  # the subplot titles hidden, the hint shown
+        if hints:
+            return
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+        fig.layout.meta = {"height_before_hint": fig.layout.height}
+        fig.layout.update(showlegend=False, height=HINT_HEIGHT)
+
+
+def has_hint(fig) -> bool:
+    """Whether show_hint's text stands in fig (it has shown no data yet)."""
+    return any(a.name == HINT for a in fig.layout.annotations)
+
+
+def clear_hint(fig):
+    """Undo show_hint: axes, titles, legend and height back, the hint gone (nothing if none)."""
+    if not has_hint(fig):
+        return
+    import plotly.graph_objects as go
+    others = [go.layout.Annotation(a, visible=True) for a in fig.layout.annotations
+              if a.name != HINT]
+    with fig.batch_update():
+        fig.layout.annotations = others
+        fig.update_xaxes(visible=True)
+        fig.update_yaxes(visible=True)
+        height = (fig.layout.meta or {}).get("height_before_hint")
+        fig.layout.update(showlegend=None, height=height, meta=None)
 
 
 def mib(b) -> str:

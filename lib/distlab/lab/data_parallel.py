@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
-from distlab.lab.common import RUN_COLORS as COLORS, fmt_bytes
+from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, fmt_bytes, hline
 from distlab.parallel.data_parallel.dp import KINDS as DP_KINDS
 from distlab.run import Run
 
@@ -43,8 +43,7 @@ def diff_figure(gaps: dict[str, list[float]], tol: float, title: str) -> go.Figu
         fig.add_scatter(x=list(range(len(g))), y=[v if v > 0 else None for v in g], mode="lines+markers",
                         name=label, line=dict(color=COLORS[(i + 1) % len(COLORS)]),
                         marker=dict(size=4))
-    fig.add_hline(y=tol, line_dash="dash", line_color="#c00",
-                  annotation_text=f"tolerance {tol:g}", annotation_position="top left")
+    hline(fig, tol, f"tolerance {tol:g}", log=True, line_dash="dash", line_color="#c00")
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="absolute gap", height=320,
                       template="plotly_white")
     fig.update_yaxes(type="log", exponentformat="e")
@@ -64,8 +63,10 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     names = [f"replica {i}" for i in range(n)]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=(
         "bytes moved in one step (sent + received)", "seconds of work in one step (medians)"))
-    for i, (kind, b) in enumerate(dp_bytes_by_kind(run).items()):
-        fig.add_bar(x=names, y=[v / 1024 for v in b], name=kind, legendgroup="bytes",
+    moved = dp_bytes_by_kind(run)
+    scale, unit = byte_unit(*[[sum(v) for v in zip(*moved.values())]])  # the stack's height
+    for i, (kind, b) in enumerate(moved.items()):
+        fig.add_bar(x=names, y=[v / scale for v in b], name=kind, legendgroup="bytes",
                     marker_color=COLORS[i], row=1, col=1, customdata=b,
                     hovertemplate=f"{kind}: %{{customdata:,}} B<extra></extra>")
     fig.add_bar(x=names, y=[s * 1e3 for s in summary["replica_forward_s"]],
@@ -76,7 +77,7 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     fig.update_layout(barmode="stack", height=440, template="plotly_white",
                       title=f"dp, {n} replicas in one process: what replica 0 carries",
                       margin=dict(t=90), legend=dict(font=dict(size=10)))
-    fig.update_yaxes(title_text="KiB", row=1, col=1)
+    fig.update_yaxes(title_text=unit, row=1, col=1)
     fig.update_yaxes(title_text="ms", row=1, col=2)
     return fig
 

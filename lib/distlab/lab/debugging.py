@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from distlab.config import RunConfig
 from distlab.dataset import make_data
 from distlab.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings
-from distlab.lab.common import RUN_COLORS, html_table
+from distlab.lab.common import RUN_COLORS, has_hint, html_table
 from distlab.lab.panel import Explorer, LiveDashboard
 from distlab.lab.runs import launch_together
 from distlab.launch import launch
@@ -210,12 +210,18 @@ def loss_figure(runs: dict[str, Run]) -> go.Figure:
         fig.update_yaxes(title_text="loss (nats/token)", row=r, col=1)
     for c in (1, 2, 3):
         fig.update_xaxes(title_text="step", row=3, col=c)
-    # the legend sits beside the charts, in a right margin wide enough for its longest label
-    fig.update_layout(height=760, width=1100, template="plotly_white",
+    # The legend in rows under the charts, and no fixed width: a figure wider than the
+    # notebook's output area (about 970 px in a 1400 px window) is cut at its right edge,
+    # legend and all; this one takes the width it is given.
+    fig.update_layout(height=800, template="plotly_white",
                       title="the drills' loss (mean over ranks) beside the healthy run",
-                      margin=dict(l=60, r=260, t=70, b=50),
-                      legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
+                      margin=dict(l=60, r=20, t=70, b=120), legend=LEGEND_BELOW)
     return fig
+
+
+# A horizontal legend under the bottom row's "step" titles (paper units: below 0 is under the
+# plot area; the bottom margin holds it).
+LEGEND_BELOW = dict(orientation="h", x=0, xanchor="left", y=-0.09, yanchor="top")
 
 
 def _loss(fig, run, name, color, width, row, col, shown: set, dash="solid"):
@@ -282,10 +288,9 @@ def layers_figure(runs: dict[str, Run], names=("healthy", "lr too low", "zero in
     fig.update_yaxes(title_text="unit spread", row=3, col=1)
     for c in range(1, len(names) + 1):
         fig.update_xaxes(title_text="step", row=3, col=c)
-    fig.update_layout(height=760, width=1100, template="plotly_white",
+    fig.update_layout(height=800, template="plotly_white",  # no fixed width: see loss_figure
                       title="per weight matrix (rank 0), one line each, coloured by where it sits",
-                      margin=dict(l=70, r=200, t=80, b=50),
-                      legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
+                      margin=dict(l=70, r=20, t=80, b=100), legend=LEGEND_BELOW)
     return fig
 
 
@@ -328,7 +333,7 @@ class DebugExplorer(Explorer):
         self._reported: Run | None = None
         self._labels: dict[int, str] = {}
         self.button.on_click(lambda _b: self._safe_run())
-        self._draw_reference_lines()
+        self._lines_drawn = False  # ln V and the unigram entropy: with the first step drawn
         self.widget = W.VBox([W.HBox([self.drill, self.button]), self.status, self.report,
                               self.dashboard.widget])
 
@@ -360,7 +365,11 @@ class DebugExplorer(Explorer):
 
     def _after_refresh(self):
         """Called by the dashboard after each redraw (its thread, or refresh() from a cell):
-        once the last drill has ended, its findings, once."""
+        once the last drill has ended, its findings, once. The reference lines go in when the
+        dashboard shows its axes (before, it shows a hint: lines there would float in space)."""
+        if not self._lines_drawn and not has_hint(self.dashboard.fig):
+            self._lines_drawn = True
+            self._draw_reference_lines()
         run = self.last
         if run is None or not run.done or self._reported is run:
             return

@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 import torch
 
 from distlab.config import RunConfig
-from distlab.lab.common import KiB, RUN_COLORS as COLORS, fmt_bytes
+from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, fmt_bytes
 from distlab.lab.runs import launch_together
 from distlab.lab.panel import Explorer
 from distlab.launch import new_run_dir, runs_root
@@ -140,13 +140,15 @@ def sweep_rows(runs: dict[str, Run], start: float, full: float) -> list[dict]:
 # -- figures ------------------------------------------------------------------------------------
 def memory_figure(groups: dict[str, dict], title: str) -> go.Figure:
     """Grouped bars of bytes per category (params, grads, optim) for each run label."""
+    cats = ("params", "grads", "optim")
+    scale, unit = byte_unit([g.get(c, 0) for g in groups.values() for c in cats])
     fig = go.Figure()
-    for i, cat in enumerate(("params", "grads", "optim")):
-        fig.add_bar(name=cat, x=list(groups), y=[g.get(cat, 0) / KiB for g in groups.values()],
+    for i, cat in enumerate(cats):
+        fig.add_bar(name=cat, x=list(groups), y=[g.get(cat, 0) / scale for g in groups.values()],
                     marker_color=COLORS[i], text=[fmt_bytes(g.get(cat, 0))
                                                   for g in groups.values()],
                     textposition="outside")
-    fig.update_layout(title=title, barmode="group", yaxis_title="KiB on rank 0",
+    fig.update_layout(title=title, barmode="group", yaxis_title=f"bytes on rank 0 ({unit})",
                       height=380, template="plotly_white")
     return fig
 

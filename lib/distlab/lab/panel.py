@@ -33,13 +33,14 @@ import time
 
 import ipywidgets as W
 import plotly.graph_objects as go
-from IPython.display import display
+from IPython.display import Markdown, display
 from plotly.subplots import make_subplots
 
 from distlab import factory
 from distlab.config import (ALLREDUCE_ALGORITHMS, COMPRESSIONS, DP_GATHERS, PRECISIONS, SCHEDULES,
                             STRATEGIES, RunConfig)
-from distlab.lab.common import MEMORY_CATEGORIES, MEMORY_COLORS, MiB, RUN_COLORS
+from distlab.lab.common import (MEMORY_CATEGORIES, MEMORY_COLORS, RUN_COLORS, byte_unit,
+                                clear_hint, has_hint, md_escape, show_hint)
 from distlab.launch import launch
 from distlab.parallel import DEGREES, KNOBS, reads, strategy_class, strategy_knobs
 from distlab.run import Run
@@ -133,7 +134,7 @@ class Explorer:
                                  f"{html.escape(str(e))}")
 
     def _ipython_display_(self):
-        display(self.widget)
+        show_live(self.widget)
 
 
 class LiveDashboard:
@@ -155,6 +156,7 @@ class LiveDashboard:
         self._floor_traces: dict[float, object] = {}  # loss floor -> its dashed line
         self._names: dict[int, str] = {}  # id(run) -> a label given to watch()
         self.fig = _make_figure()
+        self.live_note = False  # whether the status says the chart is live (see LIVE_NOTE)
         self.status = W.HTML()
         self.widget = W.VBox([self.fig, self.status])
         self.widget.add_class("distlab-dashboard")  # lets a browser test find this figure
@@ -207,11 +209,22 @@ class LiveDashboard:
             self._draw_losses()
             if self.runs:
                 self._draw_ranks(self.runs[-1], labels[id(self.runs[-1])])
+            if any(r.steps_done() > 0 for r in self.runs):
+                clear_hint(self.fig)
+            elif self.runs and has_hint(self.fig):  # still empty: axes with the first step
+                show_hint(self.fig, f"starting {labels[id(self.runs[-1])]}: its loss, memory "
+                                    "and bytes appear here after its first step")
             self.status.value = "<br>".join(
                 f"<b>{html.escape(labels[id(r)])}</b>: {html.escape(describe(r, labels[id(r)]))}"
-                for r in self.runs)
+                for r in self.runs) + (LIVE_NOTE if self.live_note else "")
             for fn in list(self.listeners):  # under the lock: one thread sets widgets at a time
                 fn()
+
+    def status_lines(self) -> list[str]:
+        """The status as Markdown lines: each run's label in bold, then where it stands."""
+        return [f"**{md_escape(self._label(r, i + 1))}**: "
+                f"{md_escape(describe(r, self._label(r, i + 1)))}"
+                for i, r in enumerate(self.runs)]
 
     def _label(self, run: Run, index: int) -> str:
         return self._names.get(id(run)) or run_label(run, index)
@@ -235,8 +248,9 @@ class LiveDashboard:
         if floor not in self._floor_traces:
             self._floor_traces[floor] = self.fig.add_scatter(
                 x=[], y=[], mode="lines", line=dict(dash="dash", color=FLOOR_COLOR, width=1.5),
-                name=f"loss floor {floor:.3f}: best achievable (entropy of the data)",
-                hovertemplate="best achievable loss: %{y:.4f}<extra></extra>",
+                name=f"loss floor {floor:.3f} (best achievable)",
+                hovertemplate=("loss floor %{y:.4f}: the best achievable loss, the entropy of "
+                               "the data<extra></extra>"),
                 row=1, col=1).data[-1]
         return self._floor_traces[floor]
 
@@ -251,26 +265,41 @@ class LiveDashboard:
         wire = [wire_sent(e) for e in events]
         blind = next((e["wire"].get("why") for e in events if wire_sent(e) is None
                       and "wire" in e), None)
+        peaks = [m.get("peak") for m in memories]
+        has_peak = any(p is not None for p in peaks)
+        # One unit per chart (common.byte_unit): the tallest stack or peak; the larger of booked
+        # and on the wire.
+        mem_scale, mem_unit = byte_unit([sum(m.get(k, 0) for k, _ in MEMORY_CATEGORIES)
+                                         for m in memories], peaks)
+        sent_scale, sent_unit = byte_unit(sent, wire)
         with self.fig.batch_update():
-            for trace, (key, _) in zip(self.fig.data[:len(MEMORY_CATEGORIES)], MEMORY_CATEGORIES):
+            for trace, (key, name) in zip(self.fig.data[:len(MEMORY_CATEGORIES)],
+                                          MEMORY_CATEGORIES):
                 b = [m.get(key, 0) for m in memories]
-                trace.update(x=ranks, y=[v / MiB for v in b], customdata=b)
+                trace.update(x=ranks, y=[v / mem_scale for v in b], customdata=b,
+                             showlegend=any(b),  # in the legend only what is drawn
+                             hovertemplate=_bytes_hover(name, mem_unit))
             comm = self.fig.data[len(MEMORY_CATEGORIES)]
-            comm.update(x=ranks, y=[v / MiB for v in sent], customdata=sent,
-                        hovertext=[_comm_breakdown(e) for e in events])
+            comm.update(x=ranks, y=[v / sent_scale for v in sent], customdata=sent,
+                        hovertext=[_comm_breakdown(e) for e in events], showlegend=any(sent),
+                        hovertemplate=_bytes_hover("booked", sent_unit, "<br>%{hovertext}"))
             seen = [w for w in wire if w is not None]
             self.fig.data[len(MEMORY_CATEGORIES) + 2].update(
-                x=ranks if seen else [], y=[(w or 0) / MiB for w in wire] if seen else [],
-                customdata=wire if seen else [],
-                hovertext=[_wire_breakdown(e) for e in events] if seen else [])
+                x=ranks if seen else [], y=[(w or 0) / sent_scale for w in wire] if seen else [],
+                customdata=wire if seen else [], showlegend=any(seen),
+                hovertext=[_wire_breakdown(e) for e in events] if seen else [],
+                hovertemplate=_bytes_hover("on the wire", sent_unit, "<br>%{hovertext}"))
             # With track_peak, each rank's peak of aten allocations in the step: a bar stacks
             # what is held at the step's end, the marker what the step needed at its worst.
-            peaks = [m.get("peak") for m in memories]
-            has_peak = any(p is not None for p in peaks)
             self.fig.data[len(MEMORY_CATEGORIES) + 1].update(
                 x=ranks if has_peak else [], showlegend=has_peak,
-                y=[p / MiB if p is not None else None for p in peaks] if has_peak else [],
-                customdata=peaks if has_peak else [])
+                y=[p / mem_scale if p is not None else None for p in peaks] if has_peak else [],
+                customdata=peaks if has_peak else [],
+                hovertemplate=_bytes_hover(PEAK_NAME, mem_unit,
+                                           "<br>aten allocations; the CPU stand-in for "
+                                           "torch.cuda.max_memory_allocated"))
+            self.fig.layout.yaxis2.title.text = f"held ({mem_unit})"
+            self.fig.layout.yaxis3.title.text = f"sent ({sent_unit})"
             # Which run and step the bars show goes under them: titles above have no room.
             self.fig.layout.xaxis2.title.text = where
             self.fig.layout.xaxis3.title.text = _bytes_title(run, label, where, events, blind)
@@ -280,52 +309,51 @@ class LiveDashboard:
 
 
 def _make_figure() -> go.FigureWidget:
-    """Loss on top (all runs); memory and bytes per rank of the latest run underneath."""
+    """Three charts, one above the other, each with its legend beside it (plotly's several
+    legends): the loss of every run on top, memory and bytes per rank of the latest run
+    underneath. Side by side, the lower two would share one legend column at the right, the
+    memory categories beside the bytes chart."""
     fig = make_subplots(
-        rows=2, cols=2, specs=[[{"colspan": 2}, None], [{}, {}]],
-        row_heights=[0.55, 0.45], vertical_spacing=0.16, horizontal_spacing=0.12,
-        subplot_titles=("loss per step (mean over ranks)", "memory per rank by category",
+        rows=3, cols=1, row_heights=[0.44, 0.28, 0.28], vertical_spacing=0.125,
+        subplot_titles=("loss per step (mean over ranks)",
+                        "memory per rank by category, at the end of the step",
                         "bytes sent per rank in one step"))
     fig = go.FigureWidget(fig)
     for (key, name), color in zip(MEMORY_CATEGORIES, MEMORY_COLORS):
         fig.add_bar(x=[], y=[], name=name, legend="legend2", marker_color=color,
-                    offsetgroup="held",
-                    hovertemplate=f"{name}: %{{y:.3f}} MiB (%{{customdata:,}} bytes)<extra></extra>",
-                    row=2, col=1)
+                    offsetgroup="held", row=2, col=1)
     fig.add_bar(x=[], y=[], name="booked", legend="legend3", marker_color=BOOKED_COLOR,
-                offsetgroup="booked",
-                hovertemplate="booked: %{customdata:,} bytes<br>%{hovertext}<extra></extra>",
-                row=2, col=2)
+                offsetgroup="booked", row=3, col=1)
     # The peak (RunConfig.track_peak) as its own bar beside each rank's stack: bars of another
     # offsetgroup sit side by side with the stacked ones instead of stacking on them.
     fig.add_bar(x=[], y=[], name=PEAK_NAME, legend="legend2", showlegend=False,
                 offsetgroup="peak", marker=dict(color="rgba(0,0,0,0)",
                                                 line=dict(width=2.5, color=PEAK_COLOR)),
-                hovertemplate=("peak in the step: %{y:.3f} MiB (%{customdata:,} bytes)<br>"
-                               "aten allocations; the CPU stand-in for "
-                               "torch.cuda.max_memory_allocated<extra></extra>"),
                 row=2, col=1)
     # Beside each rank's booked bytes, what the kernel saw it write (distlab.wire).
     fig.add_bar(x=[], y=[], name="on the wire", legend="legend3", marker_color=WIRE_COLOR,
-                offsetgroup="wire",
-                hovertemplate="on the wire: %{customdata:,} bytes<br>%{hovertext}<extra></extra>",
-                row=2, col=2)
-    # Two legends: runs beside the loss plot, memory categories beside the memory bars.
-    fig.update_layout(barmode="stack", height=640, width=960, margin=dict(l=60, r=20, t=40, b=50),
-                      template="plotly_white",
-                      # "normal": stacked bars would otherwise reverse this legend too
-                      legend=dict(font=dict(size=11), y=1.0, yanchor="top", traceorder="normal"),
-                      legend2=dict(font=dict(size=11), y=0.0, yanchor="bottom",
-                                   traceorder="reversed"),
-                      # bytes: booked vs on the wire, right of the bytes chart, at its top
-                      legend3=dict(font=dict(size=11), x=1.02, xanchor="left", y=0.44,
-                                   yanchor="top", title=dict(text="bytes"), traceorder="normal"))
+                offsetgroup="wire", row=3, col=1)
+    # Each legend right of its own chart, at the chart's top (plotly >= 5.15: legend2, ...).
+    tops = [fig.layout[f"yaxis{i or ''}"].domain[1] for i in ("", 2, 3)]
+    legends = {name: dict(font=dict(size=11), x=1.02, xanchor="left", y=top, yanchor="top",
+                          # "normal": stacked bars would otherwise list bottom-up
+                          traceorder="normal")
+               for name, top in zip(("legend", "legend2", "legend3"), tops)}
+    fig.update_layout(barmode="stack", height=800, width=960, template="plotly_white",
+                      margin=dict(l=70, r=20, t=40, b=50), **legends)
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
-    fig.update_yaxes(title_text="MiB", row=2, col=1)
-    fig.update_yaxes(title_text="MiB sent", row=2, col=2)
     fig.update_yaxes(rangemode="nonnegative", row=2)  # bytes are never negative, even when 0
+    fig.update_yaxes(rangemode="nonnegative", row=3)
+    show_hint(fig, EMPTY_HINT)
     return fig
+
+
+EMPTY_HINT = "press Run: the loss, memory per rank and bytes per rank appear here"
+
+
+def _bytes_hover(name: str, unit: str, extra: str = "") -> str:
+    return f"{name}: %{{y:.3f}} {unit} (%{{customdata:,}} bytes){extra}<extra></extra>"
 
 
 def _run_line(i: int) -> dict:
@@ -356,6 +384,33 @@ def _bytes_title(run: Run, label: str, where: str, events: list[dict], blind: st
     return where + unseen
 
 
+def _plotly_bundle(fig: go.Figure) -> dict:
+    """fig as a mime bundle, to update a display in place. display(fig) would not do: a
+    plotly figure displays itself (_ipython_display_), as a new output, whatever display_id
+    it is given. The notebook's renderers make the bundle; plotly's own mimetype if none is
+    set (outside Jupyter)."""
+    return fig._repr_mimebundle_() or {"application/vnd.plotly.v1+json": fig.to_plotly_json(),
+                                       "text/plain": f"<{len(fig.data)} traces>"}
+
+
+# Under a widget that stays live (a panel, an explorer, a dashboard whose run outlasts its
+# cell): the figure lives in the kernel, so a reload or a kernel restart loses it.
+LIVE_NOTE = ("<br><small style='color:#666'>(this chart is live; after a reload or a kernel "
+             "restart, run the cell again)</small>")
+
+
+def live_note() -> Markdown:
+    """The same note as a static output, shown under a live widget: it survives a reload
+    that turns the widget into "Error displaying widget: model not found"."""
+    return Markdown("<small style='color:#666'>Live widget: after a reload or a kernel "
+                    "restart, run this cell again to bring it back.</small>")
+
+
+def show_live(widget):
+    """Display a widget that stays live (a panel, an explorer) and the note under it."""
+    display(widget, live_note())
+
+
 def _error_html(what: str, e: BaseException) -> str:
     return (f"<span style='color:#c00'><b>{html.escape(what)}</b>: "
             f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
@@ -375,8 +430,37 @@ def watch(*runs: Run, dashboard: LiveDashboard | None = None) -> LiveDashboard:
     dash = dashboard or LiveDashboard()
     for run in runs:
         dash.watch(run)
-    display(dash.widget)
+    handle = display(dash.widget, display_id=True)
+    _leave_static_copy(dash, handle)
     return dash
+
+
+def _leave_static_copy(dash: LiveDashboard, handle):
+    """When the cell that showed the dashboard ends with its runs over (`run.wait()` in the
+    same cell), put a static copy in the live figure's place: the last redraw as a plain plotly
+    figure (the notebook's plotly output, which JupyterLab draws again from the saved notebook)
+    and the status lines as Markdown. A live FigureWidget lives in the kernel: after a reload
+    or a kernel restart it comes back as "Error displaying widget: model not found". A run
+    still going when the cell ends keeps the live figure (the status says so)."""
+    from IPython import get_ipython
+    shell = get_ipython()
+    if shell is None or handle is None:  # not in IPython: nothing to keep
+        return
+
+    def at_cell_end(_result=None):
+        shell.events.unregister("post_run_cell", at_cell_end)
+        if not dash.runs or not all(r.done for r in dash.runs):
+            dash.live_note = True
+            dash.refresh()
+            return
+        thread = dash._thread
+        if thread is not None:  # its last redraw: let it finish, then draw once more here
+            thread.join(timeout=5 * dash.poll_s + 5)
+        dash.refresh()
+        handle.update(_plotly_bundle(go.Figure(dash.fig)), raw=True)
+        display(Markdown("  \n".join(dash.status_lines())))
+
+    shell.events.register("post_run_cell", at_cell_end)
 
 
 show_run = watch
@@ -649,6 +733,9 @@ class ControlPanel:
             self.status.value = f"<span style='color:#c00'>{self.status.value}</span>"
             self.details.value = (f"<b>traceback of rank {run.error.rank}</b><pre>"
                                   f"{html.escape(run.error.traceback or '(none recorded)')}</pre>")
+
+    def _ipython_display_(self):
+        show_live(self.widget)
 
     def __repr__(self):
         return f"ControlPanel({len(self.runs)} runs)"

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
-from distlab.lab.common import RUN_COLORS as COLORS, html_table
+from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, html_table
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lab.panel import Explorer
 from distlab.models import GPT, GPTConfig
@@ -175,11 +175,22 @@ def group_rows(cfg: RunConfig, step_events) -> list[dict]:
 
 
 def group_table_rows(rows: list[dict]) -> list[list]:
-    """group_rows as Markdown table rows."""
-    return [[r["kind"], " ".join(map(str, r["ranks"])),
-             ", ".join(f"{c} ×{n}" for c, n in r["collectives"].items()) or "none",
-             f"{r['measured']:,}", f"{r['predicted']:,}", r["formula"], r["source"]]
-            for r in rows]
+    """group_rows as Markdown table rows. Groups of one rank (tp = 1, say: every rank its own
+    tp group) send nothing: those of a kind that booked and were predicted no byte are folded
+    into one line saying so, instead of a row per rank reading "all_reduce ×64, 0"."""
+    out, alone = [], {}
+    for r in rows:
+        if len(r["ranks"]) == 1 and r["measured"] == r["predicted"] == 0:
+            alone.setdefault(r["kind"], []).append(r)
+            continue
+        out.append([r["kind"], " ".join(map(str, r["ranks"])),
+                    ", ".join(f"{c} ×{n}" for c, n in r["collectives"].items()) or "none",
+                    f"{r['measured']:,}", f"{r['predicted']:,}", r["formula"], r["source"]])
+    for kind, rs in alone.items():
+        out.append([kind, f"{len(rs)} groups of one rank each",
+                    "none on the wire: a group of one rank sends nothing", "0", "0",
+                    rs[0]["formula"], rs[0]["source"]])
+    return out
 
 
 GROUP_HEADER = ["group", "ranks", "collectives per rank per step", "bytes per step, booked",
@@ -245,17 +256,21 @@ def traffic_matrix(cfg: RunConfig, step_events) -> tuple[list[list[int]], list[l
 
 # -- figures -------------------------------------------------------------------------------------
 def traffic_heatmap(fig, cfg: RunConfig, step_events, row=None, col=None, colorbar_x=None):
-    """Add the traffic matrix as a heatmap (KiB per step) to fig, cells labelled by group
-    (colorbar_x: where its colour bar goes, for a heatmap in a left subplot)."""
+    """Add the traffic matrix as a heatmap (bytes per step in one unit, common.byte_unit) to
+    fig, cells labelled by group (colorbar_x: where its colour bar goes, for a heatmap in a
+    left subplot)."""
     M, K = traffic_matrix(cfg, step_events)
     n = len(M)
-    text = [[f"{K[i][j]}<br>{M[i][j] / 1024:.0f}" if M[i][j] else "" for j in range(n)]
+    scale, unit = byte_unit([v for r in M for v in r])  # one unit for every cell
+    text = [[f"{K[i][j]}<br>{M[i][j] / scale:.3g}" if M[i][j] else "" for j in range(n)]
             for i in range(n)]
     kw = dict(row=row, col=col) if row else {}
-    fig.add_heatmap(z=[[v / 1024 for v in r] for r in M], x=[f"to {j}" for j in range(n)],
+    fig.add_heatmap(z=[[v / scale for v in r] for r in M], x=[f"to {j}" for j in range(n)],
                     y=[f"rank {i}" for i in range(n)], text=text, texttemplate="%{text}",
-                    colorscale="Blues", colorbar=dict(title="KiB/step", len=0.8, x=colorbar_x),
-                    hovertemplate="%{y} → %{x}: %{z:.1f} KiB per step<extra></extra>", **kw)
+                    colorscale="Blues",
+                    colorbar=dict(title=f"{unit}/step", len=0.8, x=colorbar_x),
+                    customdata=M, hovertemplate=f"%{{y}} → %{{x}}: %{{z:.3g}} {unit} per step "
+                                                "(%{customdata:,} bytes)<extra></extra>", **kw)
     fig.update_xaxes(title_text="receiver", **kw)
     fig.update_yaxes(title_text="sender", autorange="reversed", **kw)
     return fig
@@ -265,7 +280,7 @@ def traffic_figure(cfg: RunConfig, step_events, title: str = "") -> go.Figure:
     """Who sends how many bytes to whom in one step: one cell per (sender, receiver)."""
     fig = traffic_heatmap(go.Figure(), cfg, step_events)
     fig.update_layout(title=title or f"3d, dp={cfg.dp_degree} × tp={cfg.tp} × pp={cfg.pp}: "
-                      "bytes sent per step (KiB), sender → receiver, by group",
+                      "bytes sent per step, sender → receiver, by group",
                       height=160 + 45 * cfg.world_size, width=220 + 70 * cfg.world_size,
                       template="plotly_white")
     return fig
@@ -384,7 +399,7 @@ class MeshExplorer(Explorer):
         # plot's tick labels and axis title
         self.fig = go.FigureWidget(make_subplots(
             rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.24,
-            subplot_titles=("bytes sent per step (KiB), sender → receiver", "loss")))
+            subplot_titles=("bytes sent per step, sender → receiver", "loss")))
         self.fig.update_layout(height=460, template="plotly_white", margin=dict(t=60, b=90),
                                legend=dict(orientation="h", x=1, xanchor="right", y=-0.2,
                                            yanchor="top"))

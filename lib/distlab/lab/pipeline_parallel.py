@@ -69,21 +69,43 @@ def schedule_rows(kind: str, p: int, m: int, v: int = 1) -> list[list[str]]:
 
 
 # -- figures ------------------------------------------------------------------------------------
-def _bars(fig, rows_events, row_label, scale=1e3):
-    """Add one horizontal bar per event: rows_events is [(row name, [events]), ...]."""
+# A bar narrower than this share of the chart's time span is under a pixel wide: drawn (its
+# hover still tells), but an op whose every bar is that thin gets no legend entry.
+VISIBLE_SHARE = 0.002
+
+
+def _bars(fig, rows_events, row_label, scale=1e3, unit=" ms") -> list[str]:
+    """Add one horizontal bar per event: rows_events is [(row name, [events]), ...]. Each op
+    drawn gets one legend entry, and only ops with a bar wide enough to see do (a send that
+    returns at once would list a colour found nowhere in the chart). Returns the ops too thin
+    to see, each with its widest bar, for the axis title to say so."""
+    events = [e for _, evs in rows_events for e in evs]
+    span = (max(e["t1"] for e in events) - min(e["t0"] for e in events)) if events else 0
+    widest: dict[str, float] = {}
+    for e in events:
+        widest[e["op"]] = max(widest.get(e["op"], 0.0), e["t1"] - e["t0"])
+    visible = {op for op, w in widest.items() if w >= VISIBLE_SHARE * span}
     seen = set()
-    for name, events in rows_events:
-        for e in sorted(events, key=lambda e: (e["op"] != "idle", e["t0"])):
+    for name, evs in rows_events:
+        for e in sorted(evs, key=lambda e: (e["op"] != "idle", e["t0"])):
             op = e["op"]
             text = "" if e.get("mb") is None else f"{e['mb']}" + (
                 f".{e['chunk']}" if e.get("chunk") else "")
             fig.add_bar(y=[name], x=[(e["t1"] - e["t0"]) * scale], base=[e["t0"] * scale],
                         orientation="h", marker_color=OP_COLORS[op], name=OP_NAMES[op],
-                        legendgroup=op, showlegend=op not in seen,
+                        legendgroup=op, showlegend=op in visible and op not in seen,
                         text=text if op in ("F", "B") else "", textposition="inside",
                         hovertemplate=f"{row_label(name)} {OP_NAMES[op]} mb {e.get('mb')} "
                                       f"chunk {e.get('chunk')}: %{{base:.1f}}–%{{x:.1f}}<extra></extra>")
             seen.add(op)
+    return [f"{OP_NAMES[op]} (each at most {widest[op] * scale:.2g}{unit})"
+            for op in OP_NAMES if op in widest and op not in visible]
+
+
+def _title(title: str, thin: list[str]) -> str:
+    """The chart's title, and under it the ops too thin to see (no room under the axis: the
+    legend sits there)."""
+    return title + (f"<br><sup>too thin to see: {', '.join(thin)}</sup>" if thin else "")
 
 
 def gantt(pipelines: list[dict], title: str = "", fig: go.Figure | None = None) -> go.Figure:
@@ -92,8 +114,9 @@ def gantt(pipelines: list[dict], title: str = "", fig: go.Figure | None = None) 
     fig = fig if fig is not None else go.Figure()
     fig.data = ()
     rows = [(f"rank {r}", p["events"]) for r, p in enumerate(pipelines)]
-    _bars(fig, rows, lambda n: n)
-    fig.update_layout(title=title, barmode="overlay", xaxis_title="time in the step (ms)",
+    thin = _bars(fig, rows, lambda n: n)
+    fig.update_layout(title=_title(title, thin), barmode="overlay",
+                      xaxis_title="time in the step (ms)",
                       height=170 + 50 * len(rows), template="plotly_white", legend=LEGEND,
                       yaxis=dict(autorange="reversed", categoryorder="array",
                                  categoryarray=[n for n, _ in rows]))
@@ -118,8 +141,9 @@ def ideal_gantt(kind: str, p: int, m: int, v: int = 1, title: str = "") -> go.Fi
             t = max(t, e["t1"])
         rows.append((f"rank {r}", evs))
     fig = go.Figure()
-    _bars(fig, rows, lambda n: n, scale=1)
-    fig.update_layout(title=title or f"{kind}: ideal timeline (p={p}, m={m}, v={v})",
+    thin = _bars(fig, rows, lambda n: n, scale=1, unit=" forward")
+    fig.update_layout(title=_title(title or f"{kind}: ideal timeline (p={p}, m={m}, v={v})",
+                                   thin),
                       barmode="overlay", xaxis_title="time (units of one forward)",
                       height=170 + 50 * p, template="plotly_white", legend=LEGEND,
                       yaxis=dict(autorange="reversed"))
@@ -152,12 +176,16 @@ class PipelineExplorer(Explorer):
     def __init__(self, base: RunConfig, schedules=("naive", "gpipe", "1f1b", "interleaved"),
                  microbatches=(1, 2, 4, 8), virtual_stages=(1, 2)):
         self.base = base
-        self.schedule = W.Dropdown(options=list(schedules), value="1f1b", description="schedule")
+        # "initial": the whole description beside each dropdown (the default width cuts
+        # "micro-batches" to "micro-bat…")
+        style = {"description_width": "initial"}
+        self.schedule = W.Dropdown(options=list(schedules), value="1f1b", description="schedule",
+                                   style=style)
         self.microbatches = W.Dropdown(options=list(microbatches),
                                        value=max(m for m in microbatches if m <= 4),
-                                       description="micro-batches")
+                                       description="micro-batches", style=style)
         self.virtual = W.Dropdown(options=list(virtual_stages), value=virtual_stages[0],
-                                  description="virtual stages")
+                                  description="virtual stages", style=style)
         self.virtual_note = W.HTML()  # why the virtual stages are disabled, when they are
         self.schedule.observe(lambda _change: self._offer_virtual(), names="value")
         self._offer_virtual()

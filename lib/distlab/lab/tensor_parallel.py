@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 import torch
 
 from distlab.config import RunConfig
-from distlab.lab.common import RUN_COLORS as COLORS
+from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
 from distlab.step_event import bytes_sent
 
 FP32 = 4
@@ -148,14 +148,16 @@ def bytes_figure(rows: list[tuple[str, str, float, float]], title: str) -> go.Fi
     """rows (config, kind, formula bytes, measured bytes) as grouped bars, formula beside
     measured, one pair per config and kind."""
     x = [f"{c}<br>{k}" for c, k, _, _ in rows]
+    scale, unit = byte_unit([f for _, _, f, _ in rows], [m for *_, m in rows])
     fig = go.Figure()
-    fig.add_bar(x=x, y=[f / 1024 for _, _, f, _ in rows], name="formula",
+    fig.add_bar(x=x, y=[f / scale for _, _, f, _ in rows], name="formula",
                 marker_color=COLORS[0], customdata=[f for _, _, f, _ in rows],
                 hovertemplate="formula: %{customdata:,.0f} B<extra></extra>")
-    fig.add_bar(x=x, y=[m / 1024 for *_, m in rows], name="measured (every rank, every step)",
+    fig.add_bar(x=x, y=[m / scale for *_, m in rows], name="measured (every rank, every step)",
                 marker_color=COLORS[1], customdata=[m for *_, m in rows],
                 hovertemplate="measured: %{customdata:,.0f} B<extra></extra>")
-    fig.update_layout(barmode="group", title=title, yaxis_title="KiB sent per rank per step",
+    fig.update_layout(barmode="group", title=title,
+                      yaxis_title=f"sent per rank per step ({unit})",
                       height=420, template="plotly_white")
     return fig
 

@@ -193,15 +193,19 @@ def activation_room(gpu_bytes: float, states_bytes: float, per_sequence_bytes: f
 
 # -- figures -----------------------------------------------------------------------------------
 def memory_figure(groups: dict[str, dict[str, dict | None]], title: str,
-                  scale: float = KiB, unit: str = "KiB", height: int = 460) -> go.Figure:
+                  height: int = 460) -> go.Figure:
     """Stacked bars by memory category, grouped: {group: {bar: memory dict}} (e.g. {"zero2":
     {"rank 0": {...}, "rank 1": {...}, "est.": {...}}}). Host (offloaded) categories are
-    hatched; estimate bars (a bar name starting "est") are drawn lighter. None is left out."""
+    hatched; estimate bars (a bar name starting "est") are drawn lighter. None is left out.
+    One unit for the axis (common.byte_unit of the tallest stack)."""
     xs = [[], []]
     for g, bars in groups.items():
         for b in bars:
             xs[0].append(g)
             xs[1].append(b)
+    scale, unit = common.byte_unit([sum(v or 0 for k, v in (mem or {}).items()
+                                        if k in dict(ALL_CATEGORIES))
+                                    for bars in groups.values() for mem in bars.values()])
     fig = go.Figure()
     for key, name in ALL_CATEGORIES:
         ys, raw = [], []
@@ -216,9 +220,10 @@ def memory_figure(groups: dict[str, dict[str, dict | None]], title: str,
         fig.add_bar(x=xs, y=ys, name=name, customdata=raw, marker_color=COLORS[key],
                     marker_opacity=[0.45 if b.startswith("est") else 1.0 for b in xs[1]],
                     marker_pattern_shape="/" if host else "",
-                    hovertemplate=f"{name}: %{{customdata:,}} bytes<extra></extra>")
-    fig.update_layout(barmode="stack", title=title, yaxis_title=unit, height=height,
-                      template="plotly_white", legend=dict(traceorder="normal"),
+                    hovertemplate=f"{name}: %{{y:.2f}} {unit} (%{{customdata:,}} bytes)"
+                                  "<extra></extra>")
+    fig.update_layout(barmode="stack", title=title, yaxis_title=f"bytes per rank ({unit})",
+                      height=height, template="plotly_white", legend=dict(traceorder="normal"),
                       margin=dict(t=70), bargap=0.08)
     fig.update_xaxes(tickangle=0, tickfont=dict(size=10))
     return fig
@@ -240,8 +245,8 @@ def equivalence_figure(curves: dict[str, list[float]], ref: str, tol: float,
             fig.add_scatter(x=list(range(len(y))), y=[g if g > 0 else None for g in gap],
                             mode="markers+lines", marker=dict(size=4), line=dict(color=color),
                             name=label, legendgroup=label, showlegend=False, row=1, col=2)
-    fig.add_hline(y=tol, line_dash="dash", line_color="#c00", row=1, col=2,
-                  annotation_text=f"tolerance {tol:g}", annotation_position="bottom right")
+    common.hline(fig, tol, f"tolerance {tol:g}", log=True, position="bottom right", row=1,
+                 col=2, line_dash="dash", line_color="#c00")
     fig.update_yaxes(title_text="loss (nats)", row=1, col=1)
     fig.update_yaxes(type="log", exponentformat="e", row=1, col=2)
     fig.update_xaxes(title_text="step")
@@ -336,9 +341,10 @@ def reduction_figure(mixes: dict[str, BytesPerParam], measured: dict[str, tuple[
         fig.add_scatter(x=[n], y=[ratio], mode="markers", name=label,
                         marker=dict(size=12, symbol="star", color=common.MEMORY_COLORS[i % 3],
                                     line=dict(color="#000", width=1)))
-    for y in (4, 8):
-        fig.add_hline(y=y, line_dash="dot", line_color="#999", annotation_text=f"{y}×",
-                      annotation_position="top left")
+    for y in (4, 8):  # on this log axis: common.hline puts the label at the line, at the
+        # right end (at the left it would sit against the axis's tick labels)
+        common.hline(fig, y, f"{y}×", log=True, position="top right", line_dash="dot",
+                     line_color="#999")
     fig.update_xaxes(type="log", title_text="N_d (data-parallel ranks)")
     fig.update_yaxes(type="log", title_text="plain DP bytes / ZeRO bytes (model states)")
     fig.update_layout(height=440, template="plotly_white", legend=dict(font=dict(size=10)),
@@ -378,8 +384,10 @@ class MemoryExplorer:
                              marker_pattern_shape="/" if key.endswith("_offloaded") else "",
                              hovertemplate=f"{name}: %{{customdata:,}} bytes<extra></extra>")
         self.fig.update_layout(barmode="stack", height=420, template="plotly_white",
-                               yaxis_title="KiB", title="press Run", margin=dict(t=60),
-                               legend=dict(traceorder="normal"))
+                               margin=dict(t=60), legend=dict(traceorder="normal"))
+        common.show_hint(self.fig, "press Run: each rank's memory by category, measured, "
+                                   "appears here beside the estimate")
+        self.scale, self.unit = KiB, "KiB"  # the y axis's unit, common.byte_unit at each draw
         self.widget = W.VBox([W.HBox([self.strategy, self.world_size, self.offload,
                                       self.button]), self.status, self.note, self.fig])
         self.widget.add_class("distlab-zero-explorer")
@@ -459,12 +467,20 @@ class MemoryExplorer:
             measured = memory_by_rank(run) if run.steps_done() > 0 else []
             label = lab.run_label(run)
             x = [f"rank {r}" for r in range(len(measured))] + ["estimate"]
+            keys = dict(ALL_CATEGORIES)
+            self.scale, self.unit = common.byte_unit(
+                [sum(v or 0 for k, v in m.items() if k in keys) for m in [*measured,
+                                                                           self.estimate]])
             with self.fig.batch_update():
-                for trace, (key, _) in zip(self.fig.data, ALL_CATEGORIES):
+                common.clear_hint(self.fig)
+                self.fig.layout.yaxis.title.text = f"bytes per rank ({self.unit})"
+                for trace, (key, name) in zip(self.fig.data, ALL_CATEGORIES):
                     raw = [m.get(key, 0) for m in measured] + [self.estimate.get(key)]
                     trace.x = x
-                    trace.y = [None if v is None else v / KiB for v in raw]
+                    trace.y = [None if v is None else v / self.scale for v in raw]
                     trace.customdata = raw
+                    trace.hovertemplate = (f"{name}: %{{y:.2f}} {self.unit} "
+                                           "(%{customdata:,} bytes)<extra></extra>")
                     trace.marker.opacity = [1.0] * len(measured) + [0.5]
                     trace.visible = any(v for v in raw)
                 step = f"step {run.steps_done() - 1}" if measured else "no step yet"
@@ -488,6 +504,9 @@ class MemoryExplorer:
                                     if change["new"] == "fsdp-torch" else
                                     "offload optimizer state" if change["new"] != "ddp"
                                     else "offload (not for DDP)")
+
+    def _ipython_display_(self):
+        lab.show_live(self.widget)
 
     def __repr__(self):
         return f"MemoryExplorer(last run: {self.last_run})"

@@ -273,6 +273,8 @@ class Explorer:
         except BaseException as e:
             if self._stop_asked:
                 self._say_stopped()
+            elif isinstance(e, KeyboardInterrupt):  # Run.wait stopped the ranks first
+                self._say("interrupted: every rank ended")
             else:
                 self._say(_error_html("failed", e))
             raise

@@ -130,3 +130,19 @@ def test_the_status_says_starting_until_a_step_arrives(tmp_path):
     assert describe(run, "single×1 fp32").startswith("starting single×1 fp32: 1 rank(s) starting")
     run.events.append({"kind": "step", "rank": 0, "step": 0, "loss": 4.0, "time": 0.0})
     assert describe(run, "single×1 fp32").startswith("running single×1 fp32: step 1/200")
+
+
+@pytest.mark.slow
+def test_a_real_explorer_clears_its_chart_at_the_click_and_stops():
+    from distlab.lab.pipeline_parallel import PipelineExplorer
+    base = RunConfig(strategy="pp", world_size=2, pp=2, microbatches=2, steps=300,
+                     step_delay_s=0.05, **{**TINY, "n_layer": 2})  # ~15 s unless stopped
+    explorer = PipelineExplorer(base, microbatches=(2,))
+    explorer.fig.add_bar(x=[1], y=["rank 0"])  # the last run's chart
+    explorer._on_run_click(None)
+    assert explorer.fig.data == ()  # gone at once, before the ranks start
+    _until(lambda: "step " in _status(explorer), 30, "no progress line in the status")
+    assert "/300" in _status(explorer)
+    explorer._on_stop_click(None)
+    assert explorer.join(30) and _status(explorer).startswith("stopped 1f1b, m=2 after ")
+    assert all(p.exitcode is not None for p in explorer.live.processes)

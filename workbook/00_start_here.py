@@ -160,8 +160,8 @@ assert 10 * TOL < step_change  # the tolerance could not hide a real divergence
 # on the wire is the backend's framing: gloo puts a 48-byte header on every message
 # (`01_collectives` measures it), the ring cuts each tensor into four, and a LayerNorm
 # weight or a bias of 64 or 128 floats then travels in messages not much larger than their
-# headers. So the excess is the same number of bytes for every call, whatever the tensor's
-# size: the cell prints it per call.
+# headers. So the excess follows the number of calls, not the bytes: the cell prints it per
+# call (the same figure under the quick model and RunConfig's larger GPT).
 
 # %%
 grad_bytes = 4 * four.info("n_params")

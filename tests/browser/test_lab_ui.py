@@ -167,7 +167,7 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
 
     # The click started exactly the run the panel's knobs describe, and it finished.
     runs = sorted(lab_server.runs.iterdir())
-    assert len(runs) == 4, runs  # single and allreduce×4 from the cells, two from the panel
+    assert len(runs) == 4, runs  # single and ddp×4 from the cells, two from the panel
     panel_run = sorted(runs, key=lambda d: (d / "config.json").stat().st_mtime)[-2]
     cfg = json.loads((panel_run / "config.json").read_text())
     assert (cfg["strategy"], cfg["world_size"], cfg["steps"]) == ("single", 1, QUICK_STEPS)

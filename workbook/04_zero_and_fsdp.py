@@ -455,9 +455,9 @@ if not blind:
 # Pick a strategy, a world size and offload, and press **Run**: the button launches the
 # real run without blocking the kernel, and a background thread draws each rank's memory
 # by category as the ranks log it, next to the estimate (light bar; hatched: host
-# memory). Things to try: `ddp` → `zero1` → `zero2` → `zero3` at world size 4 and
-# watch the optimizer state, then the gradients, then the parameters shrink to a
-# quarter; the same at world size 2; `fsdp-torch` with offload, which moves parameter
+# memory); the status line shows the run's progress and **Stop** ends it. Things to try:
+# `ddp` → `zero1` → `zero2` → `zero3` at world size 4 and watch the optimizer state, then
+# the gradients, then the parameters shrink to a quarter; the same at world size 2; `fsdp-torch` with offload, which moves parameter
 # shards, gradients and optimizer state to the host (FSDP2's `CPUOffloadPolicy`), where
 # `zero*`'s offload moves only the optimizer state.
 

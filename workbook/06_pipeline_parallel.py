@@ -300,8 +300,10 @@ pp_bytes, pp_formula = seen[("interleaved", "pp_send_act")], want
 #
 # Pick a schedule, the micro-batches and the virtual stages (interleaved only), press
 # **Run**: the real pipeline trains a few delayed steps on P ranks and the chart redraws
-# from its last step. An invalid combination (1F1B with m < p, interleaved with m not
-# divisible by p) is refused with RunConfig's message. The cell runs it once itself.
+# from its last step. A click does not block the kernel: the old chart goes at once, the
+# status line shows the run's progress, and **Stop** ends it. An invalid combination (1F1B
+# with m < p, interleaved with m not divisible by p) is refused with RunConfig's message.
+# The cell runs it once itself.
 
 # %%
 explorer = PipelineExplorer(DELAYED, microbatches=(1, 2, 4, 8), virtual_stages=(1, 2))

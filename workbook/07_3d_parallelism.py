@@ -491,7 +491,8 @@ assert abs(est[1][1] / DAY - 34) < 0.5 and est[0][1] < est[1][1]
 # size and model allow: tp divides the 4 heads, pp the 4 layers, each replica's rows split
 # into m micro-batches, 1F1B needs m ≥ pp), micro-batches and schedule, and press
 # **Run**: the real `3d` trains on that mesh and the bytes-per-group table, the traffic
-# heatmap and the loss beside `single` are redrawn. The cell runs it once itself.
+# heatmap and the loss beside `single` are redrawn. A click does not block the kernel: the
+# status line shows the run's progress and **Stop** ends it. The cell runs it once itself.
 
 # %%
 explorer = MeshExplorer(BASE, single)

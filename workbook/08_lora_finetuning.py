@@ -392,7 +392,8 @@ assert m["max_diff_merged"] < 1e-5 and m["max_diff_plain"] < 1e-5
 #
 # **Run** fine-tunes the pre-trained model with the chosen LoRA settings (one launch) and
 # draws its task-1 (solid) and task-0 (dotted) held-out loss beside full fine-tuning's.
-# The cell below runs it once, as a click would.
+# A click does not block the kernel: the status line shows the run's progress and **Stop**
+# ends it. The cell below runs it once, as a click would (and waits for it).
 
 # %%
 explorer = LoRAExplorer(LORA, {"full fine-tuning": full})

@@ -212,7 +212,8 @@ table(["run", "optimizer", "lr", "median update/weight", "of 1e-3", "last-quarte
 #
 # Pick a drill and press **Run**: the loss is drawn live in the workbook's dashboard, over
 # any drill run before it, with ln V, the unigram entropy and the floor. When the run ends
-# its findings appear above the chart. The cell after it runs one drill from code.
+# its findings appear above the chart; while it runs, the status line shows its progress and
+# **Stop** ends it. The cell after it runs one drill from code.
 
 # %%
 explorer = DebugExplorer(BASE)

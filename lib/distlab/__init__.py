@@ -9,7 +9,7 @@ from distlab.checkpoint import CheckpointError
 from distlab.resume import resume
 from distlab.config import RunConfig
 from distlab.launch import launch, run_ranks
-from distlab.run import Run, RunError
+from distlab.run import Run, RunError, RunStopped
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
 from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, fully_shard, grad_shard
@@ -17,8 +17,9 @@ from distlab.parallel.tensor.tp import (ColwiseParallel, PrepareModuleInput, Row
                                         SequenceParallel, full_state_dict, parallelize_module)
 from distlab.parallel.pipeline.pp import PipelineSchedule
 
-__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "resume", "CheckpointError",
-           "DistributedDataParallel", "ZeroOptimizer", "fully_shard", "MixedPrecisionPolicy",
-           "grad_shard", "parallelize_module", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "full_state_dict", "PipelineSchedule"]
+__all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "RunStopped", "resume",
+           "CheckpointError", "DistributedDataParallel", "ZeroOptimizer", "fully_shard",
+           "MixedPrecisionPolicy", "grad_shard", "parallelize_module", "ColwiseParallel",
+           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
+           "PipelineSchedule"]
 __version__ = "0.1.0"

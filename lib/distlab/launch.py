@@ -34,6 +34,7 @@ import time
 import traceback
 import uuid
 from datetime import timedelta
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ import torch.multiprocessing as mp
 
 from distlab.config import RunConfig
 from distlab.events import EventLog, rank_log_path
+
+if TYPE_CHECKING:  # for the annotation; launch() and run_ranks() import Run where they use it
+    from distlab.run import Run
 
 RUNS_ENV = "DISTLAB_RUNS"
 
@@ -313,17 +317,32 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, backend="auto", device="auto",
-              threads=0, debug=False, run_dir: str | None = None, wall_timeout_s=None):
+              threads=0, debug=False, run_dir: str | None = None, wall_timeout_s=None,
+              on_start: Callable[[Run], None] | None = None):
     """Run fn(rank, world, device, log, *args) on `world` ranks and return the list of their
     return values (rank order). For demos and tests of collectives; fn must be importable and
-    return tensors, numbers, strings, lists or dicts (loaded back with weights_only=True)."""
-    from distlab.run import Run
+    return tensors, numbers, strings, lists or dicts (loaded back with weights_only=True).
+
+    on_start(run) is called with the live Run right after the ranks started, before the wait:
+    a caller in another thread (an explorer's Run button) reads its progress from it and may
+    stop it; a run stopped before its ranks returned raises RunStopped."""
+    from distlab.run import Run, RunStopped
 
     run_dir = run_dir or new_run_dir(runs_root(), f"{fn.__name__}-w{world}")
     procs, store = start_ranks(fn, world, args, run_dir, backend=backend, device=device,
                                timeout_s=timeout_s, threads=threads, debug=debug,
                                save_result=True)
-    Run(run_dir, processes=procs, store=store, world_size=world).wait(timeout=wall_timeout_s)
+    run = Run(run_dir, processes=procs, store=store, world_size=world)
+    if on_start is not None:
+        try:
+            on_start(run)
+        except BaseException:  # the caller's hook failed: no rank may be left running
+            run.stop()
+            raise
+    run.wait(timeout=wall_timeout_s)
+    if run.status != "done":  # stopped or preempted: no rank wrote its result
+        raise RunStopped(f"run {os.path.basename(run_dir)} ended {run.status!r} before its "
+                         "ranks returned their results")
     return [_take_result(run_dir, r) for r in range(world)]
 
 

@@ -30,7 +30,8 @@ TERMINATE_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 # A live line while wait() blocks: "starting 4 ranks", then step k/n with tokens/s and ETA.
 # It starts with "\r", which terminals and Jupyter's output area redraw in place. Off by default
 # (scripts and tests stay quiet); distlab.lab turns it on inside a notebook's kernel, and
-# wait(progress=True) asks for it once.
+# wait(progress=True) asks for it once. Only the main thread prints it by default: a print from
+# another thread (an explorer's run behind a button) lands in whichever cell is executing.
 SHOW_PROGRESS = False
 PROGRESS_EVERY_S = 1.0
 
@@ -57,12 +58,20 @@ class RunError(RuntimeError):
                 "step": self.step}
 
 
+class RunStopped(RuntimeError):
+    """The run was stopped (Run.stop, an explorer's Stop button) before its ranks returned what
+    the caller waits for (distlab.launch.run_ranks)."""
+
+
 class Run:
     def __init__(self, run_dir: str, cfg: RunConfig | None = None, processes=None, store=None,
                  world_size: int | None = None):
         self.dir = run_dir
         self.cfg = cfg
         self.world_size = world_size or (cfg.processes if cfg else 1)  # rank processes
+        # steps rank 0 will log: the progress line's n (a launch of several configs in turn,
+        # distlab.lab.runs.launch_together, sets the sum of theirs)
+        self.total_steps: int | None = cfg.steps if cfg else None
         self.processes = list(processes or [])
         self.pids = [p.pid for p in self.processes]
         self.events: list[dict] = []
@@ -233,7 +242,8 @@ class Run:
         """Block until the run ends; raise its RunError if it failed. On KeyboardInterrupt (a
         kernel interrupt) or when `timeout` seconds pass, stop the run first, then raise.
         `progress`: print a live progress line while waiting (default: SHOW_PROGRESS)."""
-        show = SHOW_PROGRESS if progress is None else progress
+        show = progress if progress is not None else (
+            SHOW_PROGRESS and threading.current_thread() is threading.main_thread())
         t0 = time.time()
         try:
             while not self._finished.wait(PROGRESS_EVERY_S if show else timeout):
@@ -260,7 +270,7 @@ class Run:
         if not steps:
             verb = "ended" if self.done else "starting"
             return f"{verb} {self.world_size} rank(s)... {elapsed:.0f} s"
-        k, n = len(steps), (self.cfg.steps if self.cfg is not None else None)
+        k, n = len(steps), self.total_steps
         last = steps[-1]
         rate = f"  {last['tokens'] / last['step_s']:,.0f} tokens/s" if last.get("step_s") else ""
         if self.done:

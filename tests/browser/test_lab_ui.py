@@ -132,7 +132,9 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
             panel.scroll_into_view_if_needed()
             panel.locator("button.jupyter-button", has_text="Run").click()
             status = panel.locator(".widget-html-content").first
-            status.filter(has_text=re.compile("running|done in")).wait_for(timeout=30_000)
+            # "starting" while the ranks start (no step yet), "running" from the first step
+            status.filter(has_text=re.compile("starting|running|done in")).wait_for(
+                timeout=30_000)
             status.filter(has_text="done in").wait_for(timeout=PANEL_RUN_TIMEOUT_S * 1000)
             # plotly redraws asynchronously in the browser: the status text can arrive before
             # the last points are painted, so give the figure a moment to catch up
@@ -168,7 +170,7 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
 
     # The click started exactly the run the panel's knobs describe, and it finished.
     runs = sorted(lab_server.runs.iterdir())
-    assert len(runs) == 4, runs  # single and allreduce×2 from the cells, two from the panel
+    assert len(runs) == 4, runs  # single and ddp×4 from the cells, two from the panel
     panel_run = sorted(runs, key=lambda d: (d / "config.json").stat().st_mtime)[-2]
     cfg = json.loads((panel_run / "config.json").read_text())
     assert (cfg["strategy"], cfg["world_size"], cfg["steps"]) == ("single", 1, QUICK_STEPS)

@@ -321,43 +321,53 @@ class DebugExplorer(Explorer):
     it ends its findings appear under it, computed by distlab.diagnose."""
 
     def __init__(self, base: RunConfig):
+        super().__init__()  # Run, Stop, the status line
         self.base = base
         self.drill = W.Dropdown(options=["healthy", *DRILLS], value="healthy",
                                 description="drill")
-        self.button = W.Button(description="Run", button_style="primary")
-        self.status = W.HTML("pick a drill and press Run")
+        self.status.value = "pick a drill and press Run"
         self.report = W.HTML()
         self.dashboard = LiveDashboard()
         self.dashboard.listeners.append(self._after_refresh)
         self.last: Run | None = None
         self._reported: Run | None = None
         self._labels: dict[int, str] = {}
-        self.button.on_click(lambda _b: self._safe_run())
         self._lines_drawn = False  # ln V and the unigram entropy: with the first step drawn
-        self.widget = W.VBox([W.HBox([self.drill, self.button]), self.status, self.report,
-                              self.dashboard.widget])
+        self.widget = W.VBox([W.HBox([self.drill, self.button, self.stop_button]), self.status,
+                              self.report, self.dashboard.widget])
 
     def config(self) -> RunConfig:
         d = DRILLS.get(self.drill.value)
         return self.base.replace(**d.changes) if d else self.base
 
-    def run(self, drill: str | None = None, wait: bool = False) -> Run:
+    def run(self, drill: str | None = None, wait: bool = False) -> Run | None:
         """Start a drill (the dropdown's, or `drill`); with wait=True block until it ends and
-        show its findings (a notebook cell's way; the button does not wait)."""
+        show its findings (a notebook cell's way). Without, return the Run once its ranks
+        started while it trains in a thread, as the Run button does (None if it could not
+        start: the status line says why)."""
+        values = {} if drill is None else {"drill": drill}
+        if wait:
+            return super().run(**values)
+        self.start(**values)
+        self._launched.wait()
+        return self.live
+
+    def _clear(self):
+        super()._clear()
+        self.report.value = ""  # the last drill's findings; its curve stays, to compare
+
+    def _run(self, drill: str | None = None) -> Run:
         if drill is not None:
             self.drill.value = drill
-        if self.last is not None and not self.last.done:
-            raise RuntimeError("the last drill is still running")
         cfg = self.config()
-        self.report.value = ""
-        self.status.value = html.escape(f"running '{self.drill.value}' ...")
+        self._announce(f"running '{self.drill.value}' ...")
         run = launch(cfg)
         self.last = run
         self._labels[id(run)] = self.drill.value
+        self._started(run)
         self.dashboard.watch(run, label=self.drill.value)
-        if wait:
-            run.wait()
-            self.dashboard.refresh()
+        run.wait()
+        self.dashboard.refresh()  # its findings, once (_after_refresh)
         return run
 
     def findings(self) -> list:
@@ -374,15 +384,14 @@ class DebugExplorer(Explorer):
         if run is None or not run.done or self._reported is run:
             return
         self._reported = run
-        if run.status != "done":
-            self.status.value = html.escape(f"'{self._labels[id(run)]}' ended: {run.status}")
+        if run.status != "done":  # failed or stopped: Explorer's status says so, and why
             return
         found = findings(run)
         bad = [f for f in found if not f.passed]
-        self.status.value = html.escape(
+        self._say(html.escape(
             f"'{self._labels[id(run)]}': " + (f"{len(bad)} finding(s): "
                                               + ", ".join(f.check for f in bad)
-                                              if bad else "no finding: every check passed"))
+                                              if bad else "no finding: every check passed")))
         self.report.value = html_table(
             ["check", "verdict", "evidence", "points to"],
             [[f.check, "ok" if f.passed else "FAILED", f.evidence, "" if f.passed else f.suspect]

@@ -284,6 +284,7 @@ class LoRAExplorer(Explorer):
 
     def __init__(self, ft: RunConfig, references: dict[str, Run], ranks=(1, 2, 4, 8, 16),
                  targets=("qv", "attn", "attn_mlp"), lrs=(1e-3, 3e-3, 1e-2)):
+        super().__init__()  # Run, Stop, the status line
         self.ft, self.references = ft, references
         self.rank = W.Dropdown(options=list(ranks), value=ft.lora_rank if ft.lora_rank in ranks
                                else ranks[0], description="rank")
@@ -292,31 +293,35 @@ class LoRAExplorer(Explorer):
                                   description="targets")
         self.lr = W.Dropdown(options=list(lrs), value=ft.lr if ft.lr in lrs else lrs[0],
                              description="lr")
-        self.button = W.Button(description="Run", button_style="primary")
-        self.status = W.HTML()
         self.fig = go.FigureWidget()
         self.fig.update_layout(height=340, template="plotly_white", margin=dict(t=30),
                                xaxis_title="fine-tuning step",
                                yaxis_title="held-out loss (nats)")
-        self.button.on_click(lambda _b: self._safe_run())
         self.last: dict | None = None
-        self.widget = W.VBox([W.HBox([self.rank, self.targets, self.lr, self.button]),
+        self.widget = W.VBox([W.HBox([self.rank, self.targets, self.lr, self.button,
+                                      self.stop_button]),
                               self.status, self.fig])
 
     def config(self) -> RunConfig:
         return self.ft.replace(lora_rank=self.rank.value, lora_targets=self.targets.value,
                                lr=self.lr.value)
 
-    def run(self, **values) -> dict:
+    def _clear(self):
+        super()._clear()
+        self.fig.data = ()  # the last fine-tuning's curves are not this run's
+
+    def _run(self, **values) -> dict:
         """Set the knobs (rank=, targets=, lr=), fine-tune, redraw; returns {"config", "run",
-        "trainable", "task0", "task1"} (final held-out losses)."""
+        "trainable", "task0", "task1"} (final held-out losses; `run(**values)`, or the Run
+        button)."""
         for k, w in (("rank", self.rank), ("targets", self.targets), ("lr", self.lr)):
             if k in values:
                 w.value = values[k]
         cfg = self.config()
-        self.status.value = (f"fine-tuning: rank {cfg.lora_rank}, {cfg.lora_targets}, "
-                             f"lr {cfg.lr:g} ...")
-        run = launch_together({"explorer": cfg}, name="lora-explorer")["explorer"]
+        self._announce(f"fine-tuning: rank {cfg.lora_rank}, {cfg.lora_targets}, "
+                       f"lr {cfg.lr:g} ...")
+        run = launch_together({"explorer": cfg}, name="lora-explorer",
+                              on_start=self._started)["explorer"]
         label = f"LoRA r={cfg.lora_rank} {cfg.lora_targets} lr={cfg.lr:g}"
         with self.fig.batch_update():
             self.fig.data = ()
@@ -327,7 +332,7 @@ class LoRAExplorer(Explorer):
                                          line=dict(color=COLORS[i % len(COLORS)], dash=dash,
                                                    width=4 if r is run else 2))
         fin, n = final_eval(run), trainable_of(cfg)
-        self.status.value = (f"{label}: {n:,} trainable values; held-out loss task 1 "
-                             f"{fin['task1']:.3f}, task 0 {fin['task0']:.3f}")
+        self._say(f"{label}: {n:,} trainable values; held-out loss task 1 "
+                  f"{fin['task1']:.3f}, task 0 {fin['task0']:.3f}")
         self.last = {"config": cfg, "run": run, "trainable": n, **fin}
         return self.last

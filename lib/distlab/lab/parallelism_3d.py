@@ -383,6 +383,7 @@ class MeshExplorer(Explorer):
 
     def __init__(self, base: RunConfig, reference, worlds=(4, 8), microbatches=(1, 2, 4),
                  schedules=("gpipe", "1f1b")):
+        super().__init__()  # Run, Stop, the status line
         self.base, self.reference = base, reference
         style = {"description_width": "initial"}
         self.world = W.Dropdown(options=list(worlds), value=worlds[-1], description="world",
@@ -392,8 +393,6 @@ class MeshExplorer(Explorer):
         self.schedule = W.Dropdown(options=list(schedules), value=schedules[0],
                                    description="schedule", style=style)
         self.layout = W.Dropdown(description="dp × tp × pp", style=style)
-        self.button = W.Button(description="Run", button_style="primary")
-        self.status = W.HTML()
         self.table = W.HTML()
         # the heatmap's colour bar sits in the gap between the subplots, clear of the loss
         # plot's tick labels and axis title
@@ -408,10 +407,9 @@ class MeshExplorer(Explorer):
         for w in (self.world, self.microbatches, self.schedule):
             w.observe(lambda _c: self._refresh_layouts(), names="value")
         self._refresh_layouts()
-        self.button.on_click(lambda _b: self._safe_run())
         self.last: dict | None = None
         self.widget = W.VBox([W.HBox([self.world, self.layout, self.microbatches,
-                                      self.schedule, self.button]),
+                                      self.schedule, self.button, self.stop_button]),
                               self.status, self.table, self.fig])
 
     def _refresh_layouts(self):
@@ -429,9 +427,15 @@ class MeshExplorer(Explorer):
         return mesh_config(self.base, *self.layout.value, microbatches=self.microbatches.value,
                            schedule=self.schedule.value)
 
-    def run(self, **values) -> dict:
+    def _clear(self):
+        super()._clear()
+        self.table.value = ""  # the last mesh's bytes, heatmap and loss are not this run's
+        self.fig.data = ()
+
+    def _run(self, **values) -> dict:
         """Set the knobs (world=, layout=(dp, tp, pp), microbatches=, schedule=), train,
-        redraw; returns {"config", "run", "rows", "param_diff", "loss_diff"}."""
+        redraw; returns {"config", "run", "rows", "param_diff", "loss_diff"} (`run(**values)`,
+        or the Run button)."""
         for k in ("world", "microbatches", "schedule", "layout"):
             if k in values:
                 w = getattr(self, k)
@@ -440,9 +444,9 @@ class MeshExplorer(Explorer):
                                      f"{self.world.value}; valid: {[o[1] for o in w.options]}")
                 w.value = tuple(values[k]) if k == "layout" else values[k]
         cfg = self.config()
-        self.status.value = html.escape(f"running 3d {cfg.dp_degree}×{cfg.tp}×{cfg.pp}, "
-                                        f"m={cfg.microbatches}, {cfg.schedule} ...")
-        run = launch_together({"3d": cfg}, name="mesh-explorer")["3d"]
+        self._announce(f"running 3d {cfg.dp_degree}×{cfg.tp}×{cfg.pp}, m={cfg.microbatches}, "
+                       f"{cfg.schedule} ...")
+        run = launch_together({"3d": cfg}, name="mesh-explorer", on_start=self._started)["3d"]
         rows = group_rows(cfg, run.history("step"))
         ref = self.reference
         param_diff = max(worst_param_diff(s, ref.states[0]) for s in run.states)
@@ -458,10 +462,10 @@ class MeshExplorer(Explorer):
                 self.fig.add_scatter(x=list(range(len(ls))), y=ls, mode="lines+markers",
                                      name=label, row=1, col=2,
                                      line=dict(color=COLORS[i], width=4 - 2 * i))
-        self.status.value = html.escape(
+        self._say(html.escape(
             f"3d {cfg.dp_degree}×{cfg.tp}×{cfg.pp}, m={cfg.microbatches}, {cfg.schedule}: "
             f"worst parameter diff vs single {param_diff:.1e}, loss diff {loss_diff:.1e}; "
-            f"bytes per group = formula: {all(r['measured'] == r['predicted'] for r in rows)}")
+            f"bytes per group = formula: {all(r['measured'] == r['predicted'] for r in rows)}"))
         self.last = {"config": cfg, "run": run, "rows": rows, "param_diff": param_diff,
                      "loss_diff": loss_diff}
         return self.last

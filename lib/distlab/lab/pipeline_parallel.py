@@ -175,6 +175,7 @@ class PipelineExplorer(Explorer):
 
     def __init__(self, base: RunConfig, schedules=("naive", "gpipe", "1f1b", "interleaved"),
                  microbatches=(1, 2, 4, 8), virtual_stages=(1, 2)):
+        super().__init__()  # Run, Stop, the status line
         self.base = base
         # "initial": the whole description beside each dropdown (the default width cuts
         # "micro-batches" to "micro-bat…")
@@ -189,14 +190,12 @@ class PipelineExplorer(Explorer):
         self.virtual_note = W.HTML()  # why the virtual stages are disabled, when they are
         self.schedule.observe(lambda _change: self._offer_virtual(), names="value")
         self._offer_virtual()
-        self.button = W.Button(description="Run", button_style="primary")
-        self.status = W.HTML()
         self.fig = go.FigureWidget()
         self.fig.update_layout(height=270, template="plotly_white", legend=LEGEND)
-        self.button.on_click(lambda _b: self._safe_run())
         self.last: dict | None = None
         self.widget = W.VBox([W.HBox([self.schedule, self.microbatches, self.virtual,
-                                      self.button]), self.virtual_note, self.status, self.fig])
+                                      self.button, self.stop_button]), self.virtual_note,
+                              self.status, self.fig])
 
     def _offer_virtual(self):
         """Virtual stages only under the interleaved schedule: disabled (at 1) otherwise."""
@@ -215,9 +214,16 @@ class PipelineExplorer(Explorer):
         return self.base.replace(schedule=sc, microbatches=self.microbatches.value,
                                  virtual_stages=self.virtual.value if sc == "interleaved" else 1)
 
-    def run(self, **values) -> dict:
+    def _clear(self):
+        super()._clear()
+        with self.fig.batch_update():  # the last chart is not this run's: empty it
+            self.fig.data = ()
+            self.fig.layout.title.text = "running: the chart of the last step comes at the end"
+
+    def _run(self, **values) -> dict:
         """Set the knobs (schedule=, microbatches=, virtual_stages=), train, redraw; returns
-        {"config", "run", "measured", "total", "ideal", "pipelines"}."""
+        {"config", "run", "measured", "total", "ideal", "pipelines"} (`run(**values)`, or
+        the Run button)."""
         for k, w in (("schedule", self.schedule), ("microbatches", self.microbatches)):
             if k in values:
                 w.value = values[k]
@@ -228,15 +234,16 @@ class PipelineExplorer(Explorer):
         if "virtual_stages" in values:
             self.virtual.value = v
         cfg = self.config()
-        self.status.value = f"running {cfg.schedule}, m={cfg.microbatches} ..."
-        run = launch_together({"explorer": cfg}, name="pp-explorer")["explorer"]
+        self._announce(f"running {cfg.schedule}, m={cfg.microbatches} ...")
+        run = launch_together({"explorer": cfg}, name="pp-explorer",
+                              on_start=self._started)["explorer"]
         (row,) = bubble_rows({"explorer": run})
         pipes = step_pipelines(run)
         with self.fig.batch_update():
             gantt(pipes, fig=self.fig,
                   title=f"{cfg.schedule}, p={cfg.pp}, m={cfg.microbatches}, v={row['v']}: "
                         f"last step")
-        self.status.value = (f"measured bubble {row['measured']:.3f} (idle / step time); formula "
-                             f"{row['total']:.3f} of total, {row['ideal']:.3f} of ideal time")
+        self._say(f"measured bubble {row['measured']:.3f} (idle / step time); formula "
+                  f"{row['total']:.3f} of total, {row['ideal']:.3f} of ideal time")
         self.last = {"config": cfg, "run": run, "pipelines": pipes, **row}
         return self.last

@@ -12,18 +12,25 @@ with the same number of processes train one after another in one launch
 
 from __future__ import annotations
 
+from typing import Callable
+
 from distlab.config import RunConfig
 from distlab.launch import new_run_dir, run_ranks, runs_root
 from distlab.run import Run
 
 
 def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
-                    wall_timeout_s: float | None = None) -> dict[str, Run]:
+                    wall_timeout_s: float | None = None,
+                    on_start: Callable[[Run], None] | None = None) -> dict[str, Run]:
     """Train every config in turn in ONE launch and return {name: Run}, each Run holding only
     its own config's events (finished, nothing left running) plus `states`: each rank's final
-    state_dict (under single's names: Strategy.full_state_dict). All configs must need the same number of
-    processes; the launch uses the largest timeout_s and the first config's threads_per_rank.
-    A failing config raises RunError, like Run.wait()."""
+    state_dict (under single's names: Strategy.full_state_dict). All configs must need the same
+    number of processes; the launch uses the largest timeout_s and the first config's
+    threads_per_rank. A failing config raises RunError, like Run.wait().
+
+    on_start(run): called with the whole launch's live Run as soon as its ranks started (its
+    progress_line counts the steps of every config; run.stop() ends it, and this call then
+    raises distlab.run.RunStopped)."""
     cfgs = dict(cfgs)
     worlds = {c.processes for c in cfgs.values()}
     if len(worlds) != 1:
@@ -34,10 +41,17 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
 
     first = next(iter(cfgs.values()))
     run_dir = new_run_dir(runs_root(first.runs_root), f"{name}-w{world}")
+    total = sum(c.steps for c in cfgs.values())
+
+    def started(run: Run):
+        run.total_steps = total  # rank 0 logs every config's steps in turn
+        if on_start is not None:
+            on_start(run)
+
     results = run_ranks(train_with_state, world, [c.to_dict() for c in cfgs.values()],
                         timeout_s=max(c.timeout_s for c in cfgs.values()),
                         threads=first.threads_per_rank, run_dir=run_dir,
-                        wall_timeout_s=wall_timeout_s)
+                        wall_timeout_s=wall_timeout_s, on_start=started)
     events = split_configs(Run.load(run_dir).events, len(cfgs))
     runs = {}
     for i, (label, cfg) in enumerate(cfgs.items()):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import html
 import math
-import threading
 import time
 
 import ipywidgets as W
@@ -353,20 +352,20 @@ def reduction_figure(mixes: dict[str, BytesPerParam], measured: dict[str, tuple[
 
 
 # -- the widget ------------------------------------------------------------------------------------
-class MemoryExplorer:
+class MemoryExplorer(lab.Explorer):
     """Pick a strategy, a world size and offload; Run launches the real thing (non-blocking)
-    and a thread draws each rank's memory by category, as the ranks log it, next to the
-    estimate (estimate_memory), until the run ends.
+    and draws each rank's memory by category, as the ranks log it, next to the estimate
+    (estimate_memory), until the run ends; Stop ends it (lab.Explorer).
 
     `run(**overrides)` is what the button does (knob values can be overridden: strategy,
-    world_size, offload, or any RunConfig field) and returns the Run at once; `wait()` blocks
-    until the drawing thread has drawn the finished run and raises the run's error if it
-    failed. After that, `measured` (one memory dict per rank) and `estimate` hold what the
-    figure shows. As in distlab.lab.panel: the thread only sets widget state, under a lock, inside
-    batch_update(), at most every `poll_s`."""
+    world_size, offload, or any RunConfig field) and returns at once; `wait()` blocks until the
+    finished run is drawn and raises the run's error if it failed. After that, `measured` (one
+    memory dict per rank) and `estimate` hold what the figure shows. As in distlab.lab.panel:
+    the drawing thread only sets widget state, inside batch_update(), at most every `poll_s`."""
 
     def __init__(self, base: RunConfig, strategies=EXPLORER_STRATEGIES, worlds=(2, 4),
                  poll_s: float = lab.POLL_S):
+        super().__init__()  # Run, Stop, the status line
         self.base = base
         self.poll_s = poll_s
         style = {"description_width": "initial"}
@@ -375,8 +374,7 @@ class MemoryExplorer:
         self.world_size = W.Dropdown(options=worlds, value=max(worlds), description="world size",
                                      style=style)
         self.offload = W.Checkbox(value=False, description="offload", indent=False)
-        self.button = W.Button(description="Run", button_style="success", icon="play")
-        self.status = W.HTML("ready: pick a strategy and press Run")
+        self.status.value = "ready: pick a strategy and press Run"
         self.note = W.HTML()
         self.fig = go.FigureWidget()
         for key, name in ALL_CATEGORIES:
@@ -389,18 +387,15 @@ class MemoryExplorer:
                                    "appears here beside the estimate")
         self.scale, self.unit = KiB, "KiB"  # the y axis's unit, common.byte_unit at each draw
         self.widget = W.VBox([W.HBox([self.strategy, self.world_size, self.offload,
-                                      self.button]), self.status, self.note, self.fig])
+                                      self.button, self.stop_button]), self.status, self.note,
+                              self.fig])
         self.widget.add_class("distlab-zero-explorer")
-        self.button.on_click(self._on_click)
         self.strategy.observe(self._on_strategy, names="value")
         self._on_strategy({"new": self.strategy.value})
         self.last_run: Run | None = None
         self.measured: list[dict] = []
         self.estimate: dict = {}
         self.source = ""
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     def config(self, **overrides) -> RunConfig:
         """The RunConfig the knobs describe now (overrides win). Offload is off for a strategy
@@ -412,90 +407,76 @@ class MemoryExplorer:
         return self.base.replace(**values)
 
     def run(self, **overrides) -> "MemoryExplorer":
-        """Set the knobs from overrides, launch (non-blocking), start the drawing thread."""
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("the last run is still going: wait for it")
+        """Set the knobs from overrides, launch and draw in a thread; returns at once."""
+        self.start(**overrides)
+        return self
+
+    def wait(self, timeout: float | None = None) -> "MemoryExplorer":
+        """Block until the run ended and its last step is drawn; raise its error if any."""
+        if not self.join(timeout):
+            raise TimeoutError(f"the run did not end within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def _clear(self):
+        super()._clear()
+        self.measured = []
+        with self.fig.batch_update():  # the last run's bars are not this run's
+            for trace in self.fig.data:
+                trace.x, trace.y, trace.customdata = [], [], []
+            self.fig.layout.title.text = "starting: memory per rank comes with the first step"
+
+    # -- the work (a thread) ---------------------------------------------------------------------
+    def _run(self, **overrides) -> Run:
         for name in ("strategy", "world_size", "offload"):  # the knobs show what runs
             if name in overrides and not (name == "offload" and self.offload.disabled):
                 getattr(self, name).value = overrides[name]
         cfg = self.config(**overrides)
         self.estimate, self.source = estimate_memory(cfg)
-        self.measured, self.error = [], None
         self.note.value = html.escape(f"offload: {OFFLOAD_MEANING[cfg.strategy]}"
                                       if cfg.offload else "") + \
             f"<br><small>estimate: {html.escape(self.source)}; comm buffers not estimated</small>"
         run = launch(cfg)
         self.last_run = run
-        self.button.disabled = True
-        self.status.value = html.escape(f"starting {lab.run_label(run)}: spawning "
-                                        f"{cfg.world_size} processes")
-        self._thread = threading.Thread(target=self._poll, args=(run,), daemon=True,
-                                        name="distlab-zero-explorer")
-        self._thread.start()
-        return self
-
-    def wait(self, timeout: float | None = None) -> "MemoryExplorer":
-        """Block until the run ended and its last step is drawn; raise its error if any."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"the run did not end within {timeout} s")
-        if self.last_run is not None and self.last_run.error is not None:
-            raise self.last_run.error
-        if self.error is not None:
-            raise self.error
-        return self
-
-    # -- the thread --------------------------------------------------------------------------
-    def _poll(self, run: Run):
-        try:
-            while True:
-                finished = run.done  # before drawing: a finished run has all its events
-                self._draw(run)
-                if finished:
-                    break
-                time.sleep(self.poll_s)
-        except BaseException as e:  # noqa: BLE001 - never raise from a thread
-            self.error = e
-            self.status.value = (f"<span style='color:#c00'>drawing stopped: "
-                                 f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
-        finally:
-            self.button.disabled = False
+        self._announce(f"running {lab.run_label(run)} ...")
+        self._started(run)
+        while True:
+            finished = run.done  # before drawing: a finished run has all its events
+            self._draw(run)
+            if finished:
+                break
+            time.sleep(self.poll_s)
+        self._say(html.escape(lab.describe(run, lab.run_label(run))))
+        if run.error is not None:
+            raise run.error
+        return run
 
     def _draw(self, run: Run):
-        with self._lock:
-            measured = memory_by_rank(run) if run.steps_done() > 0 else []
-            label = lab.run_label(run)
-            x = [f"rank {r}" for r in range(len(measured))] + ["estimate"]
-            keys = dict(ALL_CATEGORIES)
-            self.scale, self.unit = common.byte_unit(
-                [sum(v or 0 for k, v in m.items() if k in keys) for m in [*measured,
-                                                                           self.estimate]])
-            with self.fig.batch_update():
-                common.clear_hint(self.fig)
-                self.fig.layout.yaxis.title.text = f"bytes per rank ({self.unit})"
-                for trace, (key, name) in zip(self.fig.data, ALL_CATEGORIES):
-                    raw = [m.get(key, 0) for m in measured] + [self.estimate.get(key)]
-                    trace.x = x
-                    trace.y = [None if v is None else v / self.scale for v in raw]
-                    trace.customdata = raw
-                    trace.hovertemplate = (f"{name}: %{{y:.2f}} {self.unit} "
-                                           "(%{customdata:,} bytes)<extra></extra>")
-                    trace.marker.opacity = [1.0] * len(measured) + [0.5]
-                    trace.visible = any(v for v in raw)
-                step = f"step {run.steps_done() - 1}" if measured else "no step yet"
-                self.fig.layout.title.text = f"{label}: memory per rank by category, {step}"
-            self.measured = measured
-            self.status.value = html.escape(lab.describe(run, label))
+        measured = memory_by_rank(run) if run.steps_done() > 0 else []
+        label = lab.run_label(run)
+        x = [f"rank {r}" for r in range(len(measured))] + ["estimate"]
+        keys = dict(ALL_CATEGORIES)
+        self.scale, self.unit = common.byte_unit(
+            [sum(v or 0 for k, v in m.items() if k in keys) for m in [*measured,
+                                                                       self.estimate]])
+        with self.fig.batch_update():
+            common.clear_hint(self.fig)
+            self.fig.layout.yaxis.title.text = f"bytes per rank ({self.unit})"
+            for trace, (key, name) in zip(self.fig.data, ALL_CATEGORIES):
+                raw = [m.get(key, 0) for m in measured] + [self.estimate.get(key)]
+                trace.x = x
+                trace.y = [None if v is None else v / self.scale for v in raw]
+                trace.customdata = raw
+                trace.hovertemplate = (f"{name}: %{{y:.2f}} {self.unit} "
+                                       "(%{customdata:,} bytes)<extra></extra>")
+                trace.marker.opacity = [1.0] * len(measured) + [0.5]
+                trace.visible = any(v for v in raw)
+            step = f"step {run.steps_done() - 1}" if measured else "no step yet"
+            self.fig.layout.title.text = f"{label}: memory per rank by category, {step}"
+        self.measured = measured
 
     # -- knobs ---------------------------------------------------------------------------------
-    def _on_click(self, _button):
-        try:  # runs in the kernel's main thread; returns at once (launch does not wait)
-            self.run()
-        except Exception as e:  # noqa: BLE001 - a widget callback's exception is invisible
-            self.status.value = (f"<span style='color:#c00'>not started: "
-                                 f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
-
     def _on_strategy(self, change):
         self.offload.disabled = change["new"] == "ddp"
         if change["new"] == "ddp":
@@ -504,9 +485,6 @@ class MemoryExplorer:
                                     if change["new"] == "fsdp-torch" else
                                     "offload optimizer state" if change["new"] != "ddp"
                                     else "offload (not for DDP)")
-
-    def _ipython_display_(self):
-        lab.show_live(self.widget)
 
     def __repr__(self):
         return f"MemoryExplorer(last run: {self.last_run})"

@@ -129,6 +129,28 @@ def test_the_budget_refuses_before_any_process_starts(tmp_path, monkeypatch):
     assert started == [] and os.listdir(tmp_path) == []  # no launch, no run folder
 
 
+def test_the_search_counts_only_its_own_run_folders(tmp_path, monkeypatch):
+    """Runs launched meanwhile by something else (another notebook on the same runs folder)
+    must not count: the trials' folders live in the search's own folder."""
+    from distlab.launch import new_run_dir
+
+    def fake_run(cfg):
+        new_run_dir(str(tmp_path), "elsewhere")  # someone else's run, in the shared root
+        new_run_dir(cfg.runs_root, "trial")
+        return search.TrialRun(loss=1.0, steps_run=1, steps_planned=1, rows_run=1, wall_s=0.1,
+                               train_s=0.05)
+
+    monkeypatch.setattr(arch_search, "run_trial", fake_run)
+    spec = arch_search.ArchSpec.make(arch_search.ARCH_BASE.replace(runs_root=str(tmp_path)),
+                                     budget_bytes=0.5 * arch_search.MiB)
+    study = arch_search.arch_search("random", spec, n_runs=3, seed=0, max_trials=30,
+                                    storage=optuna.storages.InMemoryStorage())
+    done, refused = len(search.completed(study)), study.user_attrs["refused"]
+    assert done == 3 and refused > 0  # the 0.5 MiB budget refuses much of the space
+    assert study.user_attrs["run_folders"] == done
+    assert len(os.listdir(tmp_path)) == 1 + done  # the search's folder and the others' runs
+
+
 # -- real runs ---------------------------------------------------------------------------------
 TINY = hp_search.BASE.replace(n_embd=16, n_layer=1, n_head=1)
 

@@ -327,7 +327,8 @@ search_claims = [
 ]
 # our code's rows, not textbook claims: a refused trial starts nothing, the budget's estimate
 # is exact, and a study survives its storage
-assert folders_ok and no_run_refused and search_claims[4]["holds"] and same
+assert folders_ok, {s.study_name: s.user_attrs["run_folders"] for s in arch.values()}
+assert no_run_refused and search_claims[4]["holds"] and same, (no_run_refused, estimate_gap, same)
 claims_table(search_claims)
 
 # %% [markdown]

@@ -20,7 +20,7 @@ folders the study created and keeps the count in the study.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import optuna
 
@@ -37,7 +37,7 @@ from distlab.lab.search import (
     suggest,
     torch_threads,
 )
-from distlab.launch import runs_root
+from distlab.launch import new_run_dir, runs_root
 
 # n_head 3 divides only n_embd 48: the other widths' trials with 3 heads are invalid configs,
 # refused by RunConfig's own check (each rank of attention needs whole heads)
@@ -103,13 +103,15 @@ def arch_search(method: str, spec: ArchSpec, n_runs: int, seed: int, max_trials:
                 population: int = 8, storage: str | None = None) -> optuna.Study:
     """Trials until n_runs candidates have run (or max_trials were drawn): refused ones do not
     count as runs. `population`: NSGA-II's generation size. The study keeps "run_folders" (how
-    many run folders appeared under the runs folder while it ran) and "refused" (how many trials
-    the budget or RunConfig refused)."""
+    many run folders its trials made) and "refused" (how many trials the budget or RunConfig
+    refused). The trials' runs go into one folder of their own under the runs folder (named as a
+    run folder is, so distlab.retention ages it out as one), so runs launched meanwhile by
+    anything else do not count."""
     study = new_study(f"arch-{method}", sampler(method, seed, population=population),
                       storage=storage,
                       directions=("minimize", "minimize"), spec=asdict(spec))
-    root = runs_root(RunConfig.from_dict(spec.base).runs_root)
-    before = set(_run_folders(root))
+    root = new_run_dir(runs_root(RunConfig.from_dict(spec.base).runs_root), f"arch-{method}")
+    spec = replace(spec, base={**spec.base, "runs_root": root})
 
     def enough(study, _trial):
         if len(completed(study)) >= n_runs:
@@ -117,7 +119,7 @@ def arch_search(method: str, spec: ArchSpec, n_runs: int, seed: int, max_trials:
 
     with torch_threads(1):
         study.optimize(objective(spec), n_trials=max_trials, callbacks=[enough])
-    study.set_user_attr("run_folders", len(set(_run_folders(root)) - before))
+    study.set_user_attr("run_folders", len(_run_folders(root)))
     study.set_user_attr("refused", len(refused(study)))
     return study
 

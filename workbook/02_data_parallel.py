@@ -46,7 +46,7 @@ import os
 
 # CI sets WORKBOOK_QUICK=1: a tiny GPT and few steps, so the notebook runs in about a minute.
 QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
-STEPS = 20 if QUICK else 100
+STEPS = 20 if QUICK else 60
 # Quick: a 2-layer, 32-wide GPT on 16-token rows, global batch 8.
 # Full: RunConfig's default GPT (4 layers, 128 wide, 64 tokens), global batch 16.
 SMALL_GPT = dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=8)

@@ -61,8 +61,8 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     replica: its own forward, plus (replica 0) what only replica 0 does."""
     n = summary["replicas"]
     names = [f"replica {i}" for i in range(n)]
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=(
-        "bytes moved in one step (sent + received)", "seconds of work in one step (medians)"))
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        "bytes moved per step (sent + received)", "work per step (medians)"))
     moved = dp_bytes_by_kind(run)
     scale, unit = byte_unit(*[[sum(v) for v in zip(*moved.values())]])  # the stack's height
     for i, (kind, b) in enumerate(moved.items()):
@@ -74,9 +74,12 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     fig.add_bar(x=names, y=[summary["replica0_only_s"] * 1e3] + [0] * (n - 1),
                 name="replica 0 only: replicate, scatter, gather, loss, grad scatter, "
                      "reduce-add, optimizer", marker_color=COLORS[6], row=1, col=2)
-    fig.update_layout(barmode="stack", height=440, template="plotly_white",
+    fig.update_layout(barmode="stack", height=520, template="plotly_white",
                       title=f"dp, {n} replicas in one process: what replica 0 carries",
-                      margin=dict(t=90), legend=dict(font=dict(size=10)))
+                      margin=dict(t=90, b=40),
+                      # below the charts: the long last entry beside them squeezed both
+                      legend=dict(font=dict(size=10), orientation="h", y=-0.12,
+                                  yanchor="top"))
     fig.update_yaxes(title_text=unit, row=1, col=1)
     fig.update_yaxes(title_text="ms", row=1, col=2)
     return fig
@@ -190,7 +193,10 @@ def ps_ring_figure(measured: dict[str, tuple[float, float]], P: float, N: int,
     fig.update_layout(barmode="group", height=440, template="plotly_white",
                       title="parameter server vs ring all-reduce: bytes per node, in units of "
                             "P (the gradient's bytes)",
-                      margin=dict(t=90), legend=dict(font=dict(size=10)))
+                      margin=dict(t=90, b=40),
+                      # below the charts: the long last entry beside them squeezed both
+                      legend=dict(font=dict(size=10), orientation="h", y=-0.12,
+                                  yanchor="top"))
     fig.update_yaxes(title_text="bytes / P", row=1, col=1)
     fig.update_yaxes(title_text="bytes sent / P", row=1, col=2)
     fig.update_xaxes(title_text="N (workers or ranks)", row=1, col=2)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab import wire
+from distlab import gloo_exit, wire
 
 
 @dataclass
@@ -134,6 +134,8 @@ class Comm:
         self.buffer_bytes_peak = 0  # largest scratch buffer an algorithm here allocated
         if wire.LEDGER.blind == wire.NO_COUNTER:  # the first Comm of this process
             wire.LEDGER.open(dist.get_backend(group))
+        if dist.get_backend(group) == "gloo":
+            gloo_exit.arm()  # no abort at exit while a gloo worker still holds a tensor
 
     # -- accounting ------------------------------------------------------------------------
     def _add(self, kind, sent, recv, seconds, calls=1, wire_sent=None):

@@ -73,12 +73,19 @@ def scaling_runs(base: RunConfig, worlds=(1, 2, 4), rows_per_rank: int = 8) -> d
     return runs
 
 
-def step_seconds(run: Run, skip: int = 2) -> float:
-    """Median over steps (the first `skip` left out: allocation, first-touch) of the slowest
-    rank's step time: a synchronous step ends when its last rank does."""
+def slowest_rank_seconds(run: Run) -> dict[int, float]:
+    """Per step, the slowest rank's step time: a synchronous step ends when its last rank
+    does."""
     by_step: dict[int, float] = {}
     for e in run.history("step"):
         by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["step_s"])
+    return by_step
+
+
+def step_seconds(run: Run, skip: int = 2) -> float:
+    """Median over steps (the first `skip` left out: allocation, first-touch) of the slowest
+    rank's step time."""
+    by_step = slowest_rank_seconds(run)
     kept = [s for step, s in sorted(by_step.items()) if step >= skip]
     return statistics.median(kept or list(by_step.values()))
 
@@ -125,10 +132,7 @@ def predict_seconds(step_s: float, steps: int) -> float:
 def trained_seconds(run: Run) -> float:
     """What a run's steps took, start of its first step to end of its last: the sum over steps
     of the slowest rank's step time."""
-    by_step: dict[int, float] = {}
-    for e in run.history("step"):
-        by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["step_s"])
-    return sum(by_step.values())
+    return sum(slowest_rank_seconds(run).values())
 
 
 def cluster_days(n_params: float, tokens: float, gpus: int, peak: float, mfu: float,

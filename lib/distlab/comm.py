@@ -132,9 +132,10 @@ class Comm:
         self.world = dist.get_world_size(group)
         self.stats: dict[str, KindStats] = {}
         self.buffer_bytes_peak = 0  # largest scratch buffer an algorithm here allocated
+        backend = dist.get_backend(group)
         if wire.LEDGER.blind == wire.NO_COUNTER:  # the first Comm of this process
-            wire.LEDGER.open(dist.get_backend(group))
-        if dist.get_backend(group) == "gloo":
+            wire.LEDGER.open(backend)
+        if backend == "gloo":
             gloo_exit.arm()  # no abort at exit while a gloo worker still holds a tensor
 
     # -- accounting ------------------------------------------------------------------------

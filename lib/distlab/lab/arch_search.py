@@ -19,7 +19,6 @@ folders the study created and keeps the count in the study.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, replace
 
 import optuna
@@ -38,6 +37,7 @@ from distlab.lab.search import (
     torch_threads,
 )
 from distlab.launch import new_run_dir, runs_root
+from distlab.retention import run_folders
 
 # n_head 3 divides only n_embd 48: the other widths' trials with 3 heads are invalid configs,
 # refused by RunConfig's own check (each rank of attention needs whole heads)
@@ -92,10 +92,9 @@ def objective(spec: ArchSpec):
         if reason is not None:
             trial.set_user_attr("refused", reason)
             raise optuna.TrialPruned(reason)
-        result = run_trial(cfg)
-        record(trial, result, n_params=gpt_params_of(cfg),
-               estimated={k: estimate_run(cfg)[k] for k in MEMORY_KEYS})
-        return result.loss, gpt_params_of(cfg)
+        result, n_params, est = run_trial(cfg), gpt_params_of(cfg), estimate_run(cfg)
+        record(trial, result, n_params=n_params, estimated={k: est[k] for k in MEMORY_KEYS})
+        return result.loss, n_params
     return run
 
 
@@ -119,13 +118,9 @@ def arch_search(method: str, spec: ArchSpec, n_runs: int, seed: int, max_trials:
 
     with torch_threads(1):
         study.optimize(objective(spec), n_trials=max_trials, callbacks=[enough])
-    study.set_user_attr("run_folders", len(_run_folders(root)))
+    study.set_user_attr("run_folders", len(run_folders(root)))
     study.set_user_attr("refused", len(refused(study)))
     return study
-
-
-def _run_folders(root: str) -> list[str]:
-    return [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
 
 
 def refused(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import html
 import math
 
-from distlab.estimate import MiB  # noqa: F401  (re-exported: the notebooks' unit)
+from distlab.estimate import GiB, MiB  # noqa: F401  (re-exported: the notebooks' units)
 
 KiB = 2**10
-GiB = 2**30
 
 # One colour per run or configuration, in the order they are drawn (the last is a neutral grey).
 RUN_COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00",

@@ -64,7 +64,7 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
         "bytes moved per step (sent + received)", "work per step (medians)"))
     moved = dp_bytes_by_kind(run)
-    scale, unit = byte_unit(*[[sum(v) for v in zip(*moved.values())]])  # the stack's height
+    scale, unit = byte_unit([sum(v) for v in zip(*moved.values())])  # the stack's height
     for i, (kind, b) in enumerate(moved.items()):
         fig.add_bar(x=names, y=[v / scale for v in b], name=kind, legendgroup="bytes",
                     marker_color=COLORS[i], row=1, col=1, customdata=b,
@@ -193,10 +193,7 @@ def ps_ring_figure(measured: dict[str, tuple[float, float]], P: float, N: int,
     fig.update_layout(barmode="group", height=440, template="plotly_white",
                       title="parameter server vs ring all-reduce: bytes per node, in units of "
                             "P (the gradient's bytes)",
-                      margin=dict(t=90, b=40),
-                      # below the charts: the long last entry beside them squeezed both
-                      legend=dict(font=dict(size=10), orientation="h", y=-0.12,
-                                  yanchor="top"))
+                      margin=dict(t=90), legend=dict(font=dict(size=10)))
     fig.update_yaxes(title_text="bytes / P", row=1, col=1)
     fig.update_yaxes(title_text="bytes sent / P", row=1, col=2)
     fig.update_xaxes(title_text="N (workers or ranks)", row=1, col=2)

@@ -35,7 +35,6 @@ from distlab import RunConfig
 from distlab.lab.runs import launch_together
 from distlab.lab.search import (
     N_STARTUP,
-    TrialRun,
     completed,
     grid_values,
     held_out_loss,
@@ -47,6 +46,7 @@ from distlab.lab.search import (
     sampler,
     suggest,
     torch_threads,
+    trial_result,
 )
 
 # lr spans the useless (1e-4: barely moves in 40 steps) to the unstable (1e-1 with AdamW);
@@ -124,11 +124,8 @@ def optimize_together(study: optuna.Study, spec: HPSpec, n_trials: int) -> float
     wall = time.perf_counter() - t0
     for t in trials:
         cfg, run = cfgs[str(t.number)], runs[str(t.number)]
-        steps = run.history("step", rank=0)
-        result = TrialRun(loss=held_out_loss(run, cfg.steps), steps_run=len(steps),
-                          steps_planned=cfg.steps, rows_run=len(steps) * cfg.global_batch,
-                          wall_s=wall / n_trials, train_s=sum(e["step_s"] for e in steps),
-                          run_dir=run.dir)
+        result = trial_result(run, cfg, held_out_loss(run, cfg.steps),
+                              len(run.history("step", rank=0)), wall / n_trials)
         record(t, result)
         _tell(study, t, result.loss)
     return wall

@@ -215,12 +215,6 @@ class TrialRun:
     run_dir: str = ""
     memory: dict = field(default_factory=dict)  # rank 0's last step: bytes by category
 
-    @property
-    def overhead_s(self) -> float:
-        """Everything but the steps: starting the ranks, building the model, evaluation,
-        teardown. What a fork-server launch costs a trial."""
-        return self.wall_s - self.train_s
-
 
 def window_losses(step_losses: list[float], batch: int, report_rows: int) -> list[tuple]:
     """[(rows, mean loss of the steps that read those last report_rows rows), ...]: one point
@@ -296,10 +290,17 @@ def run_trial(cfg: RunConfig, trial: optuna.Trial | None = None, report_rows: in
     steps = run.history("step", rank=0)
     evals = [e for e in run.history("eval", rank=0) if e["step"] == cfg.steps]
     loss = evals[0]["loss"]["task0"] if evals and pruned_at is None else None
-    return TrialRun(loss=loss, steps_run=run.steps_done(), steps_planned=cfg.steps,
-                    rows_run=run.steps_done() * cfg.global_batch, wall_s=wall,
-                    train_s=sum(e["step_s"] for e in steps), pruned_at=pruned_at, curve=curve,
-                    run_dir=run.dir, memory=steps[-1]["memory"] if steps else {})
+    return trial_result(run, cfg, loss, run.steps_done(), wall, pruned_at=pruned_at,
+                        curve=curve, memory=steps[-1]["memory"] if steps else {})
+
+
+def trial_result(run, cfg: RunConfig, loss: float | None, steps_run: int, wall_s: float,
+                 **kw) -> TrialRun:
+    """A finished (or stopped) run's TrialRun: its rows and its steps' own time (rank 0)."""
+    return TrialRun(loss=loss, steps_run=steps_run, steps_planned=cfg.steps,
+                    rows_run=steps_run * cfg.global_batch, wall_s=wall_s,
+                    train_s=sum(e["step_s"] for e in run.history("step", rank=0)),
+                    run_dir=run.dir, **kw)
 
 
 def record(trial: optuna.Trial, result: TrialRun, **extra) -> None:

@@ -123,6 +123,18 @@ def _failed_where(error, run: Run) -> str:
 
 
 # -- the explorers' base ------------------------------------------------------------------------
+def _stop_in_background(stop, say) -> None:
+    """Call stop() in a thread: it waits for the ranks to exit (seconds), and the kernel stays
+    free meanwhile. A failure goes to say() as a "stop failed" line (a thread's exception is
+    seen by no one)."""
+    def work():
+        try:
+            stop()
+        except BaseException as e:  # noqa: BLE001 - never raise from a thread
+            say(_error_html("stop failed", e))
+    threading.Thread(target=work, daemon=True).start()
+
+
 class ExplorerBusy(RuntimeError):
     """Run was asked for while the explorer's last run is still going."""
 
@@ -333,14 +345,7 @@ class Explorer:
             self._say(_error_html("not started", e))
 
     def _on_stop_click(self, _button):
-        # stop() waits for the ranks to exit (seconds): a thread keeps the kernel free
-        threading.Thread(target=self._stop_quietly, daemon=True).start()
-
-    def _stop_quietly(self):
-        try:
-            self.stop()
-        except BaseException as e:  # noqa: BLE001 - never raise from a thread
-            self._say(_error_html("stop failed", e))
+        _stop_in_background(self.stop, self._say)
 
     def _ipython_display_(self):
         show_live(self.widget)
@@ -807,14 +812,7 @@ class ControlPanel:
             return
         self.stop_button.disabled = True
         self.status.value = "stopping: ending every rank"
-        # stop() waits for the ranks to exit (seconds); a thread keeps the kernel free.
-        threading.Thread(target=self._stop, args=(run,), daemon=True).start()
-
-    def _stop(self, run: Run):
-        try:
-            run.stop()
-        except BaseException as e:  # noqa: BLE001 - never raise from a thread
-            self.status.value = _error_html("stop failed", e)
+        _stop_in_background(run.stop, lambda line: setattr(self.status, "value", line))
 
     # -- keeping knobs consistent ----------------------------------------------------------------
     def _on_change(self, name: str, change):

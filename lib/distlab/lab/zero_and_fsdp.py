@@ -25,7 +25,6 @@ import torch
 from plotly.subplots import make_subplots
 
 from distlab.lab import common, panel as lab
-from distlab.lab.common import KiB
 from distlab.comm import ring_allreduce_bytes
 from distlab.config import RunConfig
 from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, estimate_run,
@@ -379,13 +378,12 @@ class MemoryExplorer(lab.Explorer):
         self.fig = go.FigureWidget()
         for key, name in ALL_CATEGORIES:
             self.fig.add_bar(x=[], y=[], name=name, marker_color=COLORS[key],
-                             marker_pattern_shape="/" if key.endswith("_offloaded") else "",
-                             hovertemplate=f"{name}: %{{customdata:,}} bytes<extra></extra>")
+                             marker_pattern_shape="/" if key.endswith("_offloaded") else "")
         self.fig.update_layout(barmode="stack", height=420, template="plotly_white",
                                margin=dict(t=60), legend=dict(traceorder="normal"))
         common.show_hint(self.fig, "press Run: each rank's memory by category, measured, "
                                    "appears here beside the estimate")
-        self.scale, self.unit = KiB, "KiB"  # the y axis's unit, common.byte_unit at each draw
+        self.scale, self.unit = common.byte_unit()  # the y axis's unit, set again at each draw
         self.widget = W.VBox([W.HBox([self.strategy, self.world_size, self.offload,
                                       self.button, self.stop_button]), self.status, self.note,
                               self.fig])

@@ -371,7 +371,7 @@ class LiveDashboard:
         self._floor_traces: dict[float, object] = {}  # loss floor -> its dashed line
         self._names: dict[int, str] = {}  # id(run) -> a label given to watch()
         self.fig = _make_figure()
-        self.live_note = False  # whether the status says the chart is live (see LIVE_NOTE)
+        self.outlives_cell = False  # the run outlasts its cell: the status says so (LIVE_NOTE)
         self.status = W.HTML()
         self.widget = W.VBox([self.fig, self.status])
         self.widget.add_class("distlab-dashboard")  # lets a browser test find this figure
@@ -430,16 +430,21 @@ class LiveDashboard:
                 show_hint(self.fig, f"starting {labels[id(self.runs[-1])]}: its loss, memory "
                                     "and bytes appear here after its first step")
             self.status.value = "<br>".join(
-                f"<b>{html.escape(labels[id(r)])}</b>: {html.escape(describe(r, labels[id(r)]))}"
-                for r in self.runs) + (LIVE_NOTE if self.live_note else "")
+                f"<b>{html.escape(label)}</b>: {html.escape(where)}"
+                for label, where in self._where(labels)) + (
+                LIVE_NOTE if self.outlives_cell else "")
             for fn in list(self.listeners):  # under the lock: one thread sets widgets at a time
                 fn()
 
     def status_lines(self) -> list[str]:
         """The status as Markdown lines: each run's label in bold, then where it stands."""
-        return [f"**{md_escape(self._label(r, i + 1))}**: "
-                f"{md_escape(describe(r, self._label(r, i + 1)))}"
-                for i, r in enumerate(self.runs)]
+        labels = {id(r): self._label(r, i + 1) for i, r in enumerate(self.runs)}
+        return [f"**{md_escape(label)}**: {md_escape(where)}"
+                for label, where in self._where(labels)]
+
+    def _where(self, labels: dict) -> list[tuple[str, str]]:
+        """(label, where it stands) for each run, in order."""
+        return [(labels[id(r)], describe(r, labels[id(r)])) for r in self.runs]
 
     def _label(self, run: Run, index: int) -> str:
         return self._names.get(id(run)) or run_label(run, index)
@@ -665,7 +670,7 @@ def _leave_static_copy(dash: LiveDashboard, handle):
     def at_cell_end(_result=None):
         shell.events.unregister("post_run_cell", at_cell_end)
         if not dash.runs or not all(r.done for r in dash.runs):
-            dash.live_note = True
+            dash.outlives_cell = True
             dash.refresh()
             return
         thread = dash._thread

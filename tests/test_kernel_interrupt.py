@@ -30,7 +30,18 @@ def _execute(kc, code, timeout=120, **kwargs):
             out.append(msg["content"]["text"])
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    return kc.get_shell_msg(timeout=timeout)["content"], "".join(out)
+    return _reply_to(kc, msg_id, timeout), "".join(out)
+
+
+def _reply_to(kc, msg_id, timeout):
+    """The shell reply to msg_id, skipping any other: under load start_new_kernel can send
+    kernel_info more than once, and its extra replies wait in the shell queue (seen in CI,
+    where the interrupt's check read the launch cell's reply instead of its own)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg["content"]
 
 
 def test_kernel_interrupt_during_wait_stops_the_run():
@@ -40,10 +51,10 @@ def test_kernel_interrupt_during_wait_stops_the_run():
         assert reply["status"] == "ok", reply
         pids = ast.literal_eval(out.strip())
         assert len(pids) == 2
-        kc.execute("run.wait()")
+        wait_id = kc.execute("run.wait()")
         time.sleep(1.0)
         km.interrupt_kernel()
-        reply = kc.get_shell_msg(timeout=60)["content"]
+        reply = _reply_to(kc, wait_id, timeout=60)
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
         assert_all_gone(pids)
         # read back as a user expression, in the reply itself: a print's stream message can

@@ -102,9 +102,15 @@ def test_stop_ends_every_rank():
 def test_keyboard_interrupt_in_wait_stops_the_run():
     run = launch(TINY.replace(steps=100_000, step_delay_s=0.01))
     wait_for_step(run)
-    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        run.wait(timeout=120)
+    # Python's own SIGINT handler, whatever this process inherited: a background job of a
+    # non-interactive shell starts with SIGINT ignored, and the interrupt would never come
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            run.wait(timeout=120)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert run.status == "stopped"
     assert_all_gone(run.pids)
 

@@ -45,10 +45,11 @@ QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
 STEPS = 8 if QUICK else 30                 # equivalence runs
 BUBBLE_STEPS = 3 if QUICK else 6           # bubble runs (the first step is dropped)
 CURVE_M = (1, 2, 4) if QUICK else (1, 2, 4, 8)  # micro-batch counts of the bubble curve
-# Sleep per forward and per backward in the bubble runs: tests/test_pipeline.py's 0.1 s.
+# Sleep per forward and per backward in the bubble runs: tests/test_pipeline.py's 0.2 s.
 # At 0.03 s interleaved measured ~0.05 above its formula (benchmarks/pipeline_bubble.py):
-# its p·v-1 hand-offs each add a few ms of send/recv latency on a loaded 2-core machine.
-DELAY_S = 0.1
+# its p·v-1 hand-offs each add a few ms of send/recv latency on a loaded 2-core machine, and
+# at 0.1 s still up to 0.06 above it while the test suite kept both cores busy.
+DELAY_S = 0.2
 P = 2                                      # pipeline stages = ranks
 M = 4                                      # micro-batches of the equivalence runs
 V = 2                                      # chunks per rank, interleaved

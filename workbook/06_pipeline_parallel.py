@@ -43,7 +43,7 @@ import os
 # CI sets WORKBOOK_QUICK=1: few steps and few bubble measurements, about a minute.
 QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
 STEPS = 8 if QUICK else 30                 # equivalence runs
-BUBBLE_STEPS = 3 if QUICK else 6           # bubble runs (the first step is dropped)
+BUBBLE_STEPS = 3 if QUICK else 4           # bubble runs (the first step is dropped)
 CURVE_M = (1, 2, 4) if QUICK else (1, 2, 4, 8)  # micro-batch counts of the bubble curve
 # Sleep per forward and per backward in the bubble runs: tests/test_pipeline.py's 0.2 s.
 # At 0.03 s interleaved measured ~0.05 above its formula (benchmarks/pipeline_bubble.py):

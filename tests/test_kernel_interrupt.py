@@ -59,8 +59,9 @@ def test_kernel_interrupt_during_wait_stops_the_run():
         assert_all_gone(pids)
         # read back as a user expression, in the reply itself: a print's stream message can
         # reach iopub after the kernel reports idle when the machine is loaded (seen in CI)
-        # after an error ipykernel aborts the requests already queued behind it (reply status
-        # "aborted", no user_expressions; seen in CI under load): ask again until it runs
+        # ipykernel sends the error reply first and only then opens its abort window (its
+        # "stop aborting" marker goes through a callback), so a request sent at once can come
+        # back "aborted", with no user_expressions: ask again until it runs
         for _ in range(20):
             reply, _ = _execute(kc, "", user_expressions={"status": "run.status"})
             if reply["status"] != "aborted":

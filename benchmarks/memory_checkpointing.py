@@ -31,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab import RunConfig
 from distlab.dataset import make_data
-from distlab.estimate import MiB, gpt_activation_bytes
+from distlab.estimate import gpt_activation_bytes
+from distlab.units import MiB
 from distlab.memory import ActivationMeter, PeakMemoryTracker
 from distlab.train import build_model, build_optimizer
 

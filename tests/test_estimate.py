@@ -24,7 +24,8 @@ import torch
 
 from distlab import RunConfig
 from distlab.dataset import make_data
-from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, GiB, MIXED_ADAM, gpt_activation_bytes,
+from distlab.units import GB, GiB
+from distlab.estimate import (FP32_ADAM, FP32_SGD, MIXED_ADAM, gpt_activation_bytes,
                               gpt_param_tensors, gpt_params, gpt_params_of,
                               korthikanti_layer_activation_bytes, narayanan_params,
                               run_model_state_bytes, transformer_params_approx,

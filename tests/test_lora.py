@@ -24,7 +24,8 @@ from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.dataset import MarkovData
 from distlab.events import step_events_per_run
-from distlab.lora import (LoRALinear, TARGETS, inject_lora, lora_layer_count,
+from distlab.config import LORA_TARGETS as TARGETS
+from distlab.lora import (LoRALinear, inject_lora, lora_layer_count,
                           lora_parameter_count, merge_lora, merged_state_dict, target_shapes,
                           trainable_parameters, unmerge_lora)
 from distlab.models import GPT, GPTConfig

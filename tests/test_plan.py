@@ -16,7 +16,7 @@ Assumptions throughout (each test names its own on top):
 
 import pytest
 
-from distlab.estimate import GB
+from distlab.units import GB
 from distlab.plan import (DAY, GPT3_175B, RECOMPUTE, Cluster, Model, best, evaluate,
                           max_micro_batch, memory_per_gpu, plan, recompute_overhead, table,
                           training_time)

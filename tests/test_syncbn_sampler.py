@@ -31,7 +31,8 @@ import torch
 
 from distlab import RunConfig, RunError, launch, run_ranks
 from distlab.dataset import ClusterData, FiniteDataset, MarkovData, make_data
-from distlab.models.bnnet import BNNet, build_bnnet
+from distlab.models.bnnet import BNNet
+from distlab.train import build_model
 from distlab.parallel.data_parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from distlab.sampler import DistributedSampler, ShardReader, batches_per_rank, shard_reader
 from distlab.train import build_model, train_with_state
@@ -131,12 +132,12 @@ def test_syncbn_at_world_1_equals_torch_batchnorm1d():
         assert e_ours <= max(2 * e_torch, 2e-6), (q, e_ours, e_torch)
 
 
-def test_convert_keeps_parameters_and_build_bnnet_uses_syncbn_only_when_asked():
-    plain = build_bnnet(BN)
+def test_convert_keeps_parameters_and_the_rank_builds_syncbn_only_when_asked():
+    plain = build_model(BN)
     torch.manual_seed(0)
-    a = build_bnnet(BN)
+    a = build_model(BN)
     torch.manual_seed(0)
-    b = build_bnnet(BN.replace(sync_bn=True))
+    b = build_model(BN.replace(sync_bn=True))
     assert not any(isinstance(m, SyncBatchNorm) for m in plain.modules())
     assert sum(isinstance(m, SyncBatchNorm) for m in b.modules()) == 2
     assert a.state_dict().keys() == b.state_dict().keys()  # same checkpoints either way

@@ -21,7 +21,7 @@ print as the published "2851M ... 32M" and "2783M ... 65M".
 
 import pytest
 
-from distlab.estimate import GiB
+from distlab.units import GiB
 from distlab.zero_memory import (
     BUFFER,
     model_counts,

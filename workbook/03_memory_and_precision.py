@@ -78,6 +78,7 @@ from IPython.display import Markdown, display
 
 from distlab import RunConfig, RunError, lab, launch
 from distlab import estimate as E
+from distlab import units as U
 from distlab import gpu as G
 from distlab import precision as P
 from distlab.lab.common import MEMORY_CATEGORIES as CATEGORIES
@@ -185,11 +186,11 @@ zero = E.zero_table(psi, n_d, E.MIXED_ADAM)
 formulas = ["(2 + 2 + K)Ψ", "2Ψ + 2Ψ + KΨ/N_d", "2Ψ + (2 + K)Ψ/N_d", "(2 + 2 + K)Ψ/N_d"]
 PAPER_GB = [120, 31.4, 16.6, 1.9]  # Rajbhandari et al. 2020, Figure 1
 table(["stage", "bytes per rank", "GB (10^9)", "GiB (2^30)", "paper, GB"],
-      [[stage, f, f"{b / E.GB:.1f}", f"{b / E.GiB:.1f}", g]
+      [[stage, f, f"{b / U.GB:.1f}", f"{b / U.GiB:.1f}", g]
        for (stage, b), f, g in zip(zero.items(), formulas, PAPER_GB)])
-assert [round(b / E.GB, 1) for b in zero.values()] == PAPER_GB
+assert [round(b / U.GB, 1) for b in zero.values()] == PAPER_GB
 # the same bytes in binary units read 7% smaller: 120 GB is 111.8 GiB
-assert round(zero["plain DP"] / E.GiB, 1) == 111.8
+assert round(zero["plain DP"] / U.GiB, 1) == 111.8
 # our fp32 AdamW runs: 4 + 4 + 8 bytes per parameter: the same 16 as mixed precision's 2 + 2 + 12
 assert E.FP32_ADAM.total == E.MIXED_ADAM.total == 16
 
@@ -214,7 +215,7 @@ rows = {
     "full recomputation": ("2·sbh", f(s, b, h, a, t=t, recompute="full")),
 }
 table(["GPT-3, b = 1", "bytes per layer", "GB per layer", f"GB, {L} layers"],
-      [[k, fm, f"{v / E.GB:.2f}", f"{L * v / E.GB:.1f}"] for k, (fm, v) in rows.items()])
+      [[k, fm, f"{v / U.GB:.2f}", f"{L * v / U.GB:.1f}"] for k, (fm, v) in rows.items()])
 print(f"5as/h = {5 * a * s / h:g}: the attention scores outweigh the other 34 bytes per sbh")
 # Section 5: selective recomputation cuts GPT-3's activation memory by 70% (t = 1)
 cut = 1 - f(s, b, h, a, recompute="selective") / f(s, b, h, a)
@@ -698,12 +699,12 @@ assert alone_diff < ACCUM_TOL < step_change / 10
 fp_steps = [e for e in run.history("step")]
 states_equal = all({k: e["memory"][k] for k in est} == est for e in fp_steps)
 acts = sorted({e["memory"]["activations"] for e in fp_steps})
-zero_gb = [round(b / E.GB, 1) for b in zero.values()]
+zero_gb = [round(b / U.GB, 1) for b in zero.values()]
 claims = [
     claim("ZeRO: 7.5B params, N_d = 64: 120 → 31.4 → 16.6 → 1.9 GB", "Rajbhandari et al. 2020, "
           "Figure 1", "estimate.zero_table: " + " → ".join(f"{b:g}" for b in zero_gb)
-          + f" GB (10^9 bytes); in GiB (2^30) {zero['plain DP'] / E.GiB:.1f} → … → "
-          f"{zero['P_os+g+p (ZeRO-3)'] / E.GiB:.2f}", zero_gb == [120.0, 31.4, 16.6, 1.9],
+          + f" GB (10^9 bytes); in GiB (2^30) {zero['plain DP'] / U.GiB:.1f} → … → "
+          f"{zero['P_os+g+p (ZeRO-3)'] / U.GiB:.2f}", zero_gb == [120.0, 31.4, 16.6, 1.9],
           basis="modelled"),
     claim("selective recomputation saves 70% of GPT-3's activations; TP + SP + selective is "
           "5× below TP", "Korthikanti et al. 2022",

@@ -63,7 +63,7 @@ GPT = dict(n_layer=4, n_embd=32, n_head=4, seq_len=16, global_batch=16)
 # %%
 from distlab import RunConfig
 from distlab.comm import LINKS
-from distlab.estimate import GB
+from distlab.units import GB
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.parallelism_3d import wire_rows as mesh_wire_rows

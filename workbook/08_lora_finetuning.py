@@ -80,7 +80,7 @@ from distlab.lab.lora_finetuning import (
     weights_path,
 )
 from distlab.lab.runs import launch_together, worst_param_diff
-from distlab.lora import TARGETS as PRESETS
+from distlab.config import LORA_TARGETS as PRESETS
 from distlab.lora import (
     inject_lora,
     lora_layer_count,

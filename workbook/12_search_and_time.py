@@ -70,7 +70,7 @@ import os
 
 import optuna
 
-from distlab.estimate import MiB
+from distlab.units import MiB
 from distlab.lab import arch_search, hp_search, search
 from distlab.lab import search_figures as figs
 from distlab.lab.common import claim, claims_table, say, table

@@ -30,28 +30,6 @@ from __future__ import annotations
 
 import torch
 
-# "none" first: the default. Each name's effect is in the module docstring above.
-BUGS = ("none", "shuffled_labels", "zero_init", "no_zero_grad", "loss_not_divided", "same_rows")
-
-
-def check(cfg) -> None:
-    """Refuse a bug that would change nothing under this config, or that a checkpoint could
-    not resume (RunConfig calls it, after checking the name is one of BUGS)."""
-    if cfg.bug == "no_zero_grad" and (cfg.checkpoint_every or cfg.resume_from):
-        raise ValueError("bug='no_zero_grad' carries gradients from step to step, which "
-                         "checkpoints do not hold: set checkpoint_every=0 and resume_from=''")
-    if cfg.bug == "loss_not_divided" and cfg.grad_accum < 2:
-        raise ValueError("bug='loss_not_divided' leaves out the division by grad_accum: set "
-                         f"grad_accum >= 2 (got {cfg.grad_accum}, where dividing changes nothing)")
-    if cfg.bug == "same_rows" and cfg.dp_degree < 2:
-        raise ValueError("bug='same_rows' makes every rank read rank 0's rows: it needs "
-                         f"world_size >= 2 (got {cfg.world_size})")
-    if cfg.bug == "shuffled_labels" and cfg.local_batch < 2:
-        raise ValueError("bug='shuffled_labels' gives each row another row's targets: it needs "
-                         f"at least 2 rows per rank (global_batch={cfg.global_batch} over "
-                         f"{cfg.dp_degree} rank(s))")
-
-
 class Bugs:
     """The hooks of RunConfig.bug on one rank; with bug="none" each is what correct code does."""
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import gloo_exit, wire
+from distlab.units import tensor_bytes
 
 
 @dataclass
@@ -51,10 +52,6 @@ class KindStats:
                 "bytes_recv": self.bytes_recv, "seconds": self.seconds,
                 "wire_sent": self.wire_sent if self.wire_calls else None,
                 "wire_calls": self.wire_calls}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; older releases have only
@@ -179,7 +176,7 @@ class Comm:
         return None
 
     def _buffer(self, like: torch.Tensor) -> torch.Tensor:
-        self.buffer_bytes_peak = max(self.buffer_bytes_peak, _nbytes(like))
+        self.buffer_bytes_peak = max(self.buffer_bytes_peak, tensor_bytes(like))
         return torch.empty_like(like)
 
     def note_buffer(self, nbytes: int):
@@ -208,7 +205,7 @@ class Comm:
         elif algorithm == "naive":
             self.naive_all_reduce(t)
         elif algorithm == "torch":
-            n, S = self.world, _nbytes(t)
+            n, S = self.world, tensor_bytes(t)
             self._call("all_reduce", 2 * (n - 1) * S / n, 2 * (n - 1) * S / n,
                        lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group))
         else:
@@ -221,7 +218,7 @@ class Comm:
         """Start summing `t` in place across ranks and return at once. Books the ring's
         2(N-1)/N·S bytes now, under `kind`; the handle's wait() books the seconds blocked.
         Every rank must issue its async collectives in the same order."""
-        n, S = self.world, _nbytes(t)
+        n, S = self.world, tensor_bytes(t)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._add(kind, 2 * (n - 1) * S / n, 2 * (n - 1) * S / n, 0.0)
         return Pending(self, kind, work, t)
@@ -230,7 +227,7 @@ class Comm:
                          kind: str = "all_gather") -> Pending:
         """Start gathering every rank's `t` into `out` (world × t.numel(), flat, rank order).
         Books the ring's (N-1)/N·|out| bytes now; wait() returns `out`."""
-        n, S = self.world, _nbytes(out)
+        n, S = self.world, tensor_bytes(out)
         work = _all_gather_tensor(out, t, group=self.group, async_op=True)
         self._add(kind, (n - 1) * S / n, (n - 1) * S / n, 0.0)
         return Pending(self, kind, work, out)
@@ -239,7 +236,7 @@ class Comm:
                              kind: str = "reduce_scatter") -> Pending:
         """Start summing every rank's `t` (flat, world × out.numel()) and return at once; `out`
         gets this rank's block of the sum. Books the ring's (N-1)/N·|t| bytes now."""
-        n, S = self.world, _nbytes(t)
+        n, S = self.world, tensor_bytes(t)
         work = _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group,
                                       async_op=True)
         self._add(kind, (n - 1) * S / n, (n - 1) * S / n, 0.0)
@@ -247,7 +244,7 @@ class Comm:
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy `t` from group rank `src` to every rank (modeled as a pipelined chain)."""
-        n, S = self.world, _nbytes(t)
+        n, S = self.world, tensor_bytes(t)
         pos = (self.rank - src) % n  # place in the chain src -> src+1 -> ...
         self._call("broadcast", S if pos < n - 1 else 0, S if pos > 0 else 0,
                    lambda: dist.broadcast(t, src=self._global(src), group=self.group))
@@ -255,14 +252,14 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor):
         """out (world × t.numel(), flat) gets every rank's `t`, in rank order."""
-        n, S = self.world, _nbytes(out)
+        n, S = self.world, tensor_bytes(out)
         self._call("all_gather", (n - 1) * S / n, (n - 1) * S / n,
                    lambda: _all_gather_tensor(out, t, group=self.group))
         return out
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum"):
         """out gets this rank's 1/world block of the sum (or mean) of every rank's `t`."""
-        n, S = self.world, _nbytes(t)
+        n, S = self.world, tensor_bytes(t)
         self._call("reduce_scatter", (n - 1) * S / n, (n - 1) * S / n,
                    lambda: _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM,
                                                   group=self.group))
@@ -275,11 +272,11 @@ class Comm:
 
     # -- point to point (counted bytes) -----------------------------------------------------
     def send(self, t: torch.Tensor, dst: int, kind: str = "send"):
-        self._call(kind, _nbytes(t), 0,
+        self._call(kind, tensor_bytes(t), 0,
                    lambda: dist.send(t.contiguous(), dst=self._global(dst), group=self.group))
 
     def recv(self, t: torch.Tensor, src: int, kind: str = "recv", tag: int = 0):
-        self._call(kind, 0, _nbytes(t),
+        self._call(kind, 0, tensor_bytes(t),
                    lambda: dist.recv(t, src=self._global(src), group=self.group, tag=tag))
         return t
 
@@ -291,7 +288,7 @@ class Comm:
         work = dist.isend(t, dst=self._global(dst), group=self.group, tag=tag)
         _IN_FLIGHT.append(work)
         self._unmeasured(kind)
-        self._add(kind, _nbytes(t), 0, 0.0)
+        self._add(kind, tensor_bytes(t), 0, 0.0)
         return work
 
     def _exchange(self, send_t, dst, recv_t, src):
@@ -300,7 +297,7 @@ class Comm:
                 dist.irecv(recv_t, src=self._global(src), group=self.group)]
         for r in reqs:
             r.wait()
-        return _nbytes(send_t), _nbytes(recv_t)
+        return tensor_bytes(send_t), tensor_bytes(recv_t)
 
     # -- all-reduce algorithms built from send/recv ----------------------------------------
     def ring_all_reduce(self, t: torch.Tensor):
@@ -350,14 +347,14 @@ class Comm:
             for src in range(1, n):  # sum in rank order
                 dist.recv(incoming, src=self._global(src), group=self.group)
                 t.add_(incoming)
-                recv += _nbytes(incoming)
+                recv += tensor_bytes(incoming)
             for dst in range(1, n):
                 dist.send(t, dst=self._global(dst), group=self.group)
-                sent += _nbytes(t)
+                sent += tensor_bytes(t)
         else:
             dist.send(t, dst=self._global(0), group=self.group)
             dist.recv(t, src=self._global(0), group=self.group)
-            sent, recv = _nbytes(t), _nbytes(t)
+            sent, recv = tensor_bytes(t), tensor_bytes(t)
         self._add("all_reduce.naive", sent, recv, time.perf_counter() - t0,
                   wire_sent=self._wire_stop("all_reduce.naive", w0))
         return t

@@ -13,7 +13,8 @@ import numbers
 import re
 from dataclasses import dataclass, fields
 
-from distlab.bugs import BUGS
+from distlab import factory
+from distlab.units import DTYPES
 # Each strategy names how the one training loop is parallelised. What a strategy supports, its
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
 from distlab.parallel import STRATEGIES  # noqa: F401  (re-exported: the panel lists them)
@@ -27,9 +28,18 @@ CHECKPOINTING = ("none", "full", "selective")
 ALLREDUCE_ALGORITHMS = ("torch", "ring", "naive")
 DP_GATHERS = ("logits", "loss")
 OPTIMIZERS = ("sgd", "adamw")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(DTYPES)  # "fp32", "bf16", "fp16" (distlab.units)
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+# Training bugs on purpose, for the debugging drills (distlab.bugs says what each does);
+# "none" first: the default
+BUGS = ("none", "shuffled_labels", "zero_init", "no_zero_grad", "loss_not_divided", "same_rows")
+# LoRA's target presets: regexes on module names (distlab.lora); any other value is a regex
+LORA_TARGETS = {
+    "qv": r"attn\.(q|v)$",
+    "attn": r"attn\.(q|k|v|o)$",
+    "attn_mlp": r"(attn\.(q|k|v|o)|mlp\.(fc|proj))$",
+}
 # Injected faults, for the drills that prove the launcher's process safety.
 FAULTS = ("none", "raise", "stall", "kill", "nan",  # nan: a NaN in one weight (distlab.nan)
           "kill_in_save")  # SIGKILL halfway through writing a checkpoint (distlab.checkpoint)
@@ -133,7 +143,7 @@ class RunConfig:
     fault_rank: int = 0
     fault_step: int = 0
     fault_module: str = ""  # fault="nan": the module whose weight gets the NaN ("": first Linear)
-    # debugging drills: a training bug on purpose (distlab.bugs.BUGS), and the measurements
+    # debugging drills: a training bug on purpose (BUGS above), and the measurements
     # that find one (distlab.probe: per-layer gradient norms, update/weight ratios, unit
     # spread, batch fingerprints in every step event; the checks: distlab.diagnose)
     bug: str = "none"
@@ -280,7 +290,6 @@ class RunConfig:
     def _check_model(self):
         """A built-in model, or a model and data factory named by import path (their import
         and a first forward are checked by launch(), distlab.factory.check)."""
-        from distlab import factory
         if not isinstance(self.model, str) or not isinstance(self.data, str):
             raise ValueError(f"model={self.model!r} and data={self.data!r} must be strings")
         if not factory.is_spec(self.model):
@@ -344,15 +353,14 @@ class RunConfig:
             raise ValueError(f"{', '.join(uses_gpt)}: fine-tuning is written for the GPT "
                              f"(model='gpt'), not model={self.model!r}")
         if self.lora_rank:
-            from distlab.lora import TARGETS
             if not self.lora_alpha > 0:
                 raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0")
-            if self.lora_targets not in TARGETS:
+            if self.lora_targets not in LORA_TARGETS:
                 try:
                     re.compile(self.lora_targets)
                 except re.error as e:
                     raise ValueError(f"lora_targets={self.lora_targets!r} is neither a preset "
-                                     f"({', '.join(TARGETS)}) nor a regex: {e}") from None
+                                     f"({', '.join(LORA_TARGETS)}) nor a regex: {e}") from None
         if not 0 <= self.replay < 1:
             raise ValueError(f"replay={self.replay} must be in [0, 1) (a fraction of each batch)")
         if self.ewc_lambda < 0:
@@ -392,8 +400,7 @@ class RunConfig:
                                  f"{', '.join(strategies(supporting=feature)) or 'none'}")
 
     def _check_debugging(self):
-        from distlab import bugs
-        bugs.check(self)  # a bug that would change something under this config
+        _check_bug(self)  # a bug that would change something under this config
         if self.diagnostics and self._features_asked()["loss_scaling"]:
             raise ValueError("diagnostics=True measures gradient norms before the optimizer "
                              "step, where loss scaling leaves them scaled: use loss_scale='none' "
@@ -521,3 +528,21 @@ def _choice(name, value, choices):
 def _positive_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_bug(cfg) -> None:
+    """Refuse a bug that would change nothing under this config, or that a checkpoint could
+    not resume (the name is already one of BUGS)."""
+    if cfg.bug == "no_zero_grad" and (cfg.checkpoint_every or cfg.resume_from):
+        raise ValueError("bug='no_zero_grad' carries gradients from step to step, which "
+                         "checkpoints do not hold: set checkpoint_every=0 and resume_from=''")
+    if cfg.bug == "loss_not_divided" and cfg.grad_accum < 2:
+        raise ValueError("bug='loss_not_divided' leaves out the division by grad_accum: set "
+                         f"grad_accum >= 2 (got {cfg.grad_accum}, where dividing changes nothing)")
+    if cfg.bug == "same_rows" and cfg.dp_degree < 2:
+        raise ValueError("bug='same_rows' makes every rank read rank 0's rows: it needs "
+                         f"world_size >= 2 (got {cfg.world_size})")
+    if cfg.bug == "shuffled_labels" and cfg.local_batch < 2:
+        raise ValueError("bug='shuffled_labels' gives each row another row's targets: it needs "
+                         f"at least 2 rows per rank (global_batch={cfg.global_batch} over "
+                         f"{cfg.dp_degree} rank(s))")

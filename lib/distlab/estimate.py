@@ -2,7 +2,7 @@
 
 Every function returns **bytes**. To print, divide by a unit and say which:
 
-    GB  = 1e9     decimal; the ZeRO paper (Rajbhandari et al. 2020) reports GB = 1e9 bytes
+    GB  = 1e9     (distlab.units) decimal; the ZeRO paper (Rajbhandari et al. 2020) reports GB = 1e9 bytes
                   (7.5B parameters x 16 bytes = 120 GB), and so do Korthikanti et al. 2022
     GiB = 2**30   binary; what tools on a machine (and distlab's figures, in MiB) show
 
@@ -42,7 +42,8 @@ Sources, and what each formula here reproduces (tests/test_estimate.py checks ev
 
 A notebook's "textbook vs measured" table:
 
-    from distlab.estimate import estimate_run, zero_table, GB, MiB
+    from distlab.estimate import estimate_run, zero_table
+    from distlab.units import GB, MiB
     zero_table(7.5e9, 64)                  # {stage: bytes}: 120e9, 31.4e9, 16.6e9, 1.9e9
     estimate_run(cfg)                      # {params, grads, optim, activations} for rank 0
     run.history("step")[-1]["memory"]      # what the rank measured, same keys
@@ -52,19 +53,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-GB = 1e9  # decimal gigabyte: the ZeRO paper's unit (and Korthikanti et al.'s)
-GiB = 2**30  # binary gibibyte
-MB = 1e6
-MiB = 2**20
-
-
-def to_gb(nbytes: float) -> float:
-    return nbytes / GB
-
-
-def to_gib(nbytes: float) -> float:
-    return nbytes / GiB
 
 
 # -- model states: the ZeRO paper ----------------------------------------------------------
@@ -86,7 +74,6 @@ MIXED_ADAM = BytesPerParam(2, 2, 12)
 # Plain fp32 training with Adam(W): momentum and variance only (the params are the master copy).
 FP32_ADAM = BytesPerParam(4, 4, 8)
 FP32_SGD = BytesPerParam(4, 4, 0)  # SGD without momentum keeps no state
-FP32_SGD_MOMENTUM = BytesPerParam(4, 4, 4)
 
 STAGES = {0: "plain DP", 1: "P_os (ZeRO-1)", 2: "P_os+g (ZeRO-2)", 3: "P_os+g+p (ZeRO-3)"}
 OFFLOADABLE = ("params", "grads", "optim")

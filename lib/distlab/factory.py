@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from distlab.dataset import MarkovData
+from distlab.modules import name_matches
 
 _SPEC = re.compile(r"^(?P<where>[^:]+):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -147,7 +148,6 @@ def _check_tp_plan(cfg, model) -> None:
     """strategy="tp" splits your model by the plan it carries: `model.tp_plan`, a dict of
     module-name patterns to distlab.ColwiseParallel() / RowwiseParallel() / SequenceParallel(),
     what distlab.parallelize_module takes. Each pattern must name a module."""
-    from distlab.parallel.tensor.tp import name_matches
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict) or not plan:
         raise ValueError(f"model={cfg.model!r} under strategy='tp': the model needs a tp_plan "

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-MiB = 2**20
+from distlab.units import MiB
+
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False): nothing was measured"
 
 

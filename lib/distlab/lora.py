@@ -47,12 +47,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.config import LORA_TARGETS
+
 # Module-name patterns (re.search on the full name) of the target presets.
-TARGETS = {
-    "qv": r"attn\.(q|v)$",
-    "attn": r"attn\.(q|k|v|o)$",
-    "attn_mlp": r"(attn\.(q|k|v|o)|mlp\.(fc|proj))$",
-}
 
 
 class LoRALinear(nn.Module):
@@ -111,8 +108,8 @@ class LoRALinear(nn.Module):
 
 # -- injection ---------------------------------------------------------------------------------
 def target_pattern(targets: str) -> str:
-    """A preset's regex (TARGETS), or `targets` itself taken as a regex on module names."""
-    return TARGETS.get(targets, targets)
+    """A preset's regex (LORA_TARGETS), or `targets` itself taken as a regex on module names."""
+    return LORA_TARGETS.get(targets, targets)
 
 
 def find_targets(model: nn.Module, targets: str) -> list[tuple[str, nn.Linear]]:
@@ -197,6 +194,3 @@ def trainable_parameters(model: nn.Module) -> int:
     """Measured: values of the parameters with requires_grad=True."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-
-def total_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

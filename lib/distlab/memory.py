@@ -33,13 +33,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from distlab.units import tensor_bytes
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 PEAK_LABEL = ("peak bytes allocated by aten ops in the step: the CPU stand-in for "
               "torch.cuda.max_memory_allocated; misses buffers made inside gloo")
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer=None) -> dict:

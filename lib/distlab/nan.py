@@ -36,6 +36,8 @@ import warnings
 import torch
 import torch.nn as nn
 
+from distlab.modules import find_module, tensors_in
+
 
 class NonFiniteError(FloatingPointError):
     """A loss, activation or gradient went inf/NaN. Fields: step, phase, module, detail."""
@@ -45,18 +47,6 @@ class NonFiniteError(FloatingPointError):
         where = f"step {step}" if step is not None else "an unknown step"
         super().__init__(f"non-finite values at {where} in {phase}: first in module "
                          f"{module!r} ({detail})")
-
-
-def tensors_in(x):
-    """The tensors in a module's inputs or outputs (nested tuples, lists and dicts)."""
-    if torch.is_tensor(x):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from tensors_in(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from tensors_in(v)
 
 
 def _local(t):
@@ -166,7 +156,6 @@ def default_fault_module(model: nn.Module) -> str:
 def poison(model: nn.Module, name: str = "", value: float = float("nan")) -> str:
     """Write `value` into the first entry of module `name`'s weight (the "nan" fault drill).
     Returns the module's name."""
-    from distlab.precision import find_module
 
     name = name or default_fault_module(model)
     full, module = find_module(model, name)

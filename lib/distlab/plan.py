@@ -67,8 +67,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from distlab.comm import LINKS, Link, ring_allreduce_time
-from distlab.estimate import (GB, MIXED_ADAM, BytesPerParam, korthikanti_layer_activation_bytes,
+from distlab.estimate import (MIXED_ADAM, BytesPerParam, korthikanti_layer_activation_bytes,
                               narayanan_params, zero_model_states)
+from distlab.units import GB
 
 A100_BF16_FLOPS = 312e12  # NVIDIA A100 datasheet: bf16 tensor core, dense
 H100_BF16_FLOPS = 989e12  # NVIDIA H100 SXM datasheet: bf16 tensor core, dense

@@ -46,8 +46,9 @@ import functools
 import torch
 import torch.nn as nn
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from distlab.modules import find_module
+from distlab.units import DTYPES
+
 
 
 # -- loss scaling --------------------------------------------------------------------------------
@@ -172,21 +173,6 @@ def finish_step(strategy, model, optimizer, scaler: DynamicLossScaler | None,
 
 
 # -- fp32 islands (selective precision) ------------------------------------------------------
-def find_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
-    """The module called `name` (also under a wrapper's prefix, e.g. "module.head")."""
-    modules = dict(model.named_modules())
-    if name in modules:
-        return name, modules[name]
-    hits = [n for n in modules if n.endswith("." + name)]
-    if len(hits) == 1:
-        return hits[0], modules[hits[0]]
-    top = [n for n, _ in model.named_children()]
-    raise ValueError(f"no module named {name!r} in {type(model).__name__}"
-                     + (f" (ambiguous: {hits})" if hits else "")
-                     + f"; its top-level modules are: {', '.join(top)} (nest with dots, e.g. "
-                     "'blocks.0.mlp')")
-
-
 def _to_fp32(x):
     if torch.is_tensor(x) and x.is_floating_point() and x.dtype != torch.float32:
         return x.float()

@@ -27,10 +27,11 @@ import re
 import shutil
 import time
 
+from distlab.units import MiB
+
 RUN_DIR = re.compile(r"^\d{8}-\d{6}-.+-[0-9a-f]{6}$")  # launch.new_run_dir's names
 KEEP_RUNS_ENV, KEEP_MB_ENV = "DISTLAB_KEEP_RUNS", "DISTLAB_KEEP_MB"
 DEFAULT_KEEP_RUNS, DEFAULT_KEEP_MB = 100, 500
-MiB = 2**20
 
 
 def folder_bytes(path: str) -> int:

@@ -35,13 +35,15 @@ from distlab.forgetting import FineTuning, load_init_from
 from distlab.lora import inject_lora
 from distlab.drills import Drills
 from distlab.models import GPT, GPTConfig
+from distlab.models.bnnet import build_bnnet
 from distlab.nan import NanDetector
 from distlab.parallel import make_strategy
+from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
 from distlab.precision import apply_fp32_modules, finish_step, make_loss_scaler, resolve_loss_scale
 from distlab.probe import Probe
 from distlab.step_meter import StepMeter
+from distlab.units import dtype_of
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_optimizer(cfg: RunConfig, params):
@@ -53,19 +55,14 @@ def build_optimizer(cfg: RunConfig, params):
 def autocast(cfg: RunConfig, device: torch.device):
     if cfg.precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[cfg.precision])
+    return torch.autocast(device.type, dtype=dtype_of(cfg.precision))
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
-    if factory.is_spec(cfg.model):  # the user's own (distlab.factory)
-        model = factory.build_model(cfg)
-        if cfg.sync_bn:
-            from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
-            model = convert_sync_batchnorm(model)
-        return model
-    if cfg.model == "bnnet":
-        from distlab.models.bnnet import build_bnnet
-        return build_bnnet(cfg)
+    if factory.is_spec(cfg.model) or cfg.model == "bnnet":
+        model = factory.build_model(cfg) if cfg.model != "bnnet" else build_bnnet(cfg)
+        # BatchNorm statistics over the global batch (distlab.parallel.data_parallel.syncbn)
+        return convert_sync_batchnorm(model) if cfg.sync_bn else model
     model = GPT(GPTConfig.from_run(cfg))
     if cfg.init_from:  # pre-trained weights, before adapters and wrapping (distlab.forgetting)
         load_init_from(model, cfg.init_from)

@@ -10,7 +10,7 @@ tests (tests/test_zero_memory.py) reproduce the rows that page and Hugging Face
 Transformers' DeepSpeed guide publish, to the 2 decimals DeepSpeed prints.
 
 Units. Every function returns **bytes**. DeepSpeed prints bytes / 2**30 with the label
-"GB": that is GiB (distlab.estimate.GiB), not the ZeRO paper's GB = 1e9. `report()` keeps
+"GB": that is GiB (distlab.units.GiB), not the ZeRO paper's GB = 1e9. `report()` keeps
 DeepSpeed's label so its output can be compared line by line; `rows()` says GiB.
 
 Terms (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
@@ -65,7 +65,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
-from distlab.estimate import GiB
+from distlab.units import GiB
 
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor: a margin on every CPU figure
 FP16 = 2      # bytes of an fp16 parameter (or gradient)

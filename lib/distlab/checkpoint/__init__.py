@@ -56,8 +56,9 @@ Where each part lives:
 
     store.py        the on-disk format: finding, verifying, reading and committing checkpoints,
                     and which configs may resume which (check_compatible)
-    state.py        what a rank's state is made of: RNG states, DCP's flat-shard DTensors,
-                    buffers; each strategy's checkpoint_state/load_checkpoint_state uses these
+    state.py        what a rank's state is made of besides its strategy's: RNG states, the
+                    loss scaler (the strategy's side, DCP's flat-shard DTensors and buffers,
+                    is distlab.parallel.state: checkpoint/ reads parallel/, never the reverse)
     preemption.py   SIGTERM as a preemption notice
     checkpointer.py the training loop's side: save when due, restore at the start
     distlab.resume  the caller's side: launch a run again from its checkpoint

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from distlab.config import RunConfig
 from distlab.parallel import strategies, strategy_class
+from distlab.parallel.state import CheckpointError
 
 META, STATE, RNG_DIR, DCP_DIR = "meta.json", "state.pt", "rng", "dcp"
 FORMAT_VERSION = 1
@@ -35,10 +36,6 @@ MAY_CHANGE = frozenset({
     "fault", "fault_rank", "fault_step", "checkpoint_every", "keep_last", "checkpoint_dir",
     "resume_from", "eval_every", "save_final", "fault_module", "pp_op_delay_s"})
 _NAME = re.compile(r"^step_(\d{6,})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupt, or written by an incompatible run."""
 
 
 # -- finding checkpoints ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import optuna
 
 from distlab import RunConfig
-from distlab.estimate import MiB, estimate_run, gpt_params_of
+from distlab.estimate import estimate_run, gpt_params_of
 from distlab.lab.hp_search import BASE
 from distlab.lab.search import (
     completed,
@@ -38,6 +38,7 @@ from distlab.lab.search import (
 )
 from distlab.launch import new_run_dir, runs_root
 from distlab.retention import run_folders
+from distlab.units import MiB
 
 # n_head 3 divides only n_embd 48: the other widths' trials with 3 heads are invalid configs,
 # refused by RunConfig's own check (each rank of attention needs whole heads)

@@ -1,7 +1,7 @@
 """What every notebook companion shares: units, palettes and tables.
 
-Units are binary (KiB = 2^10 bytes, MiB = 2^20 from distlab.estimate), as torch's and the
-kernel's memory counters are; the papers' decimal GB (10^9) is distlab.estimate's too.
+Units are distlab.units': binary (KiB = 2^10 bytes, MiB = 2^20), as torch's and the kernel's
+memory counters are; the papers' decimal GB (10^9) is there too.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import html
 import math
 
-from distlab.estimate import GiB, MiB  # noqa: F401  (re-exported: the notebooks' units)
-
-KiB = 2**10
+from distlab.units import GiB, KiB, MiB  # noqa: F401  (re-exported: the notebooks' units)
 
 # One colour per run or configuration, in the order they are drawn (the last is a neutral grey).
 RUN_COLORS = ("#1f5fbf", "#e8590c", "#2b8a3e", "#c2255c", "#6741d9", "#0b7285", "#5c3c00",

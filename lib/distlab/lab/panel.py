@@ -683,8 +683,6 @@ def _leave_static_copy(dash: LiveDashboard, handle):
     shell.events.register("post_run_cell", at_cell_end)
 
 
-show_run = watch
-
 
 # -- the control panel ---------------------------------------------------------------------------
 # Which knobs a strategy reads is the registry's to say (distlab.parallel.reads: KNOBS, each

@@ -27,10 +27,11 @@ from plotly.subplots import make_subplots
 from distlab.lab import common, panel as lab
 from distlab.comm import ring_allreduce_bytes
 from distlab.config import RunConfig
-from distlab.estimate import (FP32_ADAM, FP32_SGD, GB, STAGES, BytesPerParam, estimate_run,
-                       gpt_activation_bytes, gpt_params_of, zero_model_states)
+from distlab.estimate import (FP32_ADAM, FP32_SGD, STAGES, BytesPerParam, estimate_run,
+                              gpt_activation_bytes, gpt_params_of, zero_model_states)
 from distlab.launch import launch
 from distlab.parallel import strategy_class
+from distlab.units import GB
 from distlab.run import Run
 from distlab.step_event import comm, memory
 

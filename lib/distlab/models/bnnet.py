@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.dataset import cluster_data
+
 
 class BNNet(nn.Module):
     def __init__(self, features: int = 16, classes: int = 4, hidden: int = 64,
@@ -38,12 +40,6 @@ class BNNet(nn.Module):
 def build_bnnet(cfg) -> nn.Module:
     """The BatchNorm net for a RunConfig: inputs and classes from its ClusterData (cfg.extra
     "features", "classes"), hidden width cfg.n_embd, cfg.hidden_layers hidden
-    layers. With cfg.sync_bn its BatchNorm layers are distlab's SyncBatchNorm."""
-    from distlab.dataset import cluster_data
-
+    layers. (cfg.sync_bn is applied to it, as to any model, where the rank builds it.)"""
     data = cluster_data(cfg)
-    model = BNNet(data.features, data.classes, cfg.n_embd, cfg.hidden_layers)
-    if cfg.sync_bn:
-        from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
-        model = convert_sync_batchnorm(model)
-    return model
+    return BNNet(data.features, data.classes, cfg.n_embd, cfg.hidden_layers)

@@ -64,10 +64,10 @@ import torch
 from torch import nn
 
 from distlab.comm import Comm, Pending
-from distlab.estimate import MiB
 from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.compression import TopK
 from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.units import MiB
 
 
 def assign_buckets(sizes: list[int], cap_bytes: float) -> list[list[int]]:

@@ -56,13 +56,10 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from distlab.parallel.base import Strategy
+from distlab.units import tensor_bytes
 
 GATHER_MODES = ("logits", "loss")
 KINDS = ("broadcast", "scatter", "gather", "grad_scatter", "reduce_add")
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if t is not None else 0
 
 
 class _Stats:
@@ -105,7 +102,7 @@ class _Broadcast(Function):
                     out.append(t.view_as(t))
                 else:
                     out.append(t.clone())
-                    stats.move("broadcast", 0, i, _nbytes(t))
+                    stats.move("broadcast", 0, i, tensor_bytes(t))
         stats.add_time("replicate_s", time.perf_counter() - t0)
         return tuple(out)
 
@@ -121,7 +118,7 @@ class _Broadcast(Function):
                 if g is None:
                     continue
                 if i > 0:
-                    stats.move("reduce_add", i, 0, _nbytes(g))
+                    stats.move("reduce_add", i, 0, tensor_bytes(g))
                 total = g.clone() if total is None else total.add_(g)
             summed.append(total)
         t1 = time.perf_counter()
@@ -143,7 +140,7 @@ class _Gather(Function):
         ctx.scalar = outputs[0].dim() == 0
         ctx.sizes = [1 if ctx.scalar else o.shape[0] for o in outputs]
         for i, o in enumerate(outputs[1:], start=1):
-            stats.move("gather", i, 0, _nbytes(o))
+            stats.move("gather", i, 0, tensor_bytes(o))
         out = torch.stack(outputs) if ctx.scalar else torch.cat(outputs, 0)
         stats.add_time("gather_s", time.perf_counter() - t0)
         return out
@@ -160,7 +157,7 @@ class _Gather(Function):
                 g = g.reshape(())
             if i > 0:
                 g = g.clone()
-                stats.move("grad_scatter", 0, i, _nbytes(g))
+                stats.move("grad_scatter", 0, i, tensor_bytes(g))
             out.append(g)
         stats.add_time("grad_scatter_s", time.perf_counter() - t0)
         return (None, *out)
@@ -252,7 +249,7 @@ class DataParallelModule(nn.Module):
                     m._buffers[k] = b  # replica 0 updates the real running statistics
                 else:
                     m._buffers[k] = b.clone()
-                    self._stats.move("broadcast", 0, i, _nbytes(b))
+                    self._stats.move("broadcast", 0, i, tensor_bytes(b))
             self._replicas[i].train(self.training)
         self._stats.add_time("replicate_s", time.perf_counter() - t0)
         return copies
@@ -265,7 +262,7 @@ class DataParallelModule(nn.Module):
             for i, block in enumerate(t.chunk(self.n, 0)):
                 if i > 0:
                     block = block.clone()
-                    self._stats.move("scatter", 0, i, _nbytes(block))
+                    self._stats.move("scatter", 0, i, tensor_bytes(block))
                 out[i].append(block)
         self._stats.add_time("scatter_s", time.perf_counter() - t0)
         return out
@@ -366,7 +363,7 @@ class DataParallel(Strategy):
         self.param_bytes = 0
 
     def wrap(self, model):
-        self.param_bytes = sum(_nbytes(p) for p in model.parameters())
+        self.param_bytes = sum(tensor_bytes(p) for p in model.parameters())
         return DataParallelModule(model, self.n, self.stats, threads=self.threads,
                                   gather=self.gather)
 

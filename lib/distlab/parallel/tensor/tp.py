@@ -31,7 +31,6 @@ plan replaces modules from outside by name.
 
 from __future__ import annotations
 
-import fnmatch
 import weakref
 
 import torch
@@ -39,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.comm import Comm
+from distlab.modules import name_matches
 from distlab.parallel.base import Strategy
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
@@ -430,11 +430,6 @@ def _match(module, plan) -> list[tuple[str, object]]:
             owner[n] = pattern
             out.append((n, style))
     return out
-
-
-def name_matches(name: str, pattern: str) -> bool:
-    parts, pats = name.split("."), pattern.split(".")
-    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
 
 
 class _PartialGrads:

@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from distlab.comm import Comm
-from distlab.nan import tensors_in
+from distlab.modules import tensors_in
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.zero.optimizer import ShardedGradients, Unit, claim

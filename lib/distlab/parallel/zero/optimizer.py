@@ -58,6 +58,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distlab.comm import Comm, Pending
+from distlab.units import tensor_bytes
 
 
 # -- units: flat padded buffers and their shards -------------------------------------------------
@@ -180,10 +181,6 @@ def _refuse_outside_step(optimizer, args, kwargs):
 
 
 # -- the gradient path: units, their hooks, the reduce-scatters ---------------------------------
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class ShardedGradients:
     """The units of ZeRO-1/2/3 and their gradient path (the module docstring's step()): a hook
     per parameter, the reduce-scatters into each unit's grad_shard, no_sync, zero_grad.
@@ -243,7 +240,7 @@ class ShardedGradients:
         self._open_backward()
         if u.grad_full is None:
             u.grad_full = u.new_grad_full()
-            self._track_grads(_nbytes(u.grad_full))
+            self._track_grads(tensor_bytes(u.grad_full))
         u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
         p.grad = None
         u.waiting -= 1
@@ -285,7 +282,7 @@ class ShardedGradients:
             self._finish_reduce(self._inflight.pop(0))
         if u.grad_full is None:  # no gradient reached this unit: it contributes zeros
             u.grad_full = u.new_grad_full()
-            self._track_grads(_nbytes(u.grad_full))
+            self._track_grads(tensor_bytes(u.grad_full))
         # into grad_shard itself, unless a second backward adds to it or the dtypes differ
         direct = not u.reduced and u.grad_full.dtype == u.grad_shard.dtype
         u.reduce_out = u.grad_shard if direct else u.grad_shard.new_empty(
@@ -298,7 +295,7 @@ class ShardedGradients:
         u.reduce_out.div_(self.world)  # the sum over ranks -> the global batch's mean
         if u.reduce_out is not u.grad_shard:  # grad_shard is zero after zero_grad
             u.grad_shard.add_(u.reduce_out)
-        self._track_grads(-_nbytes(u.grad_full))
+        self._track_grads(-tensor_bytes(u.grad_full))
         u.reduce = u.reduce_out = u.grad_full = None
         u.reduced = True
 
@@ -333,7 +330,7 @@ class ShardedGradients:
             if p.grad is not None:
                 if u.grad_full is None:
                     u.grad_full = u.new_grad_full()
-                    self._track_grads(_nbytes(u.grad_full))
+                    self._track_grads(tensor_bytes(u.grad_full))
                 u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
                 p.grad = None
 
@@ -362,7 +359,7 @@ class ShardedGradients:
                 self._attach_views(u)
             else:
                 if u.grad_full is not None:  # local gradients of a no_sync backward
-                    self._track_grads(-_nbytes(u.grad_full))
+                    self._track_grads(-tensor_bytes(u.grad_full))
                 u.grad_full, u.reduced = None, False
                 u.grad_shard.zero_()
                 for p in u.params:

@@ -106,6 +106,9 @@ from distlab.parallel.data_parallel.allreduce import broadcast_buffers, read_bat
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.zero.fsdp import FullyShard, MixedPrecisionPolicy, find_units, fully_shard
 from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401 (tests)
+from distlab.parallel.state import (CheckpointError, flat_shard, materialize_optimizer_state,
+                                     persistent_buffers)
+from distlab.units import dtype_of
 
 
 def _storage_bytes(tensors) -> int:
@@ -121,15 +124,10 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     """RunConfig's param_dtype and reduce_dtype as fully_shard's policy (fp32: no cast)."""
-    param = _DTYPES[cfg.param_dtype]
-    reduce = _DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else param
-    if cfg.reduce_dtype == "fp32":
-        reduce = torch.float32
+    param = None if cfg.param_dtype == "fp32" else dtype_of(cfg.param_dtype)  # fp32: no cast
+    reduce = dtype_of(cfg.reduce_dtype) if cfg.reduce_dtype else param
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
@@ -272,9 +270,6 @@ class ZeRO(Strategy):
         slices of the unit's unpadded flat vector (our shard r is DTensor's chunk r: both cut
         ceil(n/N) entries per rank), so DCP can re-cut them for another world size; plus what
         every rank holds whole (LoRA's frozen base, buffers). Views: DCP loads into them."""
-        from distlab.checkpoint.state import (flat_shard, materialize_optimizer_state,
-                                              persistent_buffers)
-        from distlab.checkpoint.store import CheckpointError
         if for_load:
             materialize_optimizer_state(optimizer)  # tensors for DCP to fill
             optimizer.zero_grad()  # that step's (zero) gradients are not the next step's

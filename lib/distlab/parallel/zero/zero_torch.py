@@ -42,9 +42,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.ddp_torch import TorchDDP
+from distlab.parallel.state import persistent_buffers
 from distlab.parallel.zero.zero import find_units
+from distlab.units import dtype_of, tensor_bytes
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(tensors) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+    return sum(tensor_bytes(t) for t in tensors)
 
 
 def local_state_bytes(model, optim_state: dict) -> dict:
@@ -129,7 +130,7 @@ class TorchFSDP(Strategy):
             for t in list(model.parameters()) + list(model.buffers()):
                 self.comm.broadcast(t.data, src=0)
         mesh = init_device_mesh(device.type, (self.world,))
-        dtype = _DTYPES.get(self.cfg.precision)
+        dtype = None if self.cfg.precision == "fp32" else dtype_of(self.cfg.precision)
         kwargs = {"mesh": mesh,
                   "mp_policy": (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
                                 if dtype else MixedPrecisionPolicy()),
@@ -173,7 +174,6 @@ class TorchFSDP(Strategy):
         torch creates the optimizer state to fill)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from distlab.checkpoint.state import persistent_buffers
         state = {f"model/{n}": p.detach() for n, p in model.named_parameters()}
         state.update({f"buffer/{n}": b for n, b in persistent_buffers(model).items()})
         if optimizer.state or for_load:

@@ -41,7 +41,7 @@ def time_strategies(rank, world, device, log, cfg_dicts: list, repeats: int, war
     the step times, bytes sent per step and (ddp) overlap fractions of the steps after warmup."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
-    from distlab.train import train
+    from distlab.rank.train import train
 
     out = {d["strategy"]: {"step_s": [], "per_repeat": [], "bytes": [], "overlap": [],
                            "buckets": []} for d in cfg_dicts}

@@ -4,16 +4,16 @@
         [--n-layer L --n-embd H --n-head A --seq-len S --batch B]
     .venv/bin/python benchmarks/gpu.py --device cpu --tiny      # the code path, on a CPU
 
-One process, no launch: the library's GPT, AdamW and autocast (distlab.train), trained on
+One process, no launch: the library's GPT, AdamW and autocast (distlab.rank.train), trained on
 random tokens made on the device, first in fp32 then in bf16 autocast, one model at a time
-(distlab.gpu.time_training). The model fills the GPU: the largest GPT of width 2048 (16
-heads, 1024-token rows, vocabulary 32768) whose fp32 estimate (distlab.estimate: model
+(distlab.studies.gpu.time_training). The model fills the GPU: the largest GPT of width 2048 (16
+heads, 1024-token rows, vocabulary 32768) whose fp32 estimate (distlab.theory.estimate: model
 states and activations) fits in 55% of the free memory torch.cuda.mem_get_info() reports
-(distlab.gpu.pick_gpt); the flags override it.
+(distlab.studies.gpu.pick_gpt); the flags override it.
 
 Per precision it prints the median step time, tokens/s, achieved model FLOP/s (6N + 12·L·h·s
 per token: Kaplan et al. 2020 for 6N, PaLM's Appendix B and nanoGPT's estimate_mfu for the
-attention term; distlab.gpu), MFU against the datasheet's dense peak (H100 SXM and H200: bf16
+attention term; distlab.studies.gpu), MFU against the datasheet's dense peak (H100 SXM and H200: bf16
 989 TFLOP/s, fp32 67, from NVIDIA's H100 and H200 datasheets), and
 torch.cuda.max_memory_allocated over the timed steps. Then the targets:
 
@@ -32,8 +32,9 @@ import sys
 import torch
 
 from distlab import RunConfig
-from distlab import gpu as G
-from distlab.estimate import gpt_params_of
+from distlab.studies import gpu as G
+from distlab.theory import flops as F
+from distlab.theory.estimate import gpt_params_of
 
 TARGET_SPEEDUP = 2.0
 TARGET_MFU = 0.40
@@ -89,8 +90,8 @@ def main() -> int:
           f"{cfg.global_batch} rows x {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}, "
           f"{psi:,} parameters ({chosen}); AdamW; {args.steps} timed steps after "
           f"{args.warmup} warm-up")
-    print(f"model FLOPs per token 6N + 12·L·h·s = {G.train_flops_per_token(cfg):.3e} "
-          f"(N = {G.matmul_params(cfg):,} multiplying parameters)")
+    print(f"model FLOPs per token 6N + 12·L·h·s = {F.train_flops_per_token(cfg):.3e} "
+          f"(N = {F.matmul_params(cfg):,} multiplying parameters)")
 
     rows = {}
     for precision in ("fp32", "bf16"):

@@ -5,12 +5,12 @@ of the default model takes.
 
 For 1, 2, 4 and 8 ranks: the time from calling `launch(cfg)` until the first "step" event is
 visible in the caller (`run.history("step")` non-empty; the run's monitor thread reads the event
-logs every distlab.run.POLL_S = 0.1 s, so that is the resolution). It covers starting the
+logs every distlab.caller.run.POLL_S = 0.1 s, so that is the resolution). It covers starting the
 processes, rendezvous, building the model and data, and one training step. 1 rank runs strategy
 "single", the others "allreduce".
 
     cold   the first launch of a fresh Python process (a kernel's first Run): it starts the fork
-           server, which imports torch and distlab once (distlab.launch.rank_context); one
+           server, which imports torch and distlab once (distlab.caller.launch.rank_context); one
            fresh process per figure, median over --repeats
     warm   every later launch in the same process: ranks are forked from that server, with
            torch already imported; median over --repeats

@@ -10,7 +10,7 @@ step (none, selective, full, none, ...) so drift in the machine's load falls on 
 first steps are dropped. Per mode it prints:
 
   activations  ActivationMeter's bytes kept for backward, beside
-               distlab.estimate.gpt_activation_bytes (they must be equal)
+               distlab.theory.estimate.gpt_activation_bytes (they must be equal)
   peak         PeakMemoryTracker's peak bytes allocated in a step (aten allocations; params,
                grads, optimizer state and the transient tensors of backward included)
   step ms      median step time, and its ratio to no checkpointing: the recompute cost
@@ -30,11 +30,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab import RunConfig
-from distlab.dataset import make_data
-from distlab.estimate import gpt_activation_bytes
+from distlab.data.dataset import make_data
+from distlab.theory.estimate import gpt_activation_bytes
 from distlab.units import MiB
 from distlab.memory import ActivationMeter, PeakMemoryTracker
-from distlab.train import build_model, build_optimizer
+from distlab.rank.build import build_model, build_optimizer
 
 MODES = ("none", "selective", "full")
 

@@ -46,7 +46,7 @@ def measure_bubbles(rank, world, device, log, cfg_dicts: list, warmup: int):
     measured bubble and step time of each step after warmup."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
-    from distlab.train import train
+    from distlab.rank.train import train
 
     out = {}
     for d in cfg_dicts:

@@ -38,7 +38,7 @@ def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup
     name) the step times and bytes sent after warmup and each repeat's median."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
-    from distlab.train import train
+    from distlab.rank.train import train
 
     out = {d["name"]: {"step_s": [], "per_repeat": [], "bytes": []} for d in cfg_dicts}
     for rep in range(repeats):

@@ -42,7 +42,7 @@ def time_configs(rank, world, device, log, cfg_dicts: list, repeats: int, warmup
     (by its name) the step events after warmup and each repeat's median."""
     from distlab.config import RunConfig
     from distlab.events import StepRecorder
-    from distlab.train import train
+    from distlab.rank.train import train
 
     out = {d["name"]: {"steps": [], "per_repeat": []} for d in cfg_dicts}
     for rep in range(repeats):

@@ -28,8 +28,9 @@ from distlab.comm import Comm
 from distlab.events import LogTail, rank_log_path
 from distlab.lab.checkpoints_and_faults import attempts, torchrun
 from distlab.parallel import make_strategy
-from distlab.precision import make_loss_scaler
-from distlab.train import build_model, build_optimizer, train_with_state
+from distlab.rank.precision import make_loss_scaler
+from distlab.rank.train import train_with_state
+from distlab.rank.build import build_model, build_optimizer
 
 # A tiny GPT, SGD, fp32: steps cost milliseconds, so the tests measure the checkpoints.
 TINY = RunConfig(strategy="ddp", world_size=2, steps=8, global_batch=8, seq_len=16, n_layer=2,
@@ -165,7 +166,7 @@ def test_preempted_job_saves_leaves_and_resumes_exactly_with_adamw_and_the_loss_
 
 
 def load_here_save_again_and_train_on(rank, world, device, log, cfg_dicts, copy_to):
-    """In each rank, per config: build the strategy as distlab.train does, restore resume_from
+    """In each rank, per config: build the strategy as distlab.rank.train does, restore resume_from
     at this world size and save it again under copy_to; then train the rest of the run from the
     checkpoint (train_with_state)."""
     out = []

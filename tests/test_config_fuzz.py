@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from distlab import RunConfig, launch
-from distlab.run import RunError
+from distlab.caller.run import RunError
 
 BASE = dict(steps=2, global_batch=4, seq_len=8, n_layer=1, n_embd=16, n_head=2, timeout_s=30)
 FIELDS = [f.name for f in dataclasses.fields(RunConfig)

@@ -3,7 +3,7 @@ moves the bytes the ring formula says, once per optimizer step, in the buckets b
 for, and starts communicating before backward ends.
 
 Launches: one `single` run, then one launch per world size (2 and 4) that trains every DDP
-config in turn (distlab.train.train_with_state); the bucket timelines come from the launch's
+config in turn (distlab.rank.train.train_with_state); the bucket timelines come from the launch's
 event log.
 
 Tolerance: atol=1e-5 on every parameter after 10 SGD steps in float32, as in
@@ -25,7 +25,7 @@ from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.data_parallel.compression import TopK, topk_bytes_per_rank, topk_count
 from distlab.parallel.data_parallel.ddp import MiB, assign_buckets, overlap_fraction
-from distlab.train import train_with_state
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,

@@ -1,4 +1,4 @@
-"""Debugging drills: each injected bug (distlab.bugs) is caught by its check (distlab.diagnose)
+"""Debugging drills: each injected bug (distlab.debug.bugs) is caught by its check (distlab.debug.diagnose)
 in a real multi-process run, each fix passes every check (no false alarm), and the pieces the
 checks stand on (the unigram entropy, the hooks, the probe's measures, RunConfig's refusals)
 are right on their own.
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from distlab import RunConfig
-from distlab.bugs import Bugs
-from distlab.dataset import MarkovData
-from distlab.diagnose import Trace, findings, gradient_growth, symmetry, unigram
-from distlab.probe import fingerprint, unit_spread
+from distlab.debug.bugs import Bugs
+from distlab.data.dataset import MarkovData
+from distlab.debug.diagnose import Trace, findings, gradient_growth, symmetry, unigram
+from distlab.debug.probe import fingerprint, unit_spread
 
 STEPS = 30
 
@@ -142,7 +142,7 @@ def test_no_finding_on_a_clean_run(runs, name):
 @pytest.mark.slow
 def test_the_fixes_measured(runs):
     """The numbers behind each fix, as the notebook states them."""
-    from distlab.diagnose import Trace, matches_reference
+    from distlab.debug.diagnose import Trace, matches_reference
     losses = runs["exploding gradients"].losses()
     clipped = runs["clipped"].losses()
     assert not math.isfinite(losses[-1]) and all(map(math.isfinite, clipped))

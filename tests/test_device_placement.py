@@ -1,14 +1,15 @@
-"""Where ranks run and which backend they use (distlab.launch.place_rank), decided for any
+"""Where ranks run and which backend they use (distlab.caller.launch.place_rank), decided for any
 number of GPUs without one: the rule the GPU tests (tests/gpu) then check on a real GPU. And
-distlab.gpu's arithmetic (model FLOPs, datasheet peaks), which needs no GPU either."""
+distlab.studies.gpu's arithmetic (model FLOPs, datasheet peaks), which needs no GPU either."""
 
 import pytest
 import torch
 
 from distlab import RunConfig
-from distlab import gpu as G
-from distlab.launch import place_rank, start_ranks
-from distlab.train import build_model
+from distlab.studies import gpu as G
+from distlab.theory import flops as F
+from distlab.caller.launch import place_rank, start_ranks
+from distlab.rank.build import build_model
 
 
 @pytest.mark.parametrize("device,backend,world,gpus,rank,expected", [
@@ -58,17 +59,17 @@ def test_flops_per_token_counts_the_multiplying_parameters():
     cfg = RunConfig(n_layer=3, n_embd=64, n_head=4, seq_len=32, vocab_size=100, mlp_ratio=4)
     model = build_model(cfg)
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert G.matmul_params(cfg) == weights
-    assert G.train_flops_per_token(cfg) == 6 * weights + 12 * 3 * 64 * 32
+    assert F.matmul_params(cfg) == weights
+    assert F.train_flops_per_token(cfg) == 6 * weights + 12 * 3 * 64 * 32
 
 
 def test_datasheet_peaks():
-    assert G.datasheet_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989e12
-    assert G.datasheet_peak("NVIDIA H100 PCIe", "bf16")[0] == 756e12
-    assert G.datasheet_peak("NVIDIA H100 NVL", "fp32")[0] == 60e12
-    assert G.datasheet_peak("NVIDIA H200", "bf16")[0] == 989e12
-    assert G.datasheet_peak("NVIDIA A10G", "bf16") is None
-    assert G.datasheet_peak("NVIDIA H100 80GB HBM3", "fp16") is None
+    assert F.datasheet_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989e12
+    assert F.datasheet_peak("NVIDIA H100 PCIe", "bf16")[0] == 756e12
+    assert F.datasheet_peak("NVIDIA H100 NVL", "fp32")[0] == 60e12
+    assert F.datasheet_peak("NVIDIA H200", "bf16")[0] == 989e12
+    assert F.datasheet_peak("NVIDIA A10G", "bf16") is None
+    assert F.datasheet_peak("NVIDIA H100 80GB HBM3", "fp16") is None
     assert G.mfu({"precision": "bf16", "flops_per_s": 1.0}, "cpu") == \
         (None, "n/a (no datasheet peak for this CPU)")
 

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from distlab import Run, RunConfig, run_ranks
-from distlab.launch import new_run_dir, runs_root
+from distlab.caller.launch import new_run_dir, runs_root
 from distlab.models import GPTConfig, gpt_param_count
 from distlab.lab.stragglers import summarize_events
 from distlab.lab.runs import split_configs
-from distlab.train import train_with_state
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,

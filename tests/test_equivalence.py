@@ -17,7 +17,7 @@ import torch
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPTConfig, gpt_param_count
-from distlab.train import train_with_state
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 # n_embd 32, mlp 128, vocab 64, seq 16: every parameter's numel divides by 2 and 4, so each ring

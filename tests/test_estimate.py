@@ -1,4 +1,4 @@
-"""The analytic estimator (distlab.estimate) reproduces the published figures and equals what
+"""The analytic estimator (distlab.theory.estimate) reproduces the published figures and equals what
 our ranks measure.
 
 Published figures reproduced:
@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from distlab import RunConfig
-from distlab.dataset import make_data
+from distlab.data.dataset import make_data
 from distlab.units import GB, GiB
-from distlab.estimate import (FP32_ADAM, FP32_SGD, MIXED_ADAM, gpt_activation_bytes,
+from distlab.theory.estimate import (FP32_ADAM, FP32_SGD, MIXED_ADAM, gpt_activation_bytes,
                               gpt_param_tensors, gpt_params, gpt_params_of,
                               korthikanti_layer_activation_bytes, narayanan_params,
                               run_model_state_bytes, transformer_params_approx,
                               zero_model_states, zero_table)
 from distlab.memory import ActivationMeter, model_state_bytes
 from distlab.models import GPT, GPTConfig, gpt_param_count
-from distlab.train import build_model, build_optimizer
+from distlab.rank.build import build_model, build_optimizer
 
 SMALL = RunConfig(global_batch=8, seq_len=16, n_layer=2, n_embd=32, n_head=2)
 
@@ -243,13 +243,13 @@ def test_activation_estimate_scope():
 
 
 def test_zero_run_estimate_equals_what_zero_ranks_measure(tmp_path):
-    """ZeRO-1/2/3 written here (distlab.parallel.zero.zero), 2 ranks, one launch: each rank's
+    """ZeRO-1/2/3 written here (distlab.parallel.zero.stages), 2 ranks, one launch: each rank's
     logged model-state bytes equal run_model_state_bytes at every step (zero1: one flat
     buffer; zero2/3: one per unit; n_embd 33 and vocab 63 make every buffer odd-sized, so
     each one pads)."""
-    pytest.importorskip("distlab.parallel.zero.zero")
+    pytest.importorskip("distlab.parallel.zero.stages")
     from distlab import Run, run_ranks
-    from distlab.train import train_with_state
+    from distlab.rank.train import train_with_state
 
     base = SMALL.replace(strategy="zero1", world_size=2, steps=2, timeout_s=60, n_embd=33,
                          n_head=3, vocab_size=63)

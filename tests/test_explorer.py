@@ -14,8 +14,8 @@ import pytest
 from distlab import RunConfig, RunStopped
 from distlab.lab.panel import Explorer, ExplorerBusy, describe
 from distlab.lab.runs import launch_together
-from distlab.launch import run_ranks
-from distlab.run import Run
+from distlab.caller.launch import run_ranks
+from distlab.caller.run import Run
 
 TINY = dict(global_batch=4, seq_len=8, n_layer=1, n_embd=16, n_head=2, timeout_s=30,
             threads_per_rank=1)

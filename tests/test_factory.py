@@ -1,5 +1,5 @@
 """A model and data of your own in distlab's training loop (RunConfig(model=..., data=...),
-distlab.factory), and the progress a terminal sees under torchrun and `python -m distlab`.
+distlab.models.factory), and the progress a terminal sees under torchrun and `python -m distlab`.
 
 Equivalence: the same global batch per step, SGD in float32. ddp, zero1/2/3, ddp-torch,
 fsdp-torch and tp (the model's own tp_plan) on 2 ranks against `single` in one process,
@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from distlab import RunConfig, RunError, launch, run_ranks
-from distlab.progress import Progress, size
-from distlab.train import train_with_state
+from distlab.caller.progress import Progress, size
+from distlab.rank.train import train_with_state
 
 HERE = pathlib.Path(__file__).resolve().parent
 ATOL = 1e-5

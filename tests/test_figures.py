@@ -25,7 +25,7 @@ def test_byte_unit_is_the_largest_in_which_the_top_value_is_at_least_one(values,
 
 
 def test_a_label_on_a_log_axis_sits_at_its_line():
-    from distlab.estimate import FP32_ADAM, MIXED_ADAM
+    from distlab.theory.estimate import FP32_ADAM, MIXED_ADAM
     from distlab.lab.zero_and_fsdp import reduction_figure
     fig = reduction_figure({"mixed": MIXED_ADAM, "fp32": FP32_ADAM}, {"zero1 measured": (4, 1.6)})
     labels = {a.text: a.y for a in fig.layout.annotations}

@@ -1,4 +1,4 @@
-"""PyTorch's FLOP count of a training step against 6N + 12·L·h·s (distlab.flops), and the
+"""PyTorch's FLOP count of a training step against 6N + 12·L·h·s (distlab.studies.flop_count), and the
 arithmetic of time to train (distlab.lab.time_to_train) on events whose answer is known."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from distlab import RunConfig
-from distlab.flops import count_step_flops, matmul_peak
-from distlab.gpu import matmul_params
+from distlab.studies.flop_count import count_step_flops, matmul_peak
+from distlab.theory.flops import matmul_params
 from distlab.lab.time_to_train import cluster_days, scaling_rows, step_seconds, trained_seconds
 from distlab.models.gpt import GPT, GPTConfig
 

@@ -1,4 +1,4 @@
-"""Transfer and forgetting (distlab.forgetting): fine-tuning on task 1 raises task-0 loss, replay
+"""Transfer and forgetting (distlab.finetune.forgetting): fine-tuning on task 1 raises task-0 loss, replay
 and EWC make that rise smaller; both run under `ddp` exactly as under `single`.
 
 Launches: one `single` launch (pre-train task 0 with save_final, then full fine-tuning, replay,
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from distlab import RunConfig, run_ranks
-from distlab.forgetting import ReplayData, replay_rows, task_data
-from distlab.run import Run
-from distlab.train import train_with_state
+from distlab.finetune.forgetting import ReplayData, replay_rows, task_data
+from distlab.caller.run import Run
+from distlab.rank.train import train_with_state
 
 KW = dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=16, timeout_s=60,
           threads_per_rank=1)

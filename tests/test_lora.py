@@ -1,4 +1,4 @@
-"""LoRA (distlab.lora): the adapter's algebra in one process, then LoRA fine-tuning under `ddp`,
+"""LoRA (distlab.finetune.lora): the adapter's algebra in one process, then LoRA fine-tuning under `ddp`,
 `zero1/2/3` and torch's DDP (`ddp-torch`) against `single`, with the bytes they move.
 
 Launches: one `single` launch pre-trains task 0 (save_final writes its weights) and trains the
@@ -22,16 +22,17 @@ import torch
 
 from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
-from distlab.dataset import MarkovData
+from distlab.data.dataset import MarkovData
 from distlab.events import step_events_per_run
 from distlab.config import LORA_TARGETS as TARGETS
-from distlab.lora import (LoRALinear, inject_lora, lora_layer_count,
+from distlab.finetune.lora import (LoRALinear, inject_lora, lora_layer_count,
                           lora_parameter_count, merge_lora, merged_state_dict, target_shapes,
                           trainable_parameters, unmerge_lora)
 from distlab.models import GPT, GPTConfig
-from distlab.parallel.zero.zero import padded_size
-from distlab.run import Run
-from distlab.train import build_model, train_with_state
+from distlab.parallel.zero.stages import padded_size
+from distlab.caller.run import Run
+from distlab.rank.train import train_with_state
+from distlab.rank.build import build_model
 
 ATOL = 1e-5
 GPT_KW = dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=16, timeout_s=60)

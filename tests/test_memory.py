@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from distlab import Run, RunConfig, run_ranks
-from distlab.dataset import make_data
+from distlab.data.dataset import make_data
 from distlab.memory import (PEAK_LABEL, ActivationMeter, PeakMemoryTracker, count_saved,
                             model_state_bytes)
-from distlab.train import build_model, build_optimizer, train_with_state
+from distlab.rank.train import train_with_state
+from distlab.rank.build import build_model, build_optimizer
 
 MB4 = 2**20  # a (2**18,) float32 tensor
 

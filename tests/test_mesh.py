@@ -27,7 +27,7 @@ from distlab import RunConfig, run_ranks
 from distlab.lab.parallelism_3d import mesh_ranks
 from distlab.parallel.mesh import coords, layout, rank_of, table
 from distlab.parallel.tensor.tp import plan_table
-from distlab.train import train_with_state
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 DP, TP, PP, M = 2, 2, 2, 2
@@ -130,7 +130,7 @@ def test_3d_bytes_per_group(runs):
 
 def test_group_table_matches_formula(runs):
     """distlab.lab.parallelism_3d's bytes-per-group table (what 07_3d_parallelism shows) from this run:
-    every group's bytes per step, summed over its members, equal lab.parallelism_3d.predicted_bytes (the
+    every group's bytes per step, summed over its members, equal theory.comm_bytes.predicted_bytes (the
     formulas above, with Ψ_r counted from the model's shapes), from the first step on (setup
     traffic is not booked to a step); the traffic matrix puts every byte in one cell."""
     from distlab.lab.parallelism_3d import group_rows, measured_bytes, traffic_matrix

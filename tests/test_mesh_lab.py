@@ -11,13 +11,22 @@ import torch
 
 from distlab import RunConfig
 from distlab.comm import LINKS
-from distlab.lab.parallelism_3d import (best_per_layout, group_rows, layout_rank, measured_bytes,
-                              mesh_config, messages_per_step, placement_seconds, predicted_bytes,
-                              rank_numel, traffic_matrix, valid_layouts, zero1_optim_rows)
+from distlab.lab.parallelism_3d import (
+    best_per_layout,
+    group_rows,
+    layout_rank,
+    measured_bytes,
+    mesh_config,
+    placement_seconds,
+    traffic_matrix,
+    valid_layouts,
+    zero1_optim_rows,
+)
+from distlab.theory.comm_bytes import messages_per_step, predicted_bytes, rank_numel
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.mesh import KINDS
 from distlab.parallel.tensor.tp import plan_table
-from distlab.plan import GPT3_175B, IB_HDR, Cluster, plan
+from distlab.theory.plan import GPT3_175B, IB_HDR, Cluster, plan
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=2, global_batch=16, seq_len=16, n_layer=4,
                  n_embd=32, n_head=4)

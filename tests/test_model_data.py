@@ -3,7 +3,7 @@ import math
 import numpy as np
 import torch
 
-from distlab.dataset import MarkovData
+from distlab.data.dataset import MarkovData
 from distlab.models import GPT, GPTConfig, gpt_param_count
 
 

@@ -61,7 +61,7 @@ def test_wait_shows_a_live_progress_line(capsys):
     assert lines[-1].startswith("done: 4 steps in ") and "tokens/s" in lines[-1]
     assert any(s.startswith("step ") and "/4" in s for s in lines[:-1]) or \
         any(s.startswith("starting 1 rank") for s in lines[:-1]), lines
-    from distlab.run import Run
+    from distlab.caller.run import Run
     assert Run.load(run.dir).progress_line(2.0).startswith("done: 4 steps in 2.0 s")
     import distlab.lab  # noqa: F401 - turns progress on in a notebook's kernel, not here
     quiet = launch(run.cfg.replace(step_delay_s=0.0)).wait(timeout=120)

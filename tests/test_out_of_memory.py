@@ -1,5 +1,5 @@
 """Out of memory after hours: a rare long sequence against a device budget, the leak of kept
-graphs, and the fragmentation report without CUDA (distlab.long_sequences, memory_budget,
+graphs, and the fragmentation report without CUDA (distlab.studies.long_sequences, memory_budget,
 leak, fragmentation).
 
 All in this process, with one tiny GPT (2 layers, 32 wide, vocabulary 64, block 256) and plain
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from distlab.fragmentation import NO_CUDA, fragmentation_from_stats, measure_fragmentation
-from distlab.leak import growth_per_step, leak_run
-from distlab.long_sequences import (
+from distlab.studies.fragmentation import NO_CUDA, fragmentation_from_stats, measure_fragmentation
+from distlab.studies.leak import growth_per_step, leak_run
+from distlab.studies.long_sequences import (
     IGNORE_INDEX,
     Documents,
     capped,
@@ -36,7 +36,7 @@ from distlab.long_sequences import (
     token_buckets,
     worst_shape,
 )
-from distlab.memory_budget import fit_length, predicted_peak, train_under_budget
+from distlab.studies.memory_budget import fit_length, predicted_peak, train_under_budget
 from distlab.models.gpt import GPT, GPTConfig
 
 MiB = 2**20

@@ -16,8 +16,9 @@ import math
 
 import pytest
 
-from distlab import RunConfig, preflight
-from distlab.launch import runs_root
+from distlab import RunConfig
+from distlab.caller import preflight
+from distlab.caller.launch import runs_root
 from distlab.parallel import DEGREES, FEATURE_FIELDS, KNOBS, strategy_class
 
 pytest.importorskip("ipywidgets")

@@ -3,7 +3,7 @@ pipelining) follow `single` step for step, move the bytes the formula says, and 
 bubble the formula predicts.
 
 Launches: one `single` run, one launch at world 2 (every schedule, pp and pp-torch, plus a
-bubble run with a fixed sleep per op) and one at world 4 (distlab.train.train_with_state).
+bubble run with a fixed sleep per op) and one at world 4 (distlab.rank.train.train_with_state).
 
 Tolerance: atol=1e-5 on every parameter after 10 SGD steps in float32. A pipeline computes the
 same ops as `single` on micro-batches; the only difference is the summation order of the
@@ -20,7 +20,7 @@ from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.parallel.pipeline.pp import (bubble_formula, in_flight, make_schedule,
                                        p2p_bytes_per_step, simulate)
-from distlab.train import train_with_state
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=8,

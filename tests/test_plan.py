@@ -1,4 +1,4 @@
-"""The 3D-parallelism planner (distlab.plan) on worked examples: published figures and the
+"""The 3D-parallelism planner (distlab.theory.plan) on worked examples: published figures and the
 interview questions the workbook answers (notebook 07).
 
 Assumptions throughout (each test names its own on top):
@@ -17,7 +17,7 @@ Assumptions throughout (each test names its own on top):
 import pytest
 
 from distlab.units import GB
-from distlab.plan import (DAY, GPT3_175B, RECOMPUTE, Cluster, Model, best, evaluate,
+from distlab.theory.plan import (DAY, GPT3_175B, RECOMPUTE, Cluster, Model, best, evaluate,
                           max_micro_batch, memory_per_gpu, plan, recompute_overhead, table,
                           training_time)
 

@@ -1,4 +1,4 @@
-"""Mixed precision (distlab.precision) and NaN detection (distlab.nan).
+"""Mixed precision (distlab.rank.precision) and NaN detection (distlab.debug.nan).
 
 * The loss scaler written here follows torch.amp.GradScaler exactly: same scale after every
   step, same skipped steps, bitwise the same parameters (both multiply float32 gradients by the
@@ -20,11 +20,11 @@ import torch.nn as nn
 
 from distlab import RunConfig, RunError, launch, run_ranks, Run
 from distlab.models import GPT, GPTConfig
-from distlab.nan import NanDetector, NonFiniteError, poison
-from distlab.precision import (DynamicLossScaler, apply_fp32_modules, formats,
-                               fp16_underflow_demo, param_dtypes, rounding_demo,
-                               skip_together_drill)
-from distlab.train import train_with_state
+from distlab.debug.nan import NanDetector, NonFiniteError, poison
+from distlab.rank.precision import DynamicLossScaler, apply_fp32_modules, param_dtypes
+from distlab.studies.precision_lessons import (formats, fp16_underflow_demo, rounding_demo,
+                                       skip_together_demo)
+from distlab.rank.train import train_with_state
 
 
 # -- the scaler against torch.amp.GradScaler ------------------------------------------------------
@@ -79,7 +79,7 @@ def test_scaler_follows_torch_grad_scaler(kw):
 
 
 def test_found_inf_is_shared_so_every_rank_skips():
-    out = run_ranks(skip_together_drill, 2, timeout_s=30)
+    out = run_ranks(skip_together_demo, 2, timeout_s=30)
     assert [r["local_found_inf"] for r in out] == [False, True]  # only rank 1 saw the inf
     assert [r["synced_found_inf"] for r in out] == [True, True]  # both skip
     assert [r["scale_after"] for r in out] == [512.0, 512.0]

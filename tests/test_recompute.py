@@ -1,4 +1,4 @@
-"""Activation checkpointing (distlab.recompute): same loss and gradients, fewer bytes kept.
+"""Activation checkpointing (distlab.rank.recompute): same loss and gradients, fewer bytes kept.
 
 Tolerance: none. Recomputation reruns the same CPU kernels on the same inputs (our GPT has no
 dropout, so no random state is involved), so the recomputed activations, and every gradient
@@ -7,7 +7,7 @@ checkpointing serves the matmul outputs from its cache, which are the very tenso
 tolerance would only hide a recomputation that differs (a wrong region, a missed input).
 
 Bytes: ActivationMeter's count falls from none to selective to full, and equals
-distlab.estimate.gpt_activation_bytes in every mode; the peak tracker's per-step peak (which
+distlab.theory.estimate.gpt_activation_bytes in every mode; the peak tracker's per-step peak (which
 includes the recomputation's transient tensors in backward) falls too.
 The launched run (2 ranks) shows RunConfig.checkpointing applied inside train() for
 `allreduce` and `ddp` (and `zero3`), with track_peak on for allreduce.
@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from distlab import Run, RunConfig, run_ranks
-from distlab.recompute import apply_checkpointing, checkpointing_of
-from distlab.dataset import make_data
-from distlab.estimate import gpt_activation_bytes, run_model_state_bytes
+from distlab.rank.recompute import apply_checkpointing, checkpointing_of
+from distlab.data.dataset import make_data
+from distlab.theory.estimate import gpt_activation_bytes, run_model_state_bytes
 from distlab.memory import ActivationMeter, PeakMemoryTracker
 from distlab.models import GPT, GPTConfig
-from distlab.train import build_model, train_with_state
+from distlab.rank.train import train_with_state
+from distlab.rank.build import build_model
 
 MODES = ("none", "selective", "full")
 CFG = RunConfig(global_batch=8, seq_len=16, n_layer=2, n_embd=32, n_head=2, optimizer="sgd",
@@ -67,7 +68,7 @@ def test_activation_bytes_fall_and_match_the_estimate(single_process):
     assert act["none"] > act["selective"] > act["full"]
     for m in MODES:
         assert act[m] == gpt_activation_bytes(CFG, checkpointing=m), m
-    # per layer, in s·b·h floats: 16 -> 10 -> 1 (r = 4; see distlab.recompute)
+    # per layer, in s·b·h floats: 16 -> 10 -> 1 (r = 4; see distlab.rank.recompute)
     sbh4 = 4 * CFG.seq_len * CFG.micro_batch * CFG.n_embd
     per_layer = {m: gpt_activation_bytes(CFG, checkpointing=m, breakdown=True)[1]["per_layer"]
                  for m in MODES}

@@ -1,4 +1,4 @@
-"""distlab.retention: the oldest run folders go first, nothing else under the root is touched,
+"""distlab.caller.retention: the oldest run folders go first, nothing else under the root is touched,
 busy runs stay, and the command line says what it freed."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from distlab.launch import new_run_dir
-from distlab.retention import folder_bytes, main, prune, run_folders
+from distlab.caller.launch import new_run_dir
+from distlab.caller.retention import folder_bytes, main, prune, run_folders
 
 
 def _make_runs(root, n, size=1000, age_s=3600):

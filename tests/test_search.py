@@ -132,7 +132,7 @@ def test_the_budget_refuses_before_any_process_starts(tmp_path, monkeypatch):
 def test_the_search_counts_only_its_own_run_folders(tmp_path, monkeypatch):
     """Runs launched meanwhile by something else (another notebook on the same runs folder)
     must not count: the trials' folders live in the search's own folder."""
-    from distlab.launch import new_run_dir
+    from distlab.caller.launch import new_run_dir
 
     def fake_run(cfg):
         new_run_dir(str(tmp_path), "elsewhere")  # someone else's run, in the shared root

@@ -30,12 +30,12 @@ import pytest
 import torch
 
 from distlab import RunConfig, RunError, launch, run_ranks
-from distlab.dataset import ClusterData, FiniteDataset, MarkovData, make_data
+from distlab.data.dataset import ClusterData, FiniteDataset, MarkovData, make_data
 from distlab.models.bnnet import BNNet
-from distlab.train import build_model
 from distlab.parallel.data_parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from distlab.sampler import DistributedSampler, ShardReader, batches_per_rank, shard_reader
-from distlab.train import build_model, train_with_state
+from distlab.data.sampler import DistributedSampler, ShardReader, batches_per_rank, shard_reader
+from distlab.rank.train import train_with_state
+from distlab.rank.build import build_model
 
 ATOL_BN = 1e-5
 ATOL = 1e-5

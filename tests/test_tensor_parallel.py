@@ -2,7 +2,7 @@
 `single` step for step, and `tp` moves exactly the bytes the Megatron formulas say.
 
 Launches (3): one `single` launch (two configs), then one launch per world size (2 and 4)
-that trains every TP config in turn (distlab.train.train_with_state).
+that trains every TP config in turn (distlab.rank.train.train_with_state).
 
 Tolerance: atol=1e-5 on every (gathered) parameter after 10 SGD steps in float32. TP computes
 the same sums as `single`, only split into t partial sums added by an all-reduce, so only the
@@ -29,7 +29,7 @@ from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.tensor.tp import plan_table, tp_plan
-from distlab.train import train_with_state
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 CLIP = 0.05  # far below this model's gradient norms (1.4-1.8 over the first 20 steps): clipping acts

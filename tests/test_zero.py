@@ -3,7 +3,7 @@
 bytes it says.
 
 Launches: one `single` launch (every baseline config in turn), then one launch per world size
-(2 and 4) that trains every sharded config in turn (distlab.train.train_with_state).
+(2 and 4) that trains every sharded config in turn (distlab.rank.train.train_with_state).
 
 Equivalence tolerance: atol=1e-5 on every parameter after 10 SGD steps in float32, as in
 test_equivalence.py and test_ddp.py. Sharding changes no arithmetic of the update: SGD is
@@ -48,8 +48,8 @@ from distlab import RunConfig, run_ranks
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.zero.zero_torch import chain_broadcast_bytes
-from distlab.parallel.zero.zero import padded_size
-from distlab.train import train_with_state
+from distlab.parallel.zero.stages import padded_size
+from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
 BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,

@@ -191,7 +191,7 @@ def guard_rails(rank, world):
 def strategy_then_outside_optimizer(strategy):
     from distlab.comm import Comm
     from distlab.parallel import make_strategy
-    from distlab.train import build_model, build_optimizer
+    from distlab.rank.build import build_model, build_optimizer
     cfg = RunConfig(strategy=strategy, world_size=2, n_layer=1, n_embd=16, n_head=2,
                     seq_len=8, global_batch=4)
     s = make_strategy(cfg, Comm())

@@ -1,4 +1,4 @@
-"""distlab.zero_memory reproduces DeepSpeed's ZeRO-2/ZeRO-3 memory estimators: the published
+"""distlab.theory.zero_memory reproduces DeepSpeed's ZeRO-2/ZeRO-3 memory estimators: the published
 example tables, row by row, to the 2 decimals DeepSpeed prints (its "GB" is GiB, 2**30).
 
 Published tables reproduced (copied below as printed, the reference values of these tests):
@@ -22,7 +22,7 @@ print as the published "2851M ... 32M" and "2783M ... 65M".
 import pytest
 
 from distlab.units import GiB
-from distlab.zero_memory import (
+from distlab.theory.zero_memory import (
     BUFFER,
     model_counts,
     report,

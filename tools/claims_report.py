@@ -188,12 +188,12 @@ def header_lines(meta: dict) -> list[str]:
             f"- git commit: {meta['commit']}",
             f"- total run time: {meta['seconds']:.0f} s",
             f"- runs folder after the pass: {meta.get('runs_bytes', 0) / 2**20:,.1f} MiB "
-            "(distlab.retention keeps the newest 100 runs, at most 500 MiB)", ""]
+            "(distlab.caller.retention keeps the newest 100 runs, at most 500 MiB)", ""]
 
 
 def runs_bytes(workbook: Path) -> int:
     """What the notebooks' runs folder holds now (the kernels run in workbook/, so ./runs)."""
-    from distlab.retention import folder_bytes
+    from distlab.caller.retention import folder_bytes
     root = os.environ.get("DISTLAB_RUNS") or str(workbook / "runs")
     return folder_bytes(root) if os.path.isdir(root) else 0
 

@@ -70,7 +70,7 @@ single.wait()
 # ## Reading the live dashboard
 #
 # **Loss** (top): the mean cross-entropy per token at each step, averaged over ranks. The
-# data is a random Markov chain generated on this machine (`distlab.dataset`): each token can
+# data is a random Markov chain generated on this machine (`distlab.data.dataset`): each token can
 # be followed by only a few others, with fixed probabilities. So the best achievable loss
 # is known exactly: the entropy of the chain, drawn as the dashed *loss floor*. An
 # untrained model guesses uniformly and starts near ln(vocabulary size).

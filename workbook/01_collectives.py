@@ -65,7 +65,7 @@ from distlab.lab.collectives import (
     wire_rows,
 )
 from distlab.lab.common import claim, claims_table, markdown_table
-from distlab.launch import choose_device
+from distlab.caller.launch import choose_device
 
 
 def table(header, rows):
@@ -87,7 +87,7 @@ def size(b):
 #   `MASTER_ADDR:MASTER_PORT`; the others connect to it, each publishes how to reach it, and the
 #   backend then opens its own connections between the ranks. Someone has to choose a port that
 #   is free on rank 0's host.
-# * **Our launcher** (`distlab.launch.start_ranks`) opens the `TCPStore` itself, in the notebook's
+# * **Our launcher** (`distlab.caller.launch.start_ranks`) opens the `TCPStore` itself, in the notebook's
 #   process, on `127.0.0.1` with port **0**: the operating system picks a free port, and the
 #   notebook holds it for the whole run, so two runs started at once can never collide. The ranks
 #   get the port as an argument and call `init_process_group(store=...)`; they need no
@@ -112,7 +112,7 @@ del client, server  # closes the port
 # A **backend** carries the collectives. **NCCL** (NVIDIA) works on GPU tensors only and drives
 # NVLink, PCIe and InfiniBand directly from the GPU; it is what clusters use. **gloo** (Meta) runs
 # collectives on CPU tensors over TCP — here, the loopback interface. The library's rule
-# (`distlab.launch.choose_device` and `rank_body`): with `device="auto"`, use CUDA only if every rank
+# (`distlab.caller.launch.choose_device` and `rank_body`): with `device="auto"`, use CUDA only if every rank
 # on this machine can have a GPU of its own; with `backend="auto"`, NCCL on CUDA, gloo otherwise.
 
 # %%

@@ -90,7 +90,7 @@ from distlab.lab.scaling import RULES, SEED_RULES
 from distlab.lab.scaling import scaling_experiment
 from distlab.lab.scaling import summary as scaling_summary
 from distlab.parallel.data_parallel.compression import topk_bytes_per_rank
-from distlab.sampler import DistributedSampler, batches_per_rank
+from distlab.data.sampler import DistributedSampler, batches_per_rank
 
 # Every GPT run: plain SGD (see the introduction), one torch thread per process (4 ranks
 # share this machine's cores; more threads per rank only fight over them).
@@ -118,7 +118,7 @@ TOL, LOSS_TOL = 1e-5, 1e-3
 # imports torch; `benchmarks/launch_latency.py` measures it on your machine), much more
 # than a short run of a small model. So `lab.runs.launch_together` trains several configs
 # that need the same number of processes one after another in **one** launch
-# (`distlab.train.train_with_state`) and hands back one `Run` per config, plus each
+# (`distlab.rank.train.train_with_state`) and hands back one `Run` per config, plus each
 # rank's final parameters for comparisons parameter by parameter. A launch below may
 # therefore also train the runs of a later section; the comment says which.
 
@@ -517,7 +517,7 @@ assert accum_sent == [ring_expected]       # the same bytes as without accumulat
 #
 # With a finite dataset each rank reads its own shard: a distributed sampler shuffles the
 # row numbers with a seed every rank shares (so no one has to send the permutation) and
-# gives rank r positions r, r+N, r+2N, … (`distlab.sampler.DistributedSampler`, the same
+# gives rank r positions r, r+N, r+2N, … (`distlab.data.sampler.DistributedSampler`, the same
 # indices as torch's with `drop_last=True`). Ten rows on four ranks:
 
 # %%

@@ -25,7 +25,7 @@
 #
 # 1. **measured memory per rank**, by category, at the end of each step and at its peak,
 #    live while the run trains;
-# 2. **the analytic estimator** (`distlab.estimate`) with its sources: the ZeRO paper's
+# 2. **the analytic estimator** (`distlab.theory.estimate`) with its sources: the ZeRO paper's
 #    7.5B-parameter example, Korthikanti et al.'s activation formulas for GPT-3, the
 #    parameter count of a GPT, and this project's own runs, where the estimate must
 #    equal the measurement;
@@ -77,15 +77,14 @@ import torch
 from IPython.display import Markdown, display
 
 from distlab import RunConfig, RunError, lab, launch
-from distlab import estimate as E
+from distlab.theory import estimate as E
 from distlab import units as U
-from distlab import gpu as G
-from distlab import precision as P
+from distlab.studies import gpu as G
+from distlab.studies import precision_lessons as P
 from distlab.lab.common import MEMORY_CATEGORIES as CATEGORIES
 from distlab.lab.common import claim, claims_table, mib, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.memory_and_precision import (
-    autocast_weight_copy_bytes,
     clipping_after_overflow,
     forward_breakdown,
     gradient_sequence,
@@ -102,6 +101,7 @@ from distlab.lab.memory_and_precision import (
     sweep_configs,
     sweep_figure,
 )
+from distlab.theory.estimate import autocast_weight_copy_bytes
 from distlab.lab.runs import launch_together
 from distlab.models import GPTConfig, gpt_param_count
 
@@ -173,7 +173,7 @@ assert [e["memory"] for e in steps_of(run, 0)] == [e["memory"] for e in steps_of
 # %% [markdown]
 # ## 2. The analytic estimator, and its sources
 #
-# `distlab.estimate` returns bytes; you pick the unit and say which. The ZeRO paper
+# `distlab.theory.estimate` returns bytes; you pick the unit and say which. The ZeRO paper
 # (Rajbhandari et al. 2020, *ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models*, Section 5 and Figure 1) counts model states for Ψ parameters in mixed-precision
 # Adam as 2Ψ (fp16 parameters) + 2Ψ (fp16 gradients) + KΨ with K = 12 (fp32 master
@@ -504,7 +504,7 @@ assert (nan_event["module"], nan_event["phase"]) == ("blocks.1.mlp.proj", "forwa
 # %% [markdown]
 # ## 4. Activation checkpointing and gradient accumulation
 #
-# **Checkpointing** (`distlab.recompute`, per GPT block, applied from outside by name):
+# **Checkpointing** (`distlab.rank.recompute`, per GPT block, applied from outside by name):
 # `full` keeps only each block's input and reruns the whole block in backward; `selective`
 # keeps the matmul outputs (q, k, v, o, fc, proj) and recomputes the cheap ops (LayerNorm,
 # GELU, attention core, adds). Per layer, in values per position: none 8 + 2r (16 at
@@ -563,7 +563,7 @@ peak_saved_full = 1 - ck["full"]["peak"] / ck["none"]["peak"]
 # The price is time: full reruns every block's forward (about a third more compute);
 # selective costs less compute, but here, with tiny matmuls, torch's selective
 # checkpointing pays a Python dispatch cost per op that can make it as slow as full
-# (`distlab.recompute`'s docstring has the numbers for larger models). Step times on a
+# (`distlab.rank.recompute`'s docstring has the numbers for larger models). Step times on a
 # shared 2-core machine move by tens of percent from run to run: read them as rough.
 #
 # **Accumulation as the memory lever.** Same global batch of 32, micro-batches of
@@ -690,7 +690,7 @@ assert alone_diff < ACCUM_TOL < step_change / 10
 # ## What the textbook says, what these runs measured
 #
 # Every figure comes from this notebook's runs, or, marked "modelled", from
-# `distlab.estimate`'s formulas with the paper's configuration; every verdict is computed
+# `distlab.theory.estimate`'s formulas with the paper's configuration; every verdict is computed
 # from them, and a row reads **no** where the run disagrees. The rows that rest on counted
 # bytes and bitwise comparisons are asserted; the interview answers' figures and the
 # timing are shown.
@@ -751,7 +751,7 @@ claims = [
           rep["distlab"]["scale"] == rep["torch"]["scale"]
           and rep["distlab"]["skipped"] == rep["torch"]["skipped"]
           and torch.equal(rep["distlab"]["param"], rep["torch"]["param"])),
-    claim("NaN detection names the step and the module", "distlab.nan",
+    claim("NaN detection names the step and the module", "distlab.debug.nan",
           f"rank {err.rank}, step {err.step}: '{nan_event['module']}' ({nan_event['phase']}); "
           "poisoned: rank 1, step 3, blocks.1.mlp.proj",
           (err.rank, err.step, nan_event["module"]) == (1, 3, "blocks.1.mlp.proj")),
@@ -785,7 +785,7 @@ assert not claims[8]["holds"]  # clipping did not stop the overflow (asserted ab
 # Everything above ran on this CPU, where bf16 has no fast matmuls. On a GPU, bf16 autocast
 # runs the matmuls on tensor cores, and `torch.cuda.max_memory_allocated` is the allocator's
 # own peak, to set beside the estimator's model states plus activations. The cell below
-# measures both with a small GPT (`distlab.gpu.time_training`: the library's model, AdamW and
+# measures both with a small GPT (`distlab.studies.gpu.time_training`: the library's model, AdamW and
 # autocast) when a CUDA GPU is present; otherwise it says so and shows no figure.
 # `benchmarks/gpu.py` is the full-size version (a GPT that fills the GPU, FLOP/s and MFU), and
 # `tests/gpu` checks every CUDA path; see the README for the command.

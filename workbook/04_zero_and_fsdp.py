@@ -30,12 +30,12 @@
 # | ZeRO-2 (P_os+g) | all params, **1/N of the grads** and of the optimizer state | the same, but gradients leave during backward, unit by unit: 2(N−1)/N · 4Ψ |
 # | ZeRO-3 (P_os+g+p), FSDP | **1/N of everything**; a unit's full parameters only while it computes | all-gather before forward and again before backward + reduce-scatter: 3(N−1)/N · 4Ψ |
 #
-# All of it is written in this project (`distlab.parallel.zero.zero`, strategies `zero1`,
+# All of it is written in this project (`distlab.parallel.zero.stages`, strategies `zero1`,
 # `zero2`, `zero3`) and checked against PyTorch's own: `zero1-torch`
 # (`ZeroRedundancyOptimizer` over torch DDP) and `fsdp-torch` (FSDP2, `fully_shard` per
 # block). This notebook runs all of them on 4 ranks and shows:
 #
-# 1. how `distlab.parallel.zero.zero` cuts the model into units and shards, and how ZeRO-3
+# 1. how `distlab.parallel.zero.stages` cuts the model into units and shards, and how ZeRO-3
 #    prefetches;
 # 2. **(a)** that every strategy trains exactly as one process does (fp32 SGD, same loss
 #    curve), clipping by the global norm included;
@@ -69,7 +69,7 @@ MODEL = (dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=8) if QUI
 from IPython.display import Markdown, display
 
 from distlab import RunConfig
-from distlab.estimate import (
+from distlab.theory.estimate import (
     FP32_ADAM,
     GB,
     MIXED_ADAM,
@@ -90,9 +90,7 @@ from distlab.lab.zero_and_fsdp import (
     activation_room,
     comm_by_step,
     comm_figure,
-    comm_formula,
     equivalence_figure,
-    estimate_memory,
     memory_by_rank,
     memory_figure,
     model_states,
@@ -101,6 +99,8 @@ from distlab.lab.zero_and_fsdp import (
     total,
     wire_by_step,
 )
+from distlab.theory.comm_bytes import comm_formula
+from distlab.theory.estimate import estimate_memory
 
 # Equivalence runs: plain SGD in fp32, one torch thread per rank (4 ranks share this
 # machine's cores). Memory runs: AdamW, whose state is what ZeRO shards first.
@@ -148,7 +148,7 @@ two = launch_together({s: SGD.replace(strategy=s, world_size=2, steps=2) for s i
 # %% [markdown]
 # ## 1. ZeRO written here: units, shards, prefetch
 #
-# `distlab.parallel.zero.zero` flattens parameters into **units**: `zero1` makes the whole
+# `distlab.parallel.zero.stages` flattens parameters into **units**: `zero1` makes the whole
 # model one unit; `zero2` and `zero3` make one unit per GPT block, with the embeddings
 # (`tok_emb+pos_emb`) and the head (`ln_f+head`) as units of their own, so that gradients
 # can leave, and parameters arrive, one block at a time. A unit's flat buffer of Ψ_u
@@ -286,9 +286,9 @@ print(f"clipping at {CLIP} moved single's parameters by up to {unclipped:.1e}")
 # value): parameters, gradients and optimizer state (AdamW: exp_avg and exp_avg_sq, 8
 # bytes a value, plus a 4-byte `step` counter per tensor it steps), the activations
 # autograd saved in the last forward, and the communication buffers of the step. Beside
-# each, `estimate_memory` gives the prediction: `distlab.estimate.estimate_run` for
+# each, `estimate_memory` gives the prediction: `distlab.theory.estimate.estimate_run` for
 # `ddp` and `zero1/2/3` (derived for our padded flat buffers and our GPT's activations);
-# for FSDP2, `lab.zero_and_fsdp.fsdp2_model_state_bytes` (FSDP2 cuts every tensor on dim 0, as
+# for FSDP2, `distlab.theory.estimate.fsdp2_model_state_bytes` (FSDP2 cuts every tensor on dim 0, as
 # `torch.chunk`); for torch's ZeRO-1 the paper's formula (its partition is greedy by whole
 # tensors, not exact quarters). Communication buffers are measured only: DDP's gradient
 # buckets; `zero2`'s flat gradients waiting for their reduce-scatter; `zero3`'s gathered
@@ -486,7 +486,7 @@ print(f"{explorer.last_run.cfg.strategy} × 2, offload: device model states 0 B;
 # %% [markdown]
 # ## 6. (e) Models too large to run: the estimator alone
 #
-# `distlab.estimate.zero_model_states(Ψ, N_d, stage, bytes_per_param, offload)` is the
+# `distlab.theory.estimate.zero_model_states(Ψ, N_d, stage, bytes_per_param, offload)` is the
 # paper's formula with any bytes-per-parameter mix; the runs above showed it (and its
 # padded version) holding byte for byte at our scale. Unit: GB = 1e9 bytes, the paper's.
 #
@@ -511,7 +511,7 @@ assert [round(v / GB, 1) for v in paper.values()] == [120.0, 31.4, 16.6, 1.9]
 # layer gathered in fp16 with its fp16 gradients); on the CPU 16 or 18 bytes per
 # parameter when the optimizer (and the parameters) are offloaded, or 4 bytes × n while
 # each process first builds the fp32 model (ZeRO-3's `zero.Init` avoids that), every CPU
-# figure × 1.5 (`additional_buffer_factor`). `distlab.zero_memory` follows those rules.
+# figure × 1.5 (`additional_buffer_factor`). `distlab.theory.zero_memory` follows those rules.
 #
 # **Units: DeepSpeed's "GB" is GiB** (bytes / 2**30), not the paper's GB = 1e9 used in the
 # rest of this section: 127.45 "GB" is 136.8e9 bytes. The printout and first table are
@@ -524,8 +524,8 @@ assert [round(v / GB, 1) for v in paper.values()] == [120.0, 31.4, 16.6, 1.9]
 # its own), in MiB since it is tiny.
 
 # %%
-from distlab.train import build_model
-from distlab.zero_memory import model_counts, report, table_cells
+from distlab.rank.build import build_model
+from distlab.theory.zero_memory import model_counts, report, table_cells
 
 print(report(3, 2851e6, 32e6, gpus_per_node=8))  # DeepSpeed's printout, its "GB" = GiB
 table(*table_cells(2851e6, 32e6, gpus_per_node=8))

@@ -81,13 +81,13 @@ from distlab.lab.tensor_parallel import (
     bytes_figure,
     collective_trace,
     measured_bytes,
-    megatron_bytes,
     tp_panel,
     wire_range,
 )
+from distlab.theory.comm_bytes import megatron_bytes
 from distlab.models import GPT, GPTConfig
 from distlab.parallel.tensor.tp import plan_table, tp_plan
-from distlab.plan import H100_BF16_FLOPS, training_flops
+from distlab.theory.plan import H100_BF16_FLOPS, training_flops
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
                  **GPT_SIZE)
@@ -177,7 +177,7 @@ worst_param_gap = max(pg for _, pg in agree.values())
 #
 # With S = B·T·d·4 bytes (the residual stream of the whole global batch in fp32), t the
 # TP degree and L the layers, as the ring moves them (`distlab.comm`;
-# `lab.tensor_parallel.megatron_bytes`, derived in `tests/test_tensor_parallel.py`):
+# `distlab.theory.comm_bytes.megatron_bytes`, derived in `tests/test_tensor_parallel.py`):
 #
 # | | calls per step | bytes sent per rank per step |
 # |---|---|---|
@@ -299,7 +299,7 @@ print(f"forward all-reduces: inside {', '.join(r['inside'] for r in fwd)}; "
 # d = 12288** (Brown et al. 2020), one sequence of **2048 tokens**, bf16 (2 bytes),
 # t = 8 (one 8-GPU node). Compute per layer for comparison: 6 · 12d² · tokens FLOPs
 # (forward and backward, the layer's 12d² weights; attention scores left out, so a lower
-# bound) split over t GPUs at the H100's bf16 dense peak (`distlab.plan`), i.e. the
+# bound) split over t GPUs at the H100's bf16 dense peak (`distlab.theory.plan`), i.e. the
 # fastest the compute could possibly be.
 
 # %%

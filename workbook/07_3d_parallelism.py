@@ -27,7 +27,7 @@
 # 2. checks it against one process (`single`) on the same global batch;
 # 3. measures the pipeline bubble inside the mesh, and ZeRO-1's optimizer state per rank;
 # 4. asks the α-β link model where each group should sit (NVLink or InfiniBand);
-# 5. asks the planner (`distlab.plan`) the interview questions about layouts, GPU counts
+# 5. asks the planner (`distlab.theory.plan`) the interview questions about layouts, GPU counts
 #    and training time;
 # 6. a widget that re-runs the real `3d` on another layout;
 # 7. the closing table: what the textbook says, what this run measured.
@@ -77,19 +77,17 @@ from distlab.lab.parallelism_3d import (
     layout_rank,
     layout_sweep,
     mesh_config,
-    messages_per_step,
-    micro_batch_bytes,
     placement_seconds,
-    rank_numel,
     traffic_figure,
     zero1_optim_rows,
 )
+from distlab.theory.comm_bytes import messages_per_step, micro_batch_bytes, rank_numel
 from distlab.lab.pipeline_parallel import bubble_curve, bubble_rows
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.parallel.mesh import KINDS, coords
 from distlab.parallel.mesh import table as mesh_table
 from distlab.parallel.pipeline.pp import bubble_formula
-from distlab.plan import (
+from distlab.theory.plan import (
     DAY,
     GPT3_175B,
     IB_HDR,
@@ -104,7 +102,7 @@ from distlab.plan import (
     tp_comm_time,
     training_time,
 )
-from distlab.plan import table as plan_table
+from distlab.theory.plan import table as plan_table
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
                  **GPT)
@@ -311,7 +309,7 @@ assert tp_in_node < pp_in_node and tp_ib > 5 * tp_nv
 # %% [markdown]
 # ## 7. The planner answers the interview questions
 #
-# `distlab.plan` searches dp × tp × pp × ZeRO stage × micro-batch size × recomputation
+# `distlab.theory.plan` searches dp × tp × pp × ZeRO stage × micro-batch size × recomputation
 # for a model on a cluster: memory per GPU by the ZeRO paper and Korthikanti et al.,
 # step time = compute at a fixed MFU + pipeline bubble + exposed dp/tp/pp communication
 # (α-β). Defaults: A100 80 GB, 8 per node, NVLink 3 inside, InfiniBand HDR between,
@@ -520,7 +518,7 @@ claims = [
           f"{fmt_bytes(dp_bytes)} in {calls['dp']}",
           tp_bytes > dp_bytes and calls["tp"] > calls["dp"]),
     claim("maximize DP, minimize TP (rule of thumb)", "interview answer; the planner "
-          "(distlab.plan) on the 512-GPU sweep of section 7.2",
+          "(distlab.theory.plan) on the 512-GPU sweep of section 7.2",
           f"the fastest layout has tp = 1 in {tp1_best} of {len(best_tp)} cases; best tp "
           "for 1.3B as the batch grows " + " → ".join(str(best_tp[("1.3B", b)]) for b in BATCHES)
           + ", for 175B " + " → ".join(str(best_tp[("175B", b)]) for b in BATCHES),

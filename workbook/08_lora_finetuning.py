@@ -20,13 +20,13 @@
 # GPT on **task 0** (a Markov chain), then on **task 1** (the same chain with half of its
 # rows redrawn: half the structure is shared, half conflicts), and measures:
 #
-# 1. LoRA (Hu et al. 2021, `distlab.lora`): the adapter, its parameter count against the
+# 1. LoRA (Hu et al. 2021, `distlab.finetune.lora`): the adapter, its parameter count against the
 #    formula r·(d_in + d_out), and the gradient and optimizer memory it saves;
 # 2. transfer: fine-tuning from task 0 against training task 1 from scratch;
 # 3. full fine-tuning vs LoRA at several ranks, target sets and learning rates: the
 #    interview's "LoRA quality drop" and its fixes, as measured sweeps;
 # 4. catastrophic forgetting (task-0 loss while training on task 1) and two mitigations,
-#    a replay buffer and Elastic Weight Consolidation (`distlab.forgetting`);
+#    a replay buffer and Elastic Weight Consolidation (`distlab.finetune.forgetting`);
 # 5. LoRA under data parallelism: only the adapters' gradients travel;
 # 6. merging the adapter for inference: the same outputs, no extra latency;
 # 7. a widget that fine-tunes with another rank / targets / learning rate;
@@ -58,7 +58,7 @@ import torch
 
 from distlab import RunConfig
 from distlab.comm import ring_allreduce_bytes
-from distlab.dataset import MarkovData
+from distlab.data.dataset import MarkovData
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.lora_finetuning import (
     LoRAExplorer,
@@ -81,7 +81,7 @@ from distlab.lab.lora_finetuning import (
 )
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.config import LORA_TARGETS as PRESETS
-from distlab.lora import (
+from distlab.finetune.lora import (
     inject_lora,
     lora_layer_count,
     lora_parameter_count,
@@ -91,7 +91,7 @@ from distlab.lora import (
 from distlab.models import GPT as TinyGPT
 from distlab.models import GPTConfig
 from distlab.models.gpt import gpt_param_count
-from distlab.train import build_model
+from distlab.rank.build import build_model
 
 BASE = RunConfig(lr=3e-3, timeout_s=120, threads_per_rank=1, **GPT)
 PRE_PATH = weights_path("lora-pretrained")     # the pre-training run writes it
@@ -299,7 +299,7 @@ assert best["recovered"] > 0.8 and base_row["recovered"] < best["recovered"]
 #
 # While fine-tuning on task 1 every run also evaluates on task 0. Full fine-tuning forgets:
 # the redrawn rows are overwritten, and task-0 loss climbs. Two mitigations
-# (`distlab.forgetting`):
+# (`distlab.finetune.forgetting`):
 #
 # * **Replay**: a fraction of every batch's rows comes from a buffer of task-0 rows (the
 #   first rows pre-training saw), so the gradient keeps pulling towards task 0 too.

@@ -80,7 +80,7 @@ from distlab.lab.checkpoints_and_faults import (
 )
 from distlab.lab.common import claim, claims_table, table
 from distlab.lab.runs import launch_together, worst_param_diff
-from distlab.launch import new_run_dir, runs_root
+from distlab.caller.launch import new_run_dir, runs_root
 
 # AdamW in fp32, 2 ranks: the drills' runs. Bitwise claims hold for AdamW too at the
 # same world size: nothing is summed in another order.
@@ -420,7 +420,7 @@ rows = [
     claim("write then rename: a crash mid-save keeps the previous checkpoint", "POSIX rename(2)",
           f"killed with {half:,} of {whole:,} B of state.pt written: the previous checkpoint "
           f"verified and resumed exactly", torn_diff == 0.0),
-    claim("a dead rank is reported, not hung on", "distlab.launch; tests/test_process_safety.py",
+    claim("a dead rank is reported, not hung on", "distlab.caller.launch; tests/test_process_safety.py",
           f"rank {err.rank}, step {err.step}, {detect_s:.2f} s after SIGKILL; no process left",
           detect_s < 10),
     claim("a preemption notice is time to save", "cloud spot-instance notices (AWS 2 min)",

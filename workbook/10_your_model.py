@@ -23,7 +23,7 @@
 #     RunConfig(strategy="zero2", world_size=2,
 #               model="runs/your_model.py:make_model", data="runs/your_model.py:make_data")
 #
-# The contract (`distlab.factory`): `make_model(cfg)` returns an `nn.Module` whose
+# The contract (`distlab.models.factory`): `make_model(cfg)` returns an `nn.Module` whose
 # `forward(x, y)` returns the mean loss; `make_data(cfg)` returns an object whose
 # `global_batch(step, batch)` returns the step's `(x, y)`, the same in every process. Both are
 # imported and run once (one forward) in this kernel before any rank starts, so a typo is an
@@ -239,7 +239,7 @@ rows_ = [
     claim("the model learns", "this notebook's data: counts are linear in the mean embedding",
           f"single: loss {single.losses()[0]:.3f} → {single.losses()[-1]:.3f}",
           single.losses()[-1] < 0.8 * single.losses()[0]),
-    claim("the command line runs your model and reports progress", "distlab.progress",
+    claim("the command line runs your model and reports progress", "distlab.caller.progress",
           printed_done[0] if printed_done else "no summary line",
           terminal.returncode == 0 and len(printed_done) == 1),
     claim("the panel offers only strategies that can run your model", "Strategy.any_model",

@@ -23,7 +23,7 @@
 # 1. **debugging drills**: a learning rate too high or too low, shuffled labels, an all-zero
 #    init, a forgotten `zero_grad`, a loss not divided by the accumulation count, exploding
 #    gradients turned into a NaN (and rescued by clipping), every rank reading the same rows;
-#    each caught by a check `distlab.diagnose` computes (loss at step 0 against ln V,
+#    each caught by a check `distlab.debug.diagnose` computes (loss at step 0 against ln V,
 #    per-layer gradient norms and update/weight ratios, unit symmetry, the ranks' batch
 #    fingerprints, overfitting one batch);
 # 2. **out of memory after hours**: a rare long sequence (and three fixes, measured), a
@@ -37,8 +37,8 @@
 # Most broken training runs do not crash: they train, slowly or not at all, or they look
 # fine and are wrong. Each drill below switches one real bug on in the one training loop
 # (`RunConfig.bug`, or a learning rate), runs it beside a healthy run, and lets
-# `distlab.diagnose` find it from the run's step events, not from a look at a plot. With
-# `diagnostics=True` every rank logs per step, for each weight matrix (`distlab.probe`):
+# `distlab.debug.diagnose` find it from the run's step events, not from a look at a plot. With
+# `diagnostics=True` every rank logs per step, for each weight matrix (`distlab.debug.probe`):
 #
 # * its **gradient norm** (after the gradient reduction: the global batch's gradient);
 # * its **update/weight ratio** ‖ΔW‖/‖W‖, measured across the optimizer step;
@@ -63,8 +63,8 @@ STEPS = 30 if QUICK else 150
 import math
 import time
 
-from distlab.dataset import MarkovData
-from distlab.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings, matches_reference
+from distlab.data.dataset import MarkovData
+from distlab.debug.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings, matches_reference
 from distlab.lab.common import claim, claims_table, say, table
 from distlab.lab.debugging import (
     DRILL_HEADER,
@@ -99,7 +99,7 @@ print(f"ln V = {data.loss_at_start:.3f}, unigram entropy = {data.unigram_entropy
 # | exploding gradients | SGD at `lr=3.0`, no clipping | a step large enough to make the next gradient larger feeds on itself: a few steps later, inf, then NaN in every weight. Clipping the gradient's norm (`grad_clip=0.5`) bounds each step |
 # | same rows on every rank | a sampler that ignores the rank (`bug="same_rows"`, 2 ranks) | both ranks train on rank 0's rows: the loss looks normal, but half of every global batch is never read and the all-reduce averages two copies of one gradient |
 #
-# Every drill runs in the real multi-process loop (`distlab/train.py`, one line per hook);
+# Every drill runs in the real multi-process loop (`distlab/rank/train.py`, one line per hook);
 # the one-rank drills share one launch and the two-rank ones another (at most 60 steps:
 # their fingerprints show the bug from step 0).
 
@@ -127,7 +127,7 @@ layers_figure(runs).show()
 # %% [markdown]
 # ### The checks, and what they found in this run
 #
-# `distlab.diagnose.findings(run)` runs every check that applies to a run and returns
+# `distlab.debug.diagnose.findings(run)` runs every check that applies to a run and returns
 # `Finding(check, passed, evidence, suspect)`. The thresholds, and why each is where it is,
 # are in its docstring; in short:
 #
@@ -284,7 +284,7 @@ drill_claims = [
     claim("a correct loop overfits one batch", "Karpathy 2019, A Recipe for Training "
           "Neural Networks; CS231n notes, Neural Networks Part 3 (sanity checks)",
           overfit.evidence, overfit.passed),
-    claim("the checks raise no false alarm on a clean run", "distlab.diagnose",
+    claim("the checks raise no false alarm on a clean run", "distlab.debug.diagnose",
           f"{sum(map(len, clean_checks.values()))} checks on {len(clean)} clean runs: "
           f"{false_alarms} failed", false_alarms == 0),
 ]
@@ -313,8 +313,8 @@ assert all(r["holds"] for r in drill_claims[2:]), [r["claim"] for r in drill_cla
 # `distlab.memory.PeakMemoryTracker` (the bytes aten ops allocated and still held, at their
 # highest in the step: the CPU stand-in for `torch.cuda.max_memory_allocated`). A step whose
 # measured peak exceeds the budget is where a device of that size would have raised, and the
-# run ends there, as a real one would. The runs are in this process (`distlab.memory_budget`,
-# `distlab.leak`): distlab's GPT, plain SGD, one thread.
+# run ends there, as a real one would. The runs are in this process (`distlab.studies.memory_budget`,
+# `distlab.studies.leak`): distlab's GPT, plain SGD, one thread.
 
 # %%
 import os
@@ -338,12 +338,12 @@ import math
 
 import torch
 
-from distlab.fragmentation import measure_fragmentation
+from distlab.studies.fragmentation import measure_fragmentation
 from distlab.lab import out_of_memory as O
 from distlab.lab.common import MiB, claim, claims_table, table
-from distlab.leak import KEEPS, leak_run
-from distlab.long_sequences import Documents
-from distlab.memory_budget import fit_length, train_under_budget
+from distlab.studies.leak import KEEPS, leak_run
+from distlab.studies.long_sequences import Documents
+from distlab.studies.memory_budget import fit_length, train_under_budget
 from distlab.models.gpt import GPTConfig
 
 torch.set_num_threads(1)
@@ -355,7 +355,7 @@ BUDGET = int(BUDGET_MIB * MiB)
 #
 # Real documents have heavy-tailed lengths: most are short, a few are very long. Ours are
 # Pareto-distributed, P(L > l) = (min_len / (l + 1))^α, clipped at the model's block size,
-# and their tokens come from the workbook's Markov chain (`distlab.long_sequences`). A
+# and their tokens come from the workbook's Markov chain (`distlab.studies.long_sequences`). A
 # loader that pads each batch to its longest row computes rows × longest: one long document
 # among seven short ones makes the whole batch long.
 #
@@ -438,7 +438,7 @@ if unbounded is not None:
 # and the peak comes at the start of backward: every tensor saved for backward is alive,
 # and the first two backward ops have written their gradients of the logits and of
 # log_softmax's output (4·R·T·V bytes each). So a step of R rows padded to T tokens peaks at
-# 4Ψ (parameters) + `distlab.estimate.gpt_activation_bytes` (what the forward saves, the
+# 4Ψ (parameters) + `distlab.theory.estimate.gpt_activation_bytes` (what the forward saves, the
 # batch included) + 8·R·T·V. Tolerance 1%: the formula's only known residual is its batch
 # term (it assumes inputs and targets are views of one array: 8·R bytes), while one missing
 # saved tensor of one layer would be 4·R·T·h bytes, ~2.7% of the peak here.
@@ -457,7 +457,7 @@ worst_err = max(c["rel_err"] for c in checks.values())
 #
 # The textbook leak is `history.append(loss)` where `loss.item()` was meant: the kept tensor
 # holds its graph, and a graph holds what its forward saved for backward. Measured below,
-# five ways of keeping the loss, each for a few steps (`distlab.leak.leak_run`): live bytes at
+# five ways of keeping the loss, each for a few steps (`distlab.studies.leak.leak_run`): live bytes at
 # each step's end are `PeakMemoryTracker.current`, every aten-allocated storage still alive,
 # taken off by a weakref callback the moment it is freed: exact to the byte for everything a
 # step allocates here. "One step's activations" is `ActivationMeter`'s count for the forward
@@ -506,7 +506,7 @@ kept = {k: O.leak_summary(r) for k, r in leaks.items()}  # growth, activations, 
 # `max_split_size_mb` (large blocks are never split), fewer distinct shapes (bucketing,
 # padding to a few lengths), and `empty_cache()` between phases (wholly free segments only).
 #
-# `distlab.fragmentation.measure_fragmentation` runs a workload that fragments on purpose:
+# `distlab.studies.fragmentation.measure_fragmentation` runs a workload that fragments on purpose:
 # thirty 6 MiB tensors (three to a 20 MiB segment), every other one freed, then 14 MiB
 # requests that no hole can hold; with `cap_mib` the process may hold only that much more, and
 # the requests run out while the holes would hold them. It needs CUDA; `tests/gpu/
@@ -541,7 +541,7 @@ oom_claims = [
           # holds: ≥ 10 steps trained first, and one document did it (the next row fits)
           cause is not None and cause["step"] >= 10 and cause["second"] <= fit),
     claim("the peak is rows × longest row: 4Ψ + activation formula + the logits' gradients",
-          "distlab.estimate.gpt_activation_bytes (Korthikanti et al. 2022's count, our GPT)",
+          "distlab.theory.estimate.gpt_activation_bytes (Korthikanti et al. 2022's count, our GPT)",
           f"largest batch {big['rows']} × {big['T']}: measured {big['measured'] / MiB:.3f} "
           f"MiB, formula {big['predicted'] / MiB:.3f}; worst of all runs' largest batches "
           f"{worst_err:.3%} (tolerance 1%)",

@@ -242,7 +242,7 @@ print(f"load_study({reloaded.study_name!r}) from {STORAGE}: {len(reloaded.trials
 # draws).
 #
 # A budget of 1.5 MiB per rank (0.75 MiB in quick mode: parameters, gradients, AdamW state and
-# activations, by `distlab.estimate`) is checked **before anything starts**: a candidate over
+# activations, by `distlab.theory.estimate`) is checked **before anything starts**: a candidate over
 # it, or one RunConfig refuses (3 heads in a width of 32), is pruned with its reason and costs
 # no run. Each method runs until it has trained the same number of candidates.
 
@@ -266,7 +266,7 @@ table(["method", "trials drawn", "refused before running", "runs", "run folders 
 for t in arch_search.refused(arch["random"])[:3]:
     print(f"refused {t.params}: {t.user_attrs['refused'][:110]}")
 estimate_gap = arch_search.estimate_vs_measured(arch.values())
-say(f"distlab.estimate against what the runs measured (params, grads, optimizer state, "
+say(f"distlab.theory.estimate against what the runs measured (params, grads, optimizer state, "
     f"activations): largest difference {estimate_gap:.0f} bytes over "
     f"{sum(len(search.completed(s)) for s in arch.values())} runs; budget "
     f"{arch_spec.budget_bytes / MiB:.2f} MiB")
@@ -306,18 +306,18 @@ search_claims = [
           + f"; unpruned best {ref_best.value:.3f} (trial {ref_best.number})",
           all(prune_ok)),
     claim("the architecture budget refuses trials before they run",
-          "distlab.estimate; Zoph & Le 2017 (NAS)",
+          "distlab.theory.estimate; Zoph & Le 2017 (NAS)",
           f"{refused_total} of {sum(len(s.trials) for s in arch.values())} candidates refused; "
           f"run folders created = runs completed: {folders_ok}; no refused trial has a run: "
           f"{no_run_refused}",
           refused_total > 0 and folders_ok and no_run_refused),
-    claim("the budget's estimate is what the runs measured", "distlab.estimate",
+    claim("the budget's estimate is what the runs measured", "distlab.theory.estimate",
           f"largest difference {estimate_gap:.0f} bytes over the completed candidates",
           estimate_gap == 0),
     claim("NSGA-II finds a better front than random search with as many runs", "Deb et al. 2002",
           f"share of the joint front's hypervolume: NSGA-II {hv['nsga2']:.1%}, random "
           f"{hv['random']:.1%} ({N_ARCH} runs each)", hv["nsga2"] > hv["random"]),
-    claim("a fork-server launch costs a trial well under a second", "distlab.launch",
+    claim("a fork-server launch costs a trial well under a second", "distlab.caller.launch",
           f"median launch + evaluation + teardown: {median_overhead:.3f} s over {len(live)} "
           f"trials; in one shared launch {per_trial_together:.3f} s per trial in all",
           median_overhead < 1.0),
@@ -349,7 +349,7 @@ import os
 from IPython.display import Markdown, display
 
 from distlab import RunConfig
-from distlab.flops import count_step_flops
+from distlab.studies.flop_count import count_step_flops
 from distlab.lab.common import claim, claims_table, say, table
 from distlab.lab.time_to_train import (
     achieved,
@@ -375,7 +375,7 @@ TT = RunConfig(n_layer=2 if QUICK else 4, n_embd=64 if QUICK else 128, n_head=4,
 # activation (2 forward, 4 backward: Kaplan et al. 2020, Section 2.1) plus 12·L·h·s per token
 # for attention's two s×s matmuls (Chowdhery et al. 2022, PaLM, Appendix B). One thing found
 # on the way: the counter has no formula for the CPU build's fused attention kernel, so the
-# count runs the step with PyTorch's math attention, which it sees (`distlab.flops` explains).
+# count runs the step with PyTorch's math attention, which it sees (`distlab.studies.flop_count` explains).
 
 # %%
 count = count_step_flops(TT.replace(global_batch=8))

@@ -6,10 +6,10 @@
 """
 
 from distlab.checkpoint import CheckpointError
-from distlab.resume import resume
+from distlab.caller.resume import resume
 from distlab.config import RunConfig
-from distlab.launch import launch, run_ranks
-from distlab.run import Run, RunError, RunStopped
+from distlab.caller.launch import launch, run_ranks
+from distlab.caller.run import Run, RunError, RunStopped
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
 from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, fully_shard, grad_shard

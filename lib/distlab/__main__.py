@@ -36,10 +36,10 @@ def parse_config(argv) -> tuple[dict, str | None, int]:
 
 
 def main(argv=None) -> int:
-    from distlab import factory
-    from distlab.launch import launch, rank_body, runs_root
-    from distlab.progress import train_rank_with_progress
-    from distlab.run import RunError
+    from distlab.models import factory
+    from distlab.caller.launch import launch, rank_body, runs_root
+    from distlab.caller.progress import train_rank_with_progress
+    from distlab.caller.run import RunError
 
     fields, run_dir, every = parse_config(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun

@@ -13,7 +13,7 @@ import numbers
 import re
 from dataclasses import dataclass, fields
 
-from distlab import factory
+from distlab.models import factory
 from distlab.units import DTYPES
 # Each strategy names how the one training loop is parallelised. What a strategy supports, its
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
@@ -31,17 +31,17 @@ OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = tuple(DTYPES)  # "fp32", "bf16", "fp16" (distlab.units)
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-# Training bugs on purpose, for the debugging drills (distlab.bugs says what each does);
+# Training bugs on purpose, for the debugging drills (distlab.debug.bugs says what each does);
 # "none" first: the default
 BUGS = ("none", "shuffled_labels", "zero_init", "no_zero_grad", "loss_not_divided", "same_rows")
-# LoRA's target presets: regexes on module names (distlab.lora); any other value is a regex
+# LoRA's target presets: regexes on module names (distlab.finetune.lora); any other value is a regex
 LORA_TARGETS = {
     "qv": r"attn\.(q|v)$",
     "attn": r"attn\.(q|k|v|o)$",
     "attn_mlp": r"(attn\.(q|k|v|o)|mlp\.(fc|proj))$",
 }
 # Injected faults, for the drills that prove the launcher's process safety.
-FAULTS = ("none", "raise", "stall", "kill", "nan",  # nan: a NaN in one weight (distlab.nan)
+FAULTS = ("none", "raise", "stall", "kill", "nan",  # nan: a NaN in one weight (distlab.debug.nan)
           "kill_in_save")  # SIGKILL halfway through writing a checkpoint (distlab.checkpoint)
 
 
@@ -65,11 +65,11 @@ class RunConfig:
     warmup_steps: int = 0  # learning rate rises linearly from lr/warmup_steps to lr
     seq_len: int = 64
     precision: str = "fp32"
-    loss_scale: str = "auto"  # dynamic loss scaling (distlab.precision)
+    loss_scale: str = "auto"  # dynamic loss scaling (distlab.rank.precision)
     loss_scale_init: float = 65536.0  # dynamic: the first scale (torch GradScaler's: 2**16)
     loss_scale_growth_interval: int = 2000  # dynamic: clean steps before the scale doubles
     fp32_modules: str = ""  # comma-separated module names kept in fp32 under autocast
-    checkpointing: str = "none"  # activation checkpointing per block (distlab.recompute)
+    checkpointing: str = "none"  # activation checkpointing per block (distlab.rank.recompute)
     track_peak: bool = False  # memory["peak"] per step: aten-allocated bytes (~20% step time)
     offload: bool = False  # zero*: optimizer state lives on the CPU
     # zero3's mixed-precision policy (distlab.MixedPrecisionPolicy, as FSDP2's): parameters cast
@@ -94,13 +94,13 @@ class RunConfig:
     topk_ratio: float = 0.01  # fraction of each bucket's entries that topk sends
     backup_workers: int = 0  # ps-sync: extra workers; each step uses the first gradients to arrive
     # model: the tiny GPT (distlab.models.gpt), a small BatchNorm net (distlab.models.bnnet),
-    # or yours: "package.module:function" or "file.py:function" (distlab.factory)
+    # or yours: "package.module:function" or "file.py:function" (distlab.models.factory)
     model: str = "gpt"
-    data: str = ""  # with your model: your data, "package.module:function" (distlab.factory)
+    data: str = ""  # with your model: your data, "package.module:function" (distlab.models.factory)
     sync_bn: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm)
     broadcast_buffers: bool = True  # ddp: rank 0's buffers to every rank at each step's start
     hidden_layers: int = 2  # bnnet: hidden Linear+BatchNorm layers (width n_embd)
-    bn_classes: int = 4  # bnnet's data (distlab.dataset.ClusterData): Gaussian clusters, one
+    bn_classes: int = 4  # bnnet's data (distlab.data.dataset.ClusterData): Gaussian clusters, one
     bn_features: int = 16  # per class, of bn_features dimensions, spread bn_cluster_std around
     bn_cluster_std: float = 1.0  # class centres drawn with std bn_separation
     bn_separation: float = 0.7
@@ -109,7 +109,7 @@ class RunConfig:
     n_head: int = 4
     mlp_ratio: int = 4
     vocab_size: int = 64
-    # data: a Markov chain made on the machine (distlab.dataset)
+    # data: a Markov chain made on the machine (distlab.data.dataset)
     successors: int = 3  # next-token choices per token; sets how low the loss can go
     dataset_size: int = 0  # 0: fresh rows every step; >0: a finite set read by a distributed sampler
     drop_last: bool = True  # sampler: drop the tail that does not divide among ranks
@@ -117,7 +117,7 @@ class RunConfig:
     join: bool = False  # uneven inputs: ranks out of data shadow the others' collectives
     seed: int = 0
     task: int = 0  # which Markov chain: 0 the default; k >= 1 redraws half its rows (data.py)
-    # fine-tuning (distlab.lora, distlab.forgetting)
+    # fine-tuning (distlab.finetune.lora, distlab.finetune.forgetting)
     init_from: str = ""  # a model state-dict .pt to start from (loaded before LoRA, wrapping)
     save_final: str = ""  # write the trained model's state dict here (adapters merged)
     lora_rank: int = 0  # 0: full fine-tuning; r >= 1: LoRA adapters of rank r, the rest frozen
@@ -137,15 +137,15 @@ class RunConfig:
     runs_root: str = ""  # "" means $DISTLAB_RUNS or ./runs
     name: str = ""
     debug: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: catches mismatched collectives
-    detect_nan: bool = False  # name the step and first module that made inf/NaN (distlab.nan)
+    detect_nan: bool = False  # name the step and first module that made inf/NaN (distlab.debug.nan)
     # fault injection: one rank misbehaves at one step
     fault: str = "none"
     fault_rank: int = 0
     fault_step: int = 0
     fault_module: str = ""  # fault="nan": the module whose weight gets the NaN ("": first Linear)
     # debugging drills: a training bug on purpose (BUGS above), and the measurements
-    # that find one (distlab.probe: per-layer gradient norms, update/weight ratios, unit
-    # spread, batch fingerprints in every step event; the checks: distlab.diagnose)
+    # that find one (distlab.debug.probe: per-layer gradient norms, update/weight ratios, unit
+    # spread, batch fingerprints in every step event; the checks: distlab.debug.diagnose)
     bug: str = "none"
     diagnostics: bool = False
     # training checkpoints (distlab.checkpoint)
@@ -289,14 +289,14 @@ class RunConfig:
 
     def _check_model(self):
         """A built-in model, or a model and data factory named by import path (their import
-        and a first forward are checked by launch(), distlab.factory.check)."""
+        and a first forward are checked by launch(), distlab.models.factory.check)."""
         if not isinstance(self.model, str) or not isinstance(self.data, str):
             raise ValueError(f"model={self.model!r} and data={self.data!r} must be strings")
         if not factory.is_spec(self.model):
             if self.model not in MODELS:
                 raise ValueError(f"model={self.model!r} is not one of: "
                                  f"{', '.join(map(repr, MODELS))}, nor 'package.module:function' "
-                                 "(a model of your own, distlab.factory)")
+                                 "(a model of your own, distlab.models.factory)")
             if self.data:
                 raise ValueError(f"data={self.data!r} feeds a model of your own; model="
                                  f"{self.model!r} brings its data (set data='')")

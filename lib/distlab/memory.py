@@ -4,7 +4,7 @@ On CPU a process's RSS says little at this scale (the torch runtime alone is ~22
 count bytes of the tensors we know: parameters, gradients and optimizer state held by this rank,
 the tensors autograd saved for backward (activations), and scratch buffers of the collectives.
 
-Three measures, all in bytes (see distlab.estimate for the analytic side of each):
+Three measures, all in bytes (see distlab.theory.estimate for the analytic side of each):
 
   model_state_bytes(model, opt)  exact bytes of this rank's params, grads and optimizer state
                                  (numel * element_size of each local tensor; nothing shared)
@@ -17,7 +17,7 @@ Three measures, all in bytes (see distlab.estimate for the analytic side of each
                                  aten ops only: it misses buffers made inside gloo (and any
                                  allocation outside the dispatcher).
 
-The step event's memory dict (distlab.train): params, grads, optim (Strategy.state_bytes),
+The step event's memory dict (distlab.rank.train): params, grads, optim (Strategy.state_bytes),
 activations (ActivationMeter, last micro-batch), comm_buffers; with RunConfig.track_peak also
 peak (this step's PeakMemoryTracker peak) and allocated (live at the step's end) - opt-in, as
 the tracker costs ~15-25% of a step of the default GPT; on CUDA also cuda_max_allocated
@@ -52,7 +52,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
 
 
 # Meters measuring now (innermost last). Selective activation checkpointing keeps some op
-# outputs in its own cache instead of saving them through autograd's hooks; distlab.recompute
+# outputs in its own cache instead of saving them through autograd's hooks; distlab.rank.recompute
 # reports those here (count_saved) so the meter still sees every byte kept for backward.
 _ACTIVE_METERS: list["ActivationMeter"] = []
 

@@ -1,6 +1,6 @@
 """Reading one rank's step event: the bytes it booked and the memory it held, under any strategy.
 
-Where a step event (distlab.train, `run.history("step")`) keeps them:
+Where a step event (distlab.rank.train, `run.history("step")`) keeps them:
 
     comm        {kind: stats} booked on the world's Comm: every strategy's collectives, but ...
     mesh.comm   ... `3d`'s, booked per group on the group's own Comm (distlab.parallel.mesh):

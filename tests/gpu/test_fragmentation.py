@@ -1,4 +1,4 @@
-"""Fragmentation of CUDA's caching allocator, measured (distlab.fragmentation).
+"""Fragmentation of CUDA's caching allocator, measured (distlab.studies.fragmentation).
 
 Skipped without CUDA. Written for the allocator's documented block sizes (c10/cuda/
 CUDACachingAllocator.cpp): a request between 1 and 10 MiB is carved from a 20 MiB segment
@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from distlab.fragmentation import FragmentationReport, MiB
+from distlab.studies.fragmentation import FragmentationReport, MiB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -42,7 +42,7 @@ DEFAULT = "expandable_segments:False"
 def _measure(cap_mib=None, conf=DEFAULT) -> FragmentationReport:
     """measure_fragmentation(SMALL, COUNT, LARGE, cap_mib) in a fresh process under
     PYTORCH_CUDA_ALLOC_CONF=conf."""
-    code = ("import json, dataclasses, sys; from distlab.fragmentation import "
+    code = ("import json, dataclasses, sys; from distlab.studies.fragmentation import "
             "measure_fragmentation as m; print(json.dumps(dataclasses.asdict("
             f"m({SMALL}, {COUNT}, {LARGE}, cap_mib={cap_mib!r}))))")
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}

@@ -2,7 +2,7 @@
 
 The GPU machine this is written for has one GPU. NCCL refuses two ranks of a communicator on
 one GPU ("Duplicate GPU detected"), so the launcher refuses backend='nccl' (and 'auto') with
-more ranks than GPUs and lets ranks share a GPU under backend='gloo' (distlab.launch.
+more ranks than GPUs and lets ranks share a GPU under backend='gloo' (distlab.caller.launch.
 place_rank). The probe below checks both at run time: it starts two ranks on GPU 0 with NCCL,
 then with gloo, tries each collective on CUDA tensors and prints what worked; the strategies
 then run through the backend that did, each against one process on the same GPU.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from distlab import RunConfig, launch, run_ranks
-from distlab import gpu as G
-from distlab.train import train_with_state
+from distlab.studies import gpu as G
+from distlab.rank.train import train_with_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -60,7 +60,7 @@ def test_nccl_refuses_two_ranks_on_one_gpu_and_gloo_carries_them(placement):
                     "each rank its own")
     nccl = placement.probes["nccl"]
     if nccl["all_reduce"] == "ok":
-        pytest.fail("NCCL ran two ranks on one GPU: distlab.launch.place_rank's refusal "
+        pytest.fail("NCCL ran two ranks on one GPU: distlab.caller.launch.place_rank's refusal "
                     "(backend='nccl' with more ranks than GPUs) is out of date")
     assert placement.backend == "gloo", placement.probes
 

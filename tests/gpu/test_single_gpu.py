@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from distlab import Run, RunConfig, run_ranks
-from distlab.estimate import gpt_activation_bytes, run_model_state_bytes
-from distlab.train import train_with_state
+from distlab.theory.estimate import gpt_activation_bytes, run_model_state_bytes
+from distlab.rank.train import train_with_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -95,7 +95,7 @@ def test_bf16_on_cuda_follows_cpu(cpu_runs, cuda_runs):
 
 
 def test_cuda_max_allocated_against_the_estimate(cuda_runs):
-    """Per step, torch's peak allocated bytes against distlab.estimate's model states
+    """Per step, torch's peak allocated bytes against distlab.theory.estimate's model states
     (params + grads + AdamW, 16 B/param) plus activations (gpt_activation_bytes).
 
     Lower bound, exact: at the end of the forward the parameters, the saved activations

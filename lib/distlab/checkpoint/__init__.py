@@ -32,8 +32,8 @@ folder, found by scanning.
 Saving: with checkpoint_every = k, after steps k-1, 2k-1, ... (0-based) and after the last
 step, so a finished run can be extended (resume with a larger `steps`); keep_last complete
 checkpoints stay. Resuming: the loop starts at steps_done. Data is a pure function of
-(seed, step) (distlab.dataset) and a finite dataset's sampler position is a function of the step
-(distlab.sampler), so the step is the data position.
+(seed, step) (distlab.data.dataset) and a finite dataset's sampler position is a function of the step
+(distlab.data.sampler), so the step is the data position.
 
 What a resumed run may change is MAY_CHANGE (world size, steps, launch and logging knobs);
 every other RunConfig field must match, and `check_compatible` names each one that does not.
@@ -61,7 +61,10 @@ Where each part lives:
                     is distlab.parallel.state: checkpoint/ reads parallel/, never the reverse)
     preemption.py   SIGTERM as a preemption notice
     checkpointer.py the training loop's side: save when due, restore at the start
-    distlab.resume  the caller's side: launch a run again from its checkpoint
+    distlab.caller.resume  the caller's side: launch a run again from its checkpoint
+
+May import: the foundation, data/, models/, parallel/ and config. Never the reverse: what a
+strategy hands over is distlab.parallel.state's.
 """
 
 from distlab.checkpoint.checkpointer import Checkpointer

@@ -1,4 +1,4 @@
-"""Checkpointing inside distlab.train's loop, on one rank: save when due (or when the job got a
+"""Checkpointing inside distlab.rank.train's loop, on one rank: save when due (or when the job got a
 preemption notice), restore at the start. The format on disk is distlab.checkpoint.store's;
 what a rank's state is, its strategy says (Strategy.checkpoint_state / load_checkpoint_state)."""
 
@@ -23,7 +23,7 @@ from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, C
 class Checkpointer:
     """One rank's checkpointing, as the loop uses it:
 
-        ckpt = Checkpointer.for_run(cfg, ...)    None when the run neither saves nor resumes
+        ckpt = Checkpointer.for_run(cfg, ...)    NoCheckpoints() if it neither saves nor resumes
         start = ckpt.restore()                    steps already done (0: a fresh start)
         after each step's update:  if ckpt.after_step(step): break    (preempted)
     """
@@ -38,7 +38,7 @@ class Checkpointer:
 
     @classmethod
     def for_run(cls, cfg, *args):
-        return cls(cfg, *args) if (cfg.checkpoint_every or cfg.resume_from) else None
+        return cls(cfg, *args) if (cfg.checkpoint_every or cfg.resume_from) else NoCheckpoints()
 
     # -- in the loop -----------------------------------------------------------------------
     def after_step(self, step: int) -> bool:
@@ -117,7 +117,7 @@ class Checkpointer:
         state = self.strategy.checkpoint_state(self.model, self.optimizer)  # every rank: may gather
         if self.rank != 0:
             return {}
-        state["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
+        state["scaler"] = self.scaler.state_dict() if self.scaler.enabled else None
         return {STATE: write_file(os.path.join(tmp, STATE), state, self.rank,
                                   kill_halfway=kill and self._kill_target == STATE)}
 
@@ -142,7 +142,7 @@ class Checkpointer:
     def _sharded_state(self, for_load: bool) -> dict:
         """What this rank hands DCP: the loss scaler's numbers and its strategy's shards (views
         that DCP loads into in place)."""
-        state = scaler_tensors(self.scaler) if self.scaler is not None else {}
+        state = scaler_tensors(self.scaler) if self.scaler.enabled else {}
         return {**state, **self.strategy.checkpoint_state(self.model, self.optimizer, for_load)}
 
     # -- restore -----------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class Checkpointer:
         except (KeyError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{os.path.join(path, STATE)} does not fit this model or "
                                   f"optimizer: {e}") from None
-        if self.scaler is not None:
+        if self.scaler.enabled:
             self.scaler.load_state_dict(state["scaler"])
 
     def _load_sharded(self, path, meta):
@@ -198,7 +198,18 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - name the checkpoint in whatever DCP raised
             raise CheckpointError(f"{os.path.join(path, DCP_DIR)}: DCP could not load it into "
                                   f"this model: {type(e).__name__}: {str(e)[:800]}") from None
-        if self.scaler is not None:
+        if self.scaler.enabled:
             self.scaler.load_state_dict({k.split("/", 1)[1]: v.item() for k, v in state.items()
                                          if k.startswith("scaler/")})
         self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
+
+
+class NoCheckpoints:
+    """The loop's checkpointer when the run neither saves nor resumes: it starts at step 0 and
+    never asks the loop to leave."""
+
+    def restore(self) -> int:
+        return 0
+
+    def after_step(self, step: int) -> bool:
+        return False

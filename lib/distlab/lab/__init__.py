@@ -15,11 +15,13 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
     git_outputs.py      git compares the notebooks without their outputs (README)
 
 `from distlab import lab` gives the panel's API: lab.watch(run), lab.ControlPanel(), ...
+
+May import: all of distlab. Nothing else in distlab imports it.
 """
 
 import sys
 
-from distlab import run as _run
+from distlab.caller import run as _run
 from distlab.lab.common import MEMORY_CATEGORIES, MiB
 from distlab.lab.panel import (
     ControlPanel,

@@ -9,7 +9,7 @@ both. NSGA-II (Deb et al. 2002) breeds the next trials from the front so far (no
 sorting, crowding distance); random search only draws.
 
 **The budget.** A candidate that cannot fit is refused BEFORE any process starts: its bytes per
-rank come from distlab.estimate (parameters, gradients, AdamW state and activations, the same
+rank come from distlab.theory.estimate (parameters, gradients, AdamW state and activations, the same
 formulas launch()'s preflight uses; they equal what a run measures, byte for byte, which
 `estimate_vs_measured` checks on every completed trial), and one over budget_bytes is pruned
 with the reason kept in the trial (user attribute "refused"). So is a combination RunConfig
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import optuna
 
 from distlab import RunConfig
-from distlab.estimate import estimate_run, gpt_params_of
+from distlab.theory.estimate import estimate_run, gpt_params_of
 from distlab.lab.hp_search import BASE
 from distlab.lab.search import (
     completed,
@@ -36,8 +36,8 @@ from distlab.lab.search import (
     suggest,
     torch_threads,
 )
-from distlab.launch import new_run_dir, runs_root
-from distlab.retention import run_folders
+from distlab.caller.launch import new_run_dir, runs_root
+from distlab.caller.retention import run_folders
 from distlab.units import MiB
 
 # n_head 3 divides only n_embd 48: the other widths' trials with 3 heads are invalid configs,
@@ -68,7 +68,7 @@ class ArchSpec:
 
 
 def estimated_bytes(cfg: RunConfig) -> float:
-    """Bytes per rank by distlab.estimate: parameters, gradients, optimizer state, activations."""
+    """Bytes per rank by distlab.theory.estimate: parameters, gradients, optimizer state, activations."""
     est = estimate_run(cfg)
     return sum(est[k] for k in MEMORY_KEYS)
 
@@ -82,7 +82,7 @@ def admit(spec: ArchSpec, params: dict) -> tuple[RunConfig | None, str | None]:
     need = estimated_bytes(cfg)
     if need > spec.budget_bytes:
         return None, (f"over budget: needs {need / MiB:.2f} MiB > {spec.budget_bytes / MiB:.2f} "
-                      "MiB (distlab.estimate)")
+                      "MiB (distlab.theory.estimate)")
     return cfg, None
 
 
@@ -105,7 +105,7 @@ def arch_search(method: str, spec: ArchSpec, n_runs: int, seed: int, max_trials:
     count as runs. `population`: NSGA-II's generation size. The study keeps "run_folders" (how
     many run folders its trials made) and "refused" (how many trials the budget or RunConfig
     refused). The trials' runs go into one folder of their own under the runs folder (named as a
-    run folder is, so distlab.retention ages it out as one), so runs launched meanwhile by
+    run folder is, so distlab.caller.retention ages it out as one), so runs launched meanwhile by
     anything else do not count."""
     study = new_study(f"arch-{method}", sampler(method, seed, population=population),
                       storage=storage,

@@ -25,8 +25,8 @@ from distlab.checkpoint import checkpoint_root, latest_checkpoint, load_full
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
 from distlab.events import LogTail, rank_log_path
-from distlab.launch import launch
-from distlab.run import Run, RunError
+from distlab.caller.launch import launch
+from distlab.caller.run import Run, RunError
 
 
 # -- torchrun ----------------------------------------------------------------------------------

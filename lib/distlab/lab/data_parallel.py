@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, fmt_bytes, hline
 from distlab.parallel.data_parallel.dp import KINDS as DP_KINDS
-from distlab.run import Run
+from distlab.caller.run import Run
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def gil_cost(cfg, block: bool = True) -> dict:
     """Run `cfg` (strategy "dp") twice, replicas in threads and one after another, and compare
     the forward's wall time: threads win only where kernels (which release the GIL) dominate
     the Python between them. Returns both summaries and the ratio sequential / threaded."""
-    from distlab.launch import launch
+    from distlab.caller.launch import launch
     threaded = launch(cfg.replace(dp_threads=True), block=block)
     sequential = launch(cfg.replace(dp_threads=False), block=block)
     a, b = dp_summary(threaded), dp_summary(sequential)

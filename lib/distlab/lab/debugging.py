@@ -1,5 +1,5 @@
 """Debugging drills: a training bug switched on (RunConfig.bug, or a bad lr), its symptom in
-the run's step events, and the check (distlab.diagnose) that finds it, with the fix run beside.
+the run's step events, and the check (distlab.debug.diagnose) that finds it, with the fix run beside.
 
     runs = run_drills(drill_base(steps=150))     # two launches: one rank, then two
     rows = drill_rows(runs)                      # per drill: checks fired, caught?, fixed?
@@ -19,13 +19,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
-from distlab.dataset import make_data
-from distlab.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings
+from distlab.data.dataset import make_data
+from distlab.debug.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings
 from distlab.lab.common import RUN_COLORS, has_hint, html_table
 from distlab.lab.panel import Explorer, LiveDashboard
 from distlab.lab.runs import launch_together
-from distlab.launch import launch
-from distlab.run import Run
+from distlab.caller.launch import launch
+from distlab.caller.run import Run
 
 HEALTHY_COLOR = "#bbbbbb"
 REFERENCE_LINES = (("loss_at_start", "ln V: uniform guess", "#c2255c", "dot"),
@@ -39,7 +39,7 @@ class Drill:
     run that fixes it (a key of drill_configs: the changes reverted or the remedy added)."""
     title: str
     changes: dict
-    check: str  # a distlab.diagnose check name
+    check: str  # a distlab.debug.diagnose check name
     signature: str  # what the symptom looks like, and why
     fix: str  # the config key of the fixed run
     fix_title: str
@@ -318,7 +318,7 @@ def fingerprint_rows(runs: dict[str, Run], names=("same rows on every rank", "pe
 class DebugExplorer(Explorer):
     """A dropdown of drills and Run: the drill trains live in the workbook's dashboard (its
     loss over any earlier ones, ln V, the unigram entropy and the floor drawn in), and when
-    it ends its findings appear under it, computed by distlab.diagnose."""
+    it ends its findings appear under it, computed by distlab.debug.diagnose."""
 
     def __init__(self, base: RunConfig):
         super().__init__()  # Run, Stop, the status line

@@ -4,7 +4,7 @@ configs and rows, draw the figures, time merged vs unmerged inference, and a wid
 fine-tunes with another rank / targets / learning rate and redraws.
 
 Nothing here runs inside a rank or changes how anything trains; it reads what the runs logged
-(distlab.forgetting writes the eval events, distlab.lora builds the adapters).
+(distlab.finetune.forgetting writes the eval events, distlab.finetune.lora builds the adapters).
 
     runs = launch_together({"pre": pre, "full": full, "lora": lora})
     final_eval(runs["full"])           # {"task0": ..., "task1": ...} after the last step
@@ -25,11 +25,11 @@ from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, fmt_bytes
 from distlab.lab.runs import launch_together
 from distlab.lab.panel import Explorer
-from distlab.launch import new_run_dir, runs_root
-from distlab.lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
-from distlab.run import Run
+from distlab.caller.launch import new_run_dir, runs_root
+from distlab.finetune.lora import merge_lora, merged_state_dict, trainable_parameters, unmerge_lora
+from distlab.caller.run import Run
 from distlab.step_event import bytes_sent, memory
-from distlab.train import build_model
+from distlab.rank.build import build_model
 
 TARGET_COLORS = {"qv": "#1f5fbf", "attn": "#e8590c", "attn_mlp": "#2b8a3e"}
 # no "star": that marks full fine-tuning in sweep_figure

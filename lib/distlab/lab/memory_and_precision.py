@@ -3,7 +3,7 @@ reading memory, loss scales and step times out of runs' events, a one-micro-batc
 autocast, the loss scaler replayed beside torch.amp.GradScaler, the micro-batch sweep and the
 "fits at batch 1, need batch 32" recipe, and their figures.
 
-Nothing here changes how anything trains: the runs are distlab.train's; these functions read
+Nothing here changes how anything trains: the runs are distlab.rank.train's; these functions read
 their events, or (forward_breakdown, replay_scalers) run one forward/backward or a scaler on
 gradients in this process to show what a run does inside.
 
@@ -24,9 +24,8 @@ from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
 from distlab.lab.common import MEMORY_COLORS as COLORS, MiB
-from distlab.run import Run
+from distlab.caller.run import Run
 from distlab.step_event import memory
-
 
 
 # -- reading runs --------------------------------------------------------------------------------
@@ -79,7 +78,7 @@ WATCHED = ("tok_emb", "pos_emb", "blocks.0.ln1", "blocks.0.attn.q", "blocks.0.ml
 
 
 def forward_breakdown(cfg: RunConfig, rank: int = 0, watched=WATCHED) -> dict:
-    """One micro-batch of rank `rank`, as distlab.train runs it (same init, same rows, same
+    """One micro-batch of rank `rank`, as distlab.rank.train runs it (same init, same rows, same
     autocast, fp32_modules and checkpointing), forward and backward in this process:
 
         activations      ActivationMeter.bytes: what the step event logs as "activations"
@@ -89,10 +88,11 @@ def forward_breakdown(cfg: RunConfig, rank: int = 0, watched=WATCHED) -> dict:
         output_dtypes    {module: dtype of its output} for the `watched` modules
         param_dtypes     {dtype: parameters}; grad_dtypes the same for their gradients
     """
-    from distlab.dataset import make_data
+    from distlab.data.dataset import make_data
     from distlab.memory import ActivationMeter
-    from distlab.precision import apply_fp32_modules, param_dtypes
-    from distlab.train import autocast, build_model
+    from distlab.rank.precision import apply_fp32_modules, param_dtypes
+    from distlab.rank.build import build_model
+    from distlab.rank.precision import autocast
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
@@ -126,26 +126,6 @@ def forward_breakdown(cfg: RunConfig, rank: int = 0, watched=WATCHED) -> dict:
             "param_dtypes": param_dtypes(model), "grad_dtypes": grads}
 
 
-def autocast_weight_copy_bytes(cfg: RunConfig) -> int:
-    """Bytes of the low-precision weight copies autocast makes in our GPT's forward, by
-    formula: every nn.Linear's weight (q, k, v, o: 4h² per layer; fc, proj: 2rh²; the head hV)
-    cast to 2 bytes, except in modules kept fp32 (cfg.fp32_modules). Biases are copied too but
-    not saved for backward (addmm's gradient for the bias needs none). 0 in fp32."""
-    if cfg.precision == "fp32":
-        return 0
-    h, r, V, L = cfg.n_embd, cfg.mlp_ratio, cfg.vocab_size, cfg.n_layer
-    fp32 = {n.strip() for n in cfg.fp32_modules.split(",") if n.strip()}
-    per_layer = {"attn": 4 * h * h, "mlp": 2 * r * h * h}
-    total = 0
-    for i in range(L):
-        for part, n in per_layer.items():
-            if not ({f"blocks.{i}", f"blocks.{i}.{part}"} & fp32):
-                total += n
-    if "head" not in fp32:
-        total += h * V
-    return 2 * total
-
-
 # -- the loss scaler beside torch.amp.GradScaler ------------------------------------------------
 def gradient_sequence(steps: int = 24, bad: dict | None = None, size: int = 6, seed: int = 1,
                       rms: float = 1e-3) -> list[torch.Tensor]:
@@ -174,7 +154,7 @@ def replay_scalers(grads: list[torch.Tensor], lr: float = 0.1, **scaler_kw) -> d
     `found = unscale_(grads); step unless found; update(found)`. Returns, per scaler
     ("distlab", "torch"): the scale each step used, whether the step was skipped (p unchanged),
     the scale after the last step and the final p."""
-    from distlab.precision import DynamicLossScaler
+    from distlab.rank.precision import DynamicLossScaler
 
     out = {}
     for kind in ("distlab", "torch"):

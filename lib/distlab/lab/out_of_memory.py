@@ -2,8 +2,8 @@
 policies run side by side against one memory budget, the leak's variants, the allocator's
 fragmentation report, and their figures and tables.
 
-The training and the measuring are the runtime's (distlab.memory_budget, distlab.leak,
-distlab.fragmentation); this module picks the policies, runs them in turn in this process and
+The training and the measuring are the runtime's (distlab.studies.memory_budget, distlab.studies.leak,
+distlab.studies.fragmentation); this module picks the policies, runs them in turn in this process and
 draws what they measured.
 
     batches = policy_batches(docs, rows=8, cap=72, max_tokens=576, steps=100)
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from distlab.fragmentation import FragmentationReport
+from distlab.studies.fragmentation import FragmentationReport
 from distlab.lab.common import RUN_COLORS as COLORS
 from distlab.lab.common import KiB, MiB
-from distlab.leak import growth_per_step
-from distlab.long_sequences import (
+from distlab.studies.leak import growth_per_step
+from distlab.studies.long_sequences import (
     Documents,
     capped,
     pad_to_longest,
@@ -29,7 +29,7 @@ from distlab.long_sequences import (
     token_buckets,
     worst_shape,
 )
-from distlab.memory_budget import BudgetRun, predicted_peak, train_under_budget
+from distlab.studies.memory_budget import BudgetRun, predicted_peak, train_under_budget
 
 # How far the held-out loss must fall, as a share of the way from its start to the data's
 # floor, for a run to count as learning. A run that dies at step 0 moves it ~1% (one SGD

@@ -36,14 +36,14 @@ import plotly.graph_objects as go
 from IPython.display import Markdown, display
 from plotly.subplots import make_subplots
 
-from distlab import factory
+from distlab.models import factory
 from distlab.config import (ALLREDUCE_ALGORITHMS, COMPRESSIONS, DP_GATHERS, PRECISIONS, SCHEDULES,
                             STRATEGIES, RunConfig)
 from distlab.lab.common import (MEMORY_CATEGORIES, MEMORY_COLORS, RUN_COLORS, byte_unit,
                                 clear_hint, has_hint, md_escape, show_hint)
-from distlab.launch import launch
+from distlab.caller.launch import launch
 from distlab.parallel import DEGREES, KNOBS, reads, strategy_class, strategy_knobs
-from distlab.run import Run
+from distlab.caller.run import Run
 from distlab.step_event import bytes_sent, comm, memory
 
 # At most four redraws a second: each redraw sends every trace's data to the browser again
@@ -712,7 +712,7 @@ class ControlPanel:
     dtype offer the values RunConfig accepts with the other knobs as they are (a knob with one
     value left is disabled, its tooltip says why). Whatever RunConfig still refuses (a global
     batch the workers cannot split) is shown in the status line and Run is disabled until a knob
-    changes; launch()'s own checks (distlab.preflight) are shown there when Run is pressed.
+    changes; launch()'s own checks (distlab.caller.preflight) are shown there when Run is pressed.
     """
 
     def __init__(self, dashboard: LiveDashboard | None = None, extra_widgets: dict | None = None,
@@ -789,7 +789,7 @@ class ControlPanel:
         if self.last_run is not None and not self.last_run.done:
             raise RuntimeError("the last run is still going: wait for it or press Stop")
         cfg = self.config(**overrides)
-        run = launch(cfg)  # distlab.preflight's checks first: a ValueError starts nothing
+        run = launch(cfg)  # distlab.caller.preflight's checks first: a ValueError starts nothing
         self.runs.append(run)
         self.last_run = run
         self.progress.max, self.progress.value, self.progress.bar_style = cfg.steps, 0, ""

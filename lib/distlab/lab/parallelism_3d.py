@@ -22,14 +22,11 @@ sequence length, h hidden size, m micro-batches, L_s = n_layer/pp blocks per sta
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import html
 import math
 
 import ipywidgets as W
 import plotly.graph_objects as go
-import torch
 import torch.distributed as dist
 from plotly.subplots import make_subplots
 
@@ -37,11 +34,9 @@ from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, html_table
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lab.panel import Explorer
-from distlab.models import GPT, GPTConfig
-from distlab.parallel.mesh import KINDS, Mesh, coords, layout
-from distlab.parallel.pipeline.pp import stage_blocks
-from distlab.parallel.tensor.tp import plan_table
+from distlab.parallel.mesh import KINDS, Mesh, layout
 from distlab.step_event import bytes_sent
+from distlab.theory.comm_bytes import link_seconds, messages_per_step, predicted_bytes, rank_numel
 
 FP32 = 4
 SOURCES = {"tp": "Shoeybi et al. 2019 (Megatron-LM), f/g all-reduces; ring bus bytes",
@@ -81,61 +76,6 @@ def valid_layouts(base: RunConfig, world: int, microbatches: int | None = None,
 
 
 # -- the formulas --------------------------------------------------------------------------------
-def rank_numel(cfg: RunConfig, rank: int) -> int:
-    """Parameters `rank` holds in `3d`: its pipeline stage's blocks (plus the embeddings on
-    the first stage, ln_f and the head on the last), with the column/row-split weights of
-    Megatron's plan divided by tp. Counted from the model's shapes (built on the meta device)."""
-    c = coords(rank, cfg.dp_degree, cfg.tp, cfg.pp)
-    blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, cfg.pp, c["pp"])}
-    split = set()
-    for name, style in plan_table(cfg.n_layer).items():
-        if style == "colwise":
-            split |= {f"{name}.weight", f"{name}.bias"}  # output rows split: bias too
-        elif style == "rowwise":
-            split.add(f"{name}.weight")  # input columns split; the bias is added once
-    total = 0
-    for name, numel in _param_numels(*dataclasses.astuple(GPTConfig.from_run(cfg))).items():
-        top = name.split(".")[0]
-        held = (any(name.startswith(b) for b in blocks)
-                or (top in ("tok_emb", "pos_emb") and c["pp"] == 0)
-                or (top in ("ln_f", "head") and c["pp"] == cfg.pp - 1))
-        if held:
-            total += numel // cfg.tp if name in split else numel
-    return total
-
-
-@functools.lru_cache(maxsize=16)
-def _param_numels(*gpt_fields) -> dict[str, int]:
-    """{parameter name: numel} of GPT(GPTConfig(*gpt_fields)), built on the meta device
-    (shapes, no memory); cached, as every rank of every row asks for the same model."""
-    with torch.device("meta"):
-        return {n: p.numel() for n, p in GPT(GPTConfig(*gpt_fields)).named_parameters()}
-
-
-def micro_batch_bytes(cfg: RunConfig) -> int:
-    """S = (B/dp/m)·T·h·4: one micro-batch's hidden states on one dp replica."""
-    return cfg.global_batch // cfg.dp_degree // cfg.microbatches * cfg.seq_len * cfg.n_embd * FP32
-
-
-def predicted_bytes(cfg: RunConfig, rank: int) -> dict[str, dict[str, int]]:
-    """{group kind: {collective kind: bytes sent per step}} of `rank` (module docstring).
-    One chunk per rank (gpipe, 1f1b, naive): interleaved's v chunks add boundaries."""
-    if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
-        raise NotImplementedError("predicted_bytes models one pipeline chunk per rank")
-    dp, t, p, m = cfg.dp_degree, cfg.tp, cfg.pp, cfg.microbatches
-    S, c = micro_batch_bytes(cfg), coords(rank, dp, t, p)
-    out = {k: {} for k in KINDS}
-    if t > 1:
-        out["tp"]["tp.all_reduce"] = 4 * (cfg.n_layer // p) * m * 2 * (t - 1) * S // t
-    if c["pp"] < p - 1:
-        out["pp"]["pp_send_act"] = m * S
-    if c["pp"] > 0:
-        out["pp"]["pp_send_grad"] = m * S
-    if dp > 1:
-        P = math.ceil(rank_numel(cfg, rank) / dp) * dp
-        out["dp"] = {"reduce_scatter": (dp - 1) * FP32 * P // dp,
-                     "all_gather": (dp - 1) * FP32 * P // dp}
-    return out
 
 
 # -- the measurements ----------------------------------------------------------------------------
@@ -308,19 +248,6 @@ def zero1_optim_rows(run) -> list[dict]:
 
 
 # -- α-β: where each group should sit ------------------------------------------------------------
-def messages_per_step(cfg: RunConfig, rank: int) -> dict[str, int]:
-    """Messages per step a rank sends over each group kind in the ring model: a ring
-    all-reduce over n ranks is 2(n-1) messages, a reduce-scatter or all-gather n-1, a send 1."""
-    dp, t, p, m = cfg.dp_degree, cfg.tp, cfg.pp, cfg.microbatches
-    c = coords(rank, dp, t, p)
-    return {"tp": 4 * (cfg.n_layer // p) * m * 2 * (t - 1),
-            "pp": m * ((c["pp"] < p - 1) + (c["pp"] > 0)),
-            "dp": 2 * (dp - 1)}
-
-
-def link_seconds(nbytes: float, messages: int, link) -> float:
-    """α-β: messages·α + bytes/β on one link (distlab.comm.Link)."""
-    return messages * link.alpha_s + nbytes / link.bandwidth_Bps
 
 
 def placement_seconds(cfg: RunConfig, rank: int, bytes_by_kind: dict, placement: dict) -> dict:
@@ -355,7 +282,7 @@ def layout_sweep(cases: dict, cluster, named=(), mfu: float = 0.5) -> list[dict]
     """cases {label: (Model, global batch)}: per case the planner's fastest row ("best", None
     when nothing fits) and, for each (dp, tp, pp) in `named`, (its rank among distinct
     layouts, its best row) from layout_rank."""
-    from distlab.plan import plan
+    from distlab.theory.plan import plan
 
     out = []
     for label, (model, batch) in cases.items():
@@ -473,11 +400,11 @@ class MeshExplorer(Explorer):
 
 def mesh_ranks(rank, world, device, log, dims, cfg_dicts=()):
     """Rank function (run_ranks): build Mesh(*dims), return its view from this rank and, if
-    configs are given, distlab.train.train_with_state(cfg_dicts) on the same launch."""
+    configs are given, distlab.rank.train.train_with_state(cfg_dicts) on the same launch."""
     mesh = Mesh(*dims)
     out = {**mesh.describe(), "world": {k: dist.get_world_size(g) for k, g in mesh.groups.items()},
            "group_rank": {k: dist.get_rank(g) for k, g in mesh.groups.items()}}
     if cfg_dicts:
-        from distlab.train import train_with_state
+        from distlab.rank.train import train_with_state
         out["runs"] = train_with_state(rank, world, device, log, list(cfg_dicts))
     return out

@@ -22,7 +22,7 @@ from distlab.config import RunConfig
 from distlab.lab.runs import launch_together
 from distlab.lab.panel import Explorer
 from distlab.parallel.pipeline.pp import bubble_formula, simulate, make_schedule
-from distlab.run import Run
+from distlab.caller.run import Run
 
 OP_COLORS = {"F": "#1f5fbf", "B": "#2b8a3e", "send": "#e8590c", "recv": "#c2255c",
              "idle": "#dee2e6"}

@@ -3,7 +3,7 @@
 Bringing up ranks costs seconds (1.4 / 2.0 / 3.4 s for 1 / 2 / 4 ranks measured on a 2-core
 machine; benchmarks/launch_latency.py prints this machine's), far more than a short run of a small model, so configs
 with the same number of processes train one after another in one launch
-(distlab.train.train_with_state), and the launch's event log is cut back into one Run per config.
+(distlab.rank.train.train_with_state), and the launch's event log is cut back into one Run per config.
 
     runs = launch_together({"single": cfg, "dp": cfg.replace(strategy="dp", world_size=4)})
     runs["dp"].history("step")        # a Run per config, as if each had been launched alone
@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Callable
 
 from distlab.config import RunConfig
-from distlab.launch import new_run_dir, run_ranks, runs_root
-from distlab.run import Run
+from distlab.caller.launch import new_run_dir, run_ranks, runs_root
+from distlab.caller.run import Run
 
 
 def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
@@ -30,14 +30,14 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
 
     on_start(run): called with the whole launch's live Run as soon as its ranks started (its
     progress_line counts the steps of every config; run.stop() ends it, and this call then
-    raises distlab.run.RunStopped)."""
+    raises distlab.caller.run.RunStopped)."""
     cfgs = dict(cfgs)
     worlds = {c.processes for c in cfgs.values()}
     if len(worlds) != 1:
         raise ValueError(f"launch_together needs configs with the same number of processes; "
                          f"got {sorted(worlds)} for {list(cfgs)}")
     (world,) = worlds
-    from distlab.train import train_with_state
+    from distlab.rank.train import train_with_state
 
     first = next(iter(cfgs.values()))
     run_dir = new_run_dir(runs_root(first.runs_root), f"{name}-w{world}")
@@ -64,7 +64,7 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
 
 
 def split_configs(events: list[dict], n_configs: int) -> list[list[dict]]:
-    """Events of a launch that trained several configs in turn (distlab.train.train_with_state),
+    """Events of a launch that trained several configs in turn (distlab.rank.train.train_with_state),
     one list per config: each rank's events are cut at its "start" events."""
     out: list[list[dict]] = [[] for _ in range(n_configs)]
     index: dict[int, int] = {}

@@ -82,7 +82,7 @@ def scaling_configs(base: RunConfig = BASE, batches=BATCHES, rules=RULES,
 
 def scaling_rank(rank: int, world: int, device, log, cfg_dicts: list) -> list[list[float]]:
     """Rank body: train each config in turn; this rank's loss per step for each."""
-    from distlab.train import train
+    from distlab.rank.train import train
 
     out = []
     for d in cfg_dicts:
@@ -103,8 +103,8 @@ def scaling_experiment(base: RunConfig = BASE, batches=BATCHES, rules=RULES, war
 
     `base` may be any strategy: with a data-parallel one every config runs on its
     world_size ranks and the loss is the mean over ranks (the global batch's)."""
-    from distlab.dataset import make_data
-    from distlab.launch import run_ranks
+    from distlab.data.dataset import make_data
+    from distlab.caller.launch import run_ranks
 
     grid = scaling_configs(base, batches, rules, warmups)
     per_rank = run_ranks(scaling_rank, base.processes, [c.to_dict() for _, c in grid],

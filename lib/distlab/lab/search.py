@@ -58,7 +58,7 @@ import torch
 
 from distlab import RunConfig, launch
 from distlab.events import LogTail, rank_log_path
-from distlab.launch import runs_root
+from distlab.caller.launch import runs_root
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would drown the cell
 

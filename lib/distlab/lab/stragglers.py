@@ -103,7 +103,7 @@ def summarize(run) -> dict:
 def compare(cfgs: dict[str, RunConfig]) -> list[dict]:
     """Launch each config in turn (one launch each: their world sizes differ), wait, and
     summarize. Runs one at a time, so they do not share the cores."""
-    from distlab.launch import launch
+    from distlab.caller.launch import launch
     rows = []
     for name, cfg in cfgs.items():
         run = launch(cfg.replace(name=cfg.name or name.replace(" ", "")), block=True)

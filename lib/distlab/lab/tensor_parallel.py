@@ -25,23 +25,6 @@ FP32 = 4
 
 
 # -- theory ------------------------------------------------------------------------------------
-def megatron_bytes(cfg: RunConfig) -> dict[str, tuple[int, float]]:
-    """{comm kind: (calls, bytes sent per rank)} of one training step of `tp` on cfg's GPT, as
-    the ring moves them (distlab.comm), with S = B·T·d·4 (the residual stream of the whole
-    global batch in fp32), t = tp, L = layers (tests/test_tensor_parallel.py derives them):
-
-    without sp: 4L all-reduces (forward: g after attn.o and mlp.proj; backward: f before q/k/v
-                and mlp.fc), each 2(t-1)/t·S.
-    with sp:    4L reduce-scatters and 4L+2 all-gathers, each (t-1)/t·S, plus one all-reduce
-                of the sequence-parallel gradients ((2·2d + 2d)·L + 2d floats)."""
-    t, L, d = cfg.tp, cfg.n_layer, cfg.n_embd
-    S = cfg.global_batch * cfg.seq_len * d * FP32
-    if not cfg.sp:
-        return {"tp.all_reduce": (4 * L, 4 * L * 2 * (t - 1) * S / t)}
-    sp_grads = ((2 * 2 * d + 2 * d) * L + 2 * d) * FP32
-    return {"sp.all_gather": (4 * L + 2, (4 * L + 2) * (t - 1) * S / t),
-            "sp.reduce_scatter": (4 * L, 4 * L * (t - 1) * S / t),
-            "sp.grad_all_reduce": (1, 2 * (t - 1) * sp_grads / t)}
 
 
 def measured_bytes(run) -> dict[str, set]:

@@ -21,10 +21,11 @@ import statistics
 import plotly.graph_objects as go
 
 from distlab import RunConfig, launch
-from distlab.flops import matmul_peak
-from distlab.gpu import datasheet_peak, time_training
+from distlab.studies.flop_count import matmul_peak
+from distlab.studies.gpu import time_training
+from distlab.theory.flops import datasheet_peak
 from distlab.lab.common import RUN_COLORS
-from distlab.run import Run
+from distlab.caller.run import Run
 
 DAY = 86_400
 

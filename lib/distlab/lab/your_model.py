@@ -1,5 +1,5 @@
 """10 · your_model: a model the notebook defines itself, trained by distlab's loop under several
-strategies (RunConfig(model="file.py:make_model", data="file.py:make_data"), distlab.factory),
+strategies (RunConfig(model="file.py:make_model", data="file.py:make_data"), distlab.models.factory),
 each set beside one process training the same global batch.
 
     single, runs = compare(base, {"ddp": dict(strategy="ddp", world_size=2), ...})
@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS, fmt_bytes
 from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
-from distlab.run import Run
+from distlab.caller.run import Run
 from distlab.step_event import comm
 
 

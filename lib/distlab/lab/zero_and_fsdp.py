@@ -4,8 +4,8 @@ the figures that draw them, and a widget that runs one strategy and plots its me
 next to the estimate.
 
 Nothing here runs inside a rank or changes how anything trains: the ranks are
-distlab.parallel.zero.zero (zero1/zero2/zero3) and distlab.parallel.zero.zero_torch (zero1-torch,
-fsdp-torch); the formulas are distlab.estimate's and distlab.comm's.
+distlab.parallel.zero.stages (zero1/zero2/zero3) and distlab.parallel.zero.zero_torch (zero1-torch,
+fsdp-torch); the formulas are distlab.theory.estimate's and distlab.comm's.
 
     explorer = MemoryExplorer(RunConfig(steps=3, n_layer=2, n_embd=32, n_head=2))
     explorer.widget                              # knobs, Run, status, figure
@@ -21,22 +21,19 @@ import time
 
 import ipywidgets as W
 import plotly.graph_objects as go
-import torch
 from plotly.subplots import make_subplots
 
 from distlab.lab import common, panel as lab
-from distlab.comm import ring_allreduce_bytes
 from distlab.config import RunConfig
-from distlab.estimate import (FP32_ADAM, FP32_SGD, STAGES, BytesPerParam, estimate_run,
-                              gpt_activation_bytes, gpt_params_of, zero_model_states)
-from distlab.launch import launch
+from distlab.theory.estimate import STAGES, BytesPerParam, zero_model_states
+from distlab.caller.launch import launch
 from distlab.parallel import strategy_class
+from distlab.theory.estimate import estimate_memory
 from distlab.units import GB
-from distlab.run import Run
+from distlab.caller.run import Run
 from distlab.step_event import comm, memory
 
 # The strategies the notebook compares, as "stages": DDP keeps everything on every rank.
-STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero1-torch": 1, "fsdp-torch": 3}
 EXPLORER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp-torch")
 # Model-state categories a step event can carry; "_offloaded" ones live in host memory.
 MODEL_STATES = ("params", "grads", "optim")
@@ -86,83 +83,11 @@ def total(mem: dict, keys=None) -> int:
 
 
 # -- estimates --------------------------------------------------------------------------------
-def fsdp2_model_state_bytes(cfg: RunConfig, rank: int = 0) -> dict:
-    """Model-state bytes rank `rank` of an `fsdp-torch` run of cfg's GPT holds: what
-    distlab.parallel.zero.zero_torch logs from the DTensors' local shards.
-
-    FSDP2 shards every parameter on dim 0 as torch.chunk does: chunks of ceil(rows/N) rows,
-    rank r gets chunk r (an empty one past the last row), unpadded. fp32, 4 bytes a value.
-    AdamW keeps exp_avg and exp_avg_sq of the local shard (8 bytes a value) and a 4-byte `step`
-    counter for every parameter tensor on every rank (each rank steps every tensor's shard).
-    cfg.offload (CPUOffloadPolicy): the same bytes, all three under "*_offloaded"."""
-    from distlab.models import GPT, GPTConfig
-
-    n = cfg.world_size
-    with torch.device("meta"):
-        params = list(GPT(GPTConfig.from_run(cfg)).parameters())
-    local = 0
-    for p in params:
-        rows = p.shape[0]
-        c = math.ceil(rows / n)
-        local += max(0, min(c, rows - rank * c)) * (p.numel() // rows)
-    optim = 8 * local + 4 * len(params) if cfg.optimizer == "adamw" else 0
-    out = {"params": 4 * local, "grads": 4 * local, "optim": optim}
-    if cfg.offload:
-        return {**{k: 0 for k in out}, **{f"{k}_offloaded": v for k, v in out.items()}}
-    return out
-
-
-def estimate_memory(cfg: RunConfig, rank: int = 0) -> tuple[dict, str]:
-    """(bytes by category, where the numbers come from) for rank `rank` of a run of cfg:
-    model states and activations; comm buffers are not estimated (None).
-
-    replicated strategies (single, allreduce, ddp, ddp-torch) and zero1/2/3: distlab.estimate.
-    estimate_run, derived for our padded flat buffers.
-    fsdp-torch: fsdp2_model_state_bytes (dim-0 shards); activations as our GPT's
-    (gpt_activation_bytes). zero1-torch (greedy whole-tensor partition): the ZeRO paper's
-    stage-1 formula with fp32 AdamW's bytes, Ψ/N exactly."""
-    declared = strategy_class(cfg.strategy)
-    if declared.replicated or declared.zero_stage:
-        est = {k: v for k, v in estimate_run(cfg, rank).items() if v is not None}
-        src = "distlab.estimate.estimate_run (exact for our code)"
-    elif cfg.strategy == "fsdp-torch":
-        est = {**fsdp2_model_state_bytes(cfg, rank), "activations": gpt_activation_bytes(cfg)}
-        src = "fsdp2_model_state_bytes (FSDP2's dim-0 shards) + our GPT's activations"
-    else:
-        bpp = FP32_ADAM if cfg.optimizer == "adamw" else FP32_SGD
-        st = zero_model_states(gpt_params_of(cfg), cfg.world_size, STAGE_OF[cfg.strategy], bpp)
-        est = {"params": st.params, "grads": st.grads, "optim": st.optim,
-               "activations": gpt_activation_bytes(cfg)}
-        src = "ZeRO paper's formula with fp32 AdamW (4, 4, K = 8 bytes per parameter)"
-    est["comm_buffers"] = None
-    return est, src
-
-
-def comm_formula(strategy: str, n: int, model_bytes: float) -> dict:
-    """Bytes each rank sends per step by collective kind, by formula, for a model of
-    `model_bytes` bytes (4Ψ in fp32) on n ranks, one micro-batch (Rajbhandari et al. 2020,
-    Section 7; distlab.parallel.zero.zero's docstring):
-
-        ddp          all-reduce            2(N-1)/N · 4Ψ
-        zero1/zero2  reduce-scatter         (N-1)/N · 4Ψ   + all-gather (N-1)/N · 4Ψ
-        zero3, FSDP  all-gather (fwd + bwd) 2(N-1)/N · 4Ψ  + reduce-scatter (N-1)/N · 4Ψ
-        zero1-torch  DDP's all-reduce + one broadcast of each rank's partition ((N-1)/N · 4Ψ
-                     if the partitions were equal)"""
-    one = (n - 1) / n * model_bytes
-    if strategy == "ddp":
-        return {"all_reduce": ring_allreduce_bytes(model_bytes, n)}
-    if strategy in ("zero1", "zero2"):
-        return {"reduce_scatter": one, "all_gather": one}
-    if strategy in ("zero3", "fsdp-torch"):
-        return {"all_gather": 2 * one, "reduce_scatter": one}
-    if strategy == "zero1-torch":
-        return {"all_reduce": ring_allreduce_bytes(model_bytes, n), "broadcast": one}
-    raise ValueError(f"no formula for {strategy!r}")
 
 
 def stage_rows(psi: float, n_d: int, bpp: BytesPerParam, gpu_bytes: float | None = None,
                offload=(), unit: float = GB) -> list[list]:
-    """One row per ZeRO stage of distlab.estimate.zero_model_states: parameters held per GPU,
+    """One row per ZeRO stage of distlab.theory.estimate.zero_model_states: parameters held per GPU,
     then params, grads, optimizer state, device total and host total in `unit` (GB = 1e9 by
     default), and whether the device total fits in gpu_bytes."""
     rows = []

@@ -2,7 +2,7 @@
 
     x (features) → Linear → BatchNorm1d → ReLU → Linear → BatchNorm1d → ReLU → Linear → logits
 
-It classifies the Gaussian clusters of distlab.dataset.ClusterData. Like the GPT, forward(x,
+It classifies the Gaussian clusters of distlab.data.dataset.ClusterData. Like the GPT, forward(x,
 targets) returns the mean loss over this rank's rows. BatchNorm is the one layer whose output
 for a row depends on the other rows of the batch, which is why data parallelism changes what it
 computes unless its statistics are synchronised (distlab.parallel.data_parallel.syncbn).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.dataset import cluster_data
+from distlab.data.dataset import cluster_data
 
 
 class BNNet(nn.Module):

@@ -1,5 +1,5 @@
 """Strategies: each changes how the one training loop's model is wrapped, how gradients are
-reduced and how the optimizer steps. None owns a copy of the loop (see distlab.train).
+reduced and how the optimizer steps. None owns a copy of the loop (see distlab.rank.train).
 
 REGISTRY is the one list of strategies: a name and where its class lives. Everything else a
 strategy is (its data-parallel degree, what it supports, its config checks, its checkpoint
@@ -7,6 +7,10 @@ state) the class declares (distlab.parallel.base.Strategy); RunConfig and the ch
 from there. Adding a strategy is one file and one line here.
 
 Classes are imported when first asked for, so a run imports only the strategy it uses.
+state.py is the strategy side of training checkpoints (distlab.checkpoint reads it).
+
+May import: the foundation (comm, units, modules, memory, wire), data/ and models/. Never
+config (a strategy reads the RunConfig it is given), checkpoint/ or anything above.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ REGISTRY = {
     "ddp": "distlab.parallel.data_parallel.ddp:DDP",
     "ddp-torch": "distlab.parallel.data_parallel.ddp_torch:TorchDDP",
     # ZeRO and FSDP (parallel/zero/)
-    "zero1": "distlab.parallel.zero.zero:ZeRO1",
-    "zero2": "distlab.parallel.zero.zero:ZeRO2",
-    "zero3": "distlab.parallel.zero.zero:ZeRO3",
+    "zero1": "distlab.parallel.zero.stages:ZeRO1",
+    "zero2": "distlab.parallel.zero.stages:ZeRO2",
+    "zero3": "distlab.parallel.zero.stages:ZeRO3",
     "zero1-torch": "distlab.parallel.zero.zero_torch:TorchZeRO1",
     "fsdp-torch": "distlab.parallel.zero.zero_torch:TorchFSDP",
     # tensor and pipeline parallel (parallel/tensor/, parallel/pipeline/), and the 3D mesh

@@ -18,7 +18,7 @@ compares strategy names):
 
 The defaults are a plain single-process step.
 
-The loop in distlab.train calls, in order:
+The loop in distlab.rank.train calls, in order:
 
     model = strategy.wrap(model)                       once
     optimizer = strategy.build_optimizer(model, make)  once
@@ -57,10 +57,10 @@ FEATURES = {
     "backup_workers": "backup_workers > 0",
     "no_buffer_broadcast": "broadcast_buffers=False (each rank keeps its own buffers, such as "
                            "BatchNorm's running statistics)",
-    "bugs": "bug != 'none' (a training bug on purpose, distlab.bugs, in a loop that holds "
+    "bugs": "bug != 'none' (a training bug on purpose, distlab.debug.bugs, in a loop that holds "
             "whole gradients)",
     "diagnostics": "diagnostics=True (per-layer gradient norms and update ratios of whole "
-                   "gradients, distlab.probe)",
+                   "gradients, distlab.debug.probe)",
 }
 
 
@@ -83,7 +83,7 @@ class Strategy:
     checkpoint_layout: str | None = None
     checkpoint_format = "full"
     servers = 0  # ranks that serve instead of training (a parameter server: rank 0)
-    # model states per rank, for the estimator (distlab.estimate.run_model_state_bytes):
+    # model states per rank, for the estimator (distlab.theory.estimate.run_model_state_bytes):
     replicated = False  # every rank holds the whole model, its gradients and optimizer state
     zero_stage = 0  # ZeRO's partitioning over padded flat buffers: 1, 2 or 3
     # False where torch's own code sends bytes that Comm does not book (DDP's buffer broadcast,
@@ -189,7 +189,7 @@ class Strategy:
 
     def step_gradients(self, model) -> list:
         """After reduce_gradients: the gradient tensors this rank's optimizer step will read.
-        The loss scaler unscales these in place and checks them for inf/NaN (distlab.precision);
+        The loss scaler unscales these in place and checks them for inf/NaN (distlab.rank.precision);
         a strategy that holds gradients elsewhere (ZeRO's shards) returns those."""
         return [p.grad for p in model.parameters() if p.grad is not None]
 

@@ -114,7 +114,7 @@ class ThreeD(Strategy):
         super().__init__(cfg, comm)
         from distlab.parallel.pipeline.pp import PipelineParallel
         from distlab.parallel.tensor.tp import TensorParallel
-        from distlab.parallel.zero.zero import ZeRO1
+        from distlab.parallel.zero.stages import ZeRO1
         self.mesh = Mesh(cfg.dp_degree, cfg.tp, cfg.pp)
         c = self.mesh.comms
         self.tp_s = TensorParallel(cfg, c["tp"])

@@ -14,7 +14,7 @@ With plain BatchNorm this makes every rank's running stats rank 0's (statistics 
 rows only); with SyncBatchNorm they are already equal on every rank and equal `single`'s.
 
 Finite datasets (cfg.dataset_size > 0): `batch` reads this rank's rows through the distributed
-sampler (distlab.sampler) and returns None when this rank has no rows left. Without join, that
+sampler (distlab.data.sampler) and returns None when this rank has no rows left. Without join, that
 rank stops; if the others still have batches (drop_last=False, uneven shards), they wait in the
 next collective for a peer that never comes: torch DDP "hangs"; here the wait ends after
 cfg.timeout_s with an error that says which ranks ran out of data. (A rank that stops meets the
@@ -44,7 +44,7 @@ import re
 
 import torch
 
-from distlab.sampler import shard_reader, uneven_inputs_report
+from distlab.data.sampler import shard_reader, uneven_inputs_report
 from distlab import wire
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.syncbn import attach_comm

@@ -1,0 +1,1 @@
+"""Megatron tensor and sequence parallelism written here (tp.py), beside DTensor's (tp_torch.py)."""

@@ -564,7 +564,7 @@ class TensorParallel(Strategy):
         if self.cfg.model == "gpt":
             model = parallelize_module(model, gpt_plan(len(model.blocks), self.sp),
                                        comm=self.comm)
-        else:  # yours: its own plan (checked before spawn by distlab.factory.check)
+        else:  # yours: its own plan (checked before spawn by distlab.models.factory.check)
             model = parallelize_module(model, model.tp_plan, comm=self.comm)
         self.sharded = dict(model._distlab_tp.sharded)
         return model

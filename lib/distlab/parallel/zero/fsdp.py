@@ -13,7 +13,7 @@ only while its forward or backward runs.
 submodule of one of them) or qualified names (an item may be a list of names: one unit of
 several modules). Parameters in no unit, the root module's own among them, form the root unit,
 gathered for the whole forward and backward (FSDP2 does not reshard its root either). Default:
-distlab.parallel.zero.zero's find_units (each ModuleList item, the other top-level children
+distlab.parallel.zero.stages's find_units (each ModuleList item, the other top-level children
 grouped between them): the zero3 strategy's cut. A unit is flattened into one padded buffer
 per dtype (distlab.parallel.zero.optimizer's Unit: fp64 next to fp32 makes two).
 

@@ -1,7 +1,7 @@
 """ZeRO-1 and ZeRO-2 as a torch optimizer: `distlab.ZeroOptimizer`, and the flat padded buffers
-(units) every ZeRO stage of distlab.parallel.zero.zero is cut into.
+(units) every ZeRO stage of distlab.parallel.zero.stages is cut into.
 
-Rajbhandari et al. 2020 (the stages, their bytes and the wire: distlab.parallel.zero.zero's
+Rajbhandari et al. 2020 (the stages, their bytes and the wire: distlab.parallel.zero.stages's
 docstring). Stages 1 and 2 leave the parameters whole on every rank, so they need nothing from
 the model: they are an optimizer over parameters, used as torch's are,
 

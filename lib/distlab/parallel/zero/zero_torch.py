@@ -1,4 +1,4 @@
-"""torch's own ZeRO-1 and FSDP2: the references `zero1` and `zero3` (distlab.parallel.zero.zero) are
+"""torch's own ZeRO-1 and FSDP2: the references `zero1` and `zero3` (distlab.parallel.zero.stages) are
 checked against.
 
 `zero1-torch`: torch.distributed.optim.ZeroRedundancyOptimizer over torch's DDP model. DDP
@@ -43,7 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.ddp_torch import TorchDDP
 from distlab.parallel.state import persistent_buffers
-from distlab.parallel.zero.zero import find_units
+from distlab.parallel.zero.stages import find_units
 from distlab.units import dtype_of, tensor_bytes
 
 

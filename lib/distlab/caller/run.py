@@ -1,0 +1,355 @@
+"""Run: the handle a notebook holds on a run, live or finished.
+
+A background thread reads the ranks' event logs while they grow and watches the processes.
+When a rank fails it picks the root cause, ends every other rank and records a RunError; the
+caller sees it from `wait()`, `error` or `status`. `Run.load(path)` reopens a finished run from
+its folder.
+
+Folder layout: config.json, rank<r>.jsonl (one per rank), status.json (written at the end),
+checkpoints/ (distlab.checkpoint, when the run saves them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import re
+import threading
+import time
+import warnings
+import weakref
+
+from distlab.config import RunConfig
+from distlab.events import LogTail, rank_log_path
+
+POLL_S = 0.1
+FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports
+TERMINATE_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
+# A live line while wait() blocks: "starting 4 ranks", then step k/n with tokens/s and ETA.
+# It starts with "\r", which terminals and Jupyter's output area redraw in place. Off by default
+# (scripts and tests stay quiet); distlab.lab turns it on inside a notebook's kernel, and
+# wait(progress=True) asks for it once. Only the main thread prints it by default: a print from
+# another thread (an explorer's run behind a button) lands in whichever cell is executing.
+SHOW_PROGRESS = False
+PROGRESS_EVERY_S = 1.0
+
+# Errors that are usually consequences of another rank failing, not causes.
+_SECONDARY = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
+                        r"remote worker crash|ECONNRESET|peer has closed", re.I)
+_TIMEOUT = re.compile(r"timed out|timeout", re.I)
+
+_live_runs: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+class RunError(RuntimeError):
+    """A run failed. `rank` is the rank whose failure came first; `traceback` is its own;
+    `step` is the step it was in (the steps before it finished and are in the log)."""
+
+    def __init__(self, rank: int, message: str, traceback: str = "", step: int | None = None):
+        self.rank, self.message, self.traceback, self.step = rank, message, traceback, step
+        where = f" at step {step}" if step is not None and step >= 0 else ""
+        super().__init__(f"rank {rank} failed{where}: {message}"
+                         + (f"\n\n--- traceback of rank {rank} ---\n{traceback}" if traceback else ""))
+
+    def as_dict(self):
+        return {"rank": self.rank, "message": self.message, "traceback": self.traceback,
+                "step": self.step}
+
+
+class RunStopped(RuntimeError):
+    """The run was stopped (Run.stop, an explorer's Stop button) before its ranks returned what
+    the caller waits for (distlab.caller.launch.run_ranks)."""
+
+
+class Run:
+    def __init__(self, run_dir: str, cfg: RunConfig | None = None, processes=None, store=None,
+                 world_size: int | None = None):
+        self.dir = run_dir
+        self.cfg = cfg
+        self.world_size = world_size or (cfg.processes if cfg else 1)  # rank processes
+        # steps rank 0 will log: the progress line's n (a launch of several configs in turn,
+        # distlab.lab.runs.launch_together, sets the sum of theirs)
+        self.total_steps: int | None = cfg.steps if cfg else None
+        self.processes = list(processes or [])
+        self.pids = [p.pid for p in self.processes]
+        self.events: list[dict] = []
+        self.error: RunError | None = None
+        self.status = "running" if self.processes else "loaded"
+        self.started = time.time()
+        self.ended: float | None = None
+        self._store = store  # the rendezvous; closed when the run ends
+        self._tails = [LogTail(rank_log_path(run_dir, r)) for r in range(self.world_size)]
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._stopping = False
+        self.problems: list[str] = []  # what went wrong around the run, not in it (reported once)
+        self._reported = False
+        if self.processes:
+            _live_runs.add(self)
+            self._monitor = threading.Thread(target=self._watch, daemon=True,
+                                             name=f"distlab-monitor-{os.path.basename(run_dir)}")
+            self._monitor.start()
+        else:
+            self._finished.set()
+
+    # -- reading ---------------------------------------------------------------------------
+    def _read(self) -> list[dict]:
+        new = [e for t in self._tails for e in t.read_new()]
+        for t in self._tails:
+            self.problems += t.skipped
+            t.skipped = []
+        if new:
+            with self._lock:
+                self.events.extend(new)
+        return new
+
+    def history(self, kind: str = "step", rank: int | None = None) -> list[dict]:
+        with self._lock:
+            return [e for e in self.events
+                    if e["kind"] == kind and (rank is None or e["rank"] == rank)]
+
+    def losses(self) -> list[float]:
+        """Loss per step, averaged over the ranks that logged it: with equal per-rank slices this
+        is the loss of the whole global batch."""
+        by_step: dict[int, list[float]] = {}
+        for e in self.history("step"):
+            if e.get("loss") is not None:  # a parameter server logs steps without a loss
+                by_step.setdefault(e["step"], []).append(e["loss"])
+        return [sum(v) / len(v) for _, v in sorted(by_step.items())]
+
+    def steps_done(self) -> int:
+        """Steps every rank has finished."""
+        last = {r: -1 for r in range(self.world_size)}
+        for e in self.history("step"):
+            last[e["rank"]] = max(last[e["rank"]], e["step"])
+        return min(last.values()) + 1
+
+    def info(self, key: str, default=None):
+        """A field of rank 0's start event (n_params, loss_floor, device, backend, ...)."""
+        starts = self.history("start", rank=0)
+        return starts[0].get(key, default) if starts else default
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    # -- watching --------------------------------------------------------------------------
+    def _watch(self):
+        try:
+            while True:
+                self._read()
+                codes = [p.exitcode for p in self.processes]
+                if self._stopping:
+                    return
+                failed = any(c not in (None, 0) for c in codes) or any(
+                    e["kind"] == "error" for e in self.events)
+                if failed:
+                    return self._fail()
+                if all(c == 0 for c in codes):
+                    self._read()
+                    # ranks that left on a preemption notice saved first (distlab.checkpoint)
+                    return self._finish("preempted" if self.history("preempted") else "done")
+                time.sleep(POLL_S)
+        except BaseException as e:  # noqa: BLE001 - the monitor must never die silently
+            self.error = RunError(-1, f"run monitor crashed: {e!r}")
+            try:
+                self._end_processes()
+            finally:
+                self._finish("failed")
+
+    def _fail(self):
+        deadline = time.time() + FAILURE_GRACE_S
+        while time.time() < deadline and any(p.exitcode is None for p in self.processes):
+            self._read()  # give other ranks a moment to report: the earliest report is the cause
+            time.sleep(POLL_S)
+        codes = {r: p.exitcode for r, p in enumerate(self.processes)}
+        self._end_processes()
+        self._read()
+        self.error = self._root_cause(codes)
+        self._finish("failed")
+
+    def _root_cause(self, codes: dict) -> RunError:
+        import signal as _signal
+        last = self.last_steps()
+        # A rank killed by a signal (OOM killer, preemption) writes nothing; it is the cause.
+        for r, c in codes.items():
+            if c is not None and c < 0:
+                name = _signal.Signals(-c).name
+                return RunError(r, f"rank {r} was killed by {name} (exit code {c}); "
+                                   f"last step it logged: {last.get(r, -1)}", "",
+                                last.get(r, -1) + 1)
+        errors = self.history("error")
+        primary = [e for e in errors if not _SECONDARY.search(e["error"])] or errors
+        if not primary:
+            r, c = next((r, c) for r, c in codes.items() if c not in (None, 0))
+            return RunError(r, f"exited with code {c} before it could report an error: it failed "
+                               "while starting (its stderr says why; a script that launches runs "
+                               "needs `if __name__ == '__main__':`)", "", last.get(r, -1) + 1)
+        e = min(primary, key=lambda e: e["time"])
+        msg = e["error"]
+        if _TIMEOUT.search(msg + e["traceback"][-2000:]) and self.cfg is not None:
+            behind = ", ".join(f"rank {r}: {s}" for r, s in sorted(last.items()))
+            msg = (f"a collective timed out after {self.cfg.timeout_s:g} s "
+                   f"(RunConfig.timeout_s): a peer never joined it. It had stalled, died or run "
+                   f"a different collective. Last step logged per rank: {behind}.\n{msg}")
+        return RunError(e["rank"], msg, e["traceback"], e.get("step"))
+
+    def last_steps(self) -> dict:
+        last = {r: -1 for r in range(self.world_size)}
+        for e in self.history("step"):
+            last[e["rank"]] = max(last[e["rank"]], e["step"])
+        return last
+
+    def _end_processes(self):
+        alive = [p for p in self.processes if p.exitcode is None]
+        for p in alive:
+            p.terminate()
+        deadline = time.time() + TERMINATE_GRACE_S
+        for p in alive:
+            p.join(max(0.0, deadline - time.time()))
+        for p in alive:
+            if p.exitcode is None:
+                p.kill()
+                p.join(5.0)
+
+    def _finish(self, status: str):
+        """Record the outcome. Never raises: a folder deleted, made read-only or on a full disk
+        costs status.json (noted in `problems`), not the outcome."""
+        if self._finished.is_set():
+            return
+        try:
+            for p in self.processes:
+                p.join(5.0)
+            self.status = status
+            self.ended = time.time()
+            self._store = None  # closes the rendezvous port
+            for t in self._tails:
+                t.close()
+            with open(os.path.join(self.dir, "status.json"), "w") as f:
+                json.dump({"status": status, "started": self.started, "ended": self.ended,
+                           "pids": self.pids,
+                           "error": self.error.as_dict() if self.error else None}, f, indent=1)
+        except OSError as e:
+            self.problems.append(f"could not write {self.dir}/status.json ({e}): the run "
+                                 f"ended {status}, but Run.load will not know it")
+        finally:  # nothing may leave wait() hanging
+            self._finished.set()
+
+    # -- control ---------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, progress: bool | None = None) -> "Run":
+        """Block until the run ends; raise its RunError if it failed. On KeyboardInterrupt (a
+        kernel interrupt) or when `timeout` seconds pass, stop the run first, then raise.
+        `progress`: print a live progress line while waiting (default: SHOW_PROGRESS)."""
+        show = progress if progress is not None else (
+            SHOW_PROGRESS and threading.current_thread() is threading.main_thread())
+        t0 = time.time()
+        try:
+            while not self._finished.wait(PROGRESS_EVERY_S if show else timeout):
+                if timeout is not None and time.time() - t0 >= timeout:
+                    self.stop()
+                    raise TimeoutError(f"run {self.dir} did not finish within {timeout} s; "
+                                       "stopped it")
+                if show:
+                    print("\r" + self.progress_line(time.time() - t0), end="", flush=True)
+        except BaseException:
+            self.stop()
+            raise
+        if show:
+            print("\r" + self.progress_line(time.time() - t0), flush=True)
+        self._report_problems()
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def progress_line(self, elapsed: float) -> str:
+        """One line on where the run is: ranks starting, or step k/n, tokens/s and the ETA
+        (rank 0's steps; a launch that trains several configs in turn counts them all)."""
+        steps = self.history("step", rank=0)
+        if not steps:
+            verb = "ended" if self.done else "starting"
+            return f"{verb} {self.world_size} rank(s)... {elapsed:.0f} s"
+        k, n = len(steps), self.total_steps
+        last = steps[-1]
+        rate = f"  {last['tokens'] / last['step_s']:,.0f} tokens/s" if last.get("step_s") else ""
+        if self.done:
+            return f"{self.status}: {k} steps in {elapsed:.1f} s{rate}".ljust(60)
+        took = max(last["time"] - steps[0]["time"], 1e-9)
+        eta = f"  ETA {(n - k) * took / max(k - 1, 1):.0f} s" if n and k > 1 else ""
+        return f"step {k}{f'/{n}' if n else ''}{rate}{eta}  ({elapsed:.0f} s)".ljust(60)
+
+    def _report_problems(self):
+        """Once, in the caller's thread: what went wrong around the run (its folder deleted,
+        a full disk, a corrupt event line), as a warning; the outcome is still the ranks'."""
+        if self.problems and not self._reported:
+            self._reported = True
+            warnings.warn(f"run {os.path.basename(self.dir)}: " + "; ".join(self.problems),
+                          RuntimeWarning, stacklevel=3)
+
+    def preempt(self, grace_s: float = 120.0) -> "Run":
+        """Preempt the whole job as a cloud reclaims a spot instance: SIGTERM to every rank (the
+        notice), SIGKILL to any still alive grace_s later. A run with checkpoint_every > 0
+        saves at the next step boundary and ends with status "preempted"; resume it with
+        distlab.caller.resume. Without checkpointing, SIGTERM simply ends the ranks."""
+        for p in self.processes:
+            if p.exitcode is None:
+                p.terminate()
+        reclaim = threading.Timer(grace_s, self._reclaim)
+        reclaim.daemon = True  # a caller that exits earlier is not held up by it
+        reclaim.start()
+        return self
+
+    def _reclaim(self):
+        if not self._finished.is_set():  # the grace is over: what is left is killed
+            for p in self.processes:
+                if p.exitcode is None:
+                    p.kill()
+
+    def stop(self) -> "Run":
+        """End every rank now (SIGTERM, then SIGKILL). Events written so far are kept."""
+        if self._finished.is_set():
+            return self
+        self._stopping = True
+        self._monitor.join(5.0)
+        self._end_processes()
+        self._read()
+        if not self._finished.is_set():
+            self._finish("stopped")
+        return self
+
+    # -- reopening -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str) -> "Run":
+        """Reopen a run from its folder (finished or not; nothing is started)."""
+        path = os.path.abspath(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no run folder at {path}")
+        cfg = None
+        if os.path.exists(os.path.join(path, "config.json")):
+            with open(os.path.join(path, "config.json")) as f:
+                cfg = RunConfig.from_dict(json.load(f))
+        world = cfg.processes if cfg else len(glob.glob(os.path.join(path, "rank*.jsonl")))
+        run = cls(path, cfg=cfg, world_size=world)
+        run._read()
+        for t in run._tails:  # a snapshot: the files are not watched
+            t.close()
+        status_path = os.path.join(path, "status.json")
+        if os.path.exists(status_path):
+            with open(status_path) as f:
+                st = json.load(f)
+            run.status = st["status"]
+            run.started, run.ended = st.get("started", run.started), st.get("ended")
+            if st.get("error"):
+                run.error = RunError(**st["error"])
+        return run
+
+    def __repr__(self):
+        return (f"Run({os.path.basename(self.dir)}, status={self.status}, "
+                f"steps={self.steps_done()}/{self.cfg.steps if self.cfg else '?'})")
+
+
+@atexit.register
+def _stop_live_runs():
+    for run in list(_live_runs):
+        run.stop()

@@ -71,7 +71,6 @@ from IPython.display import Markdown, display
 from distlab import RunConfig
 from distlab.theory.estimate import (
     FP32_ADAM,
-    GB,
     MIXED_ADAM,
     STAGES,
     BytesPerParam,
@@ -101,6 +100,7 @@ from distlab.lab.zero_and_fsdp import (
 )
 from distlab.theory.comm_bytes import comm_formula
 from distlab.theory.estimate import estimate_memory
+from distlab.units import GB
 
 # Equivalence runs: plain SGD in fp32, one torch thread per rank (4 ranks share this
 # machine's cores). Memory runs: AdamW, whose state is what ZeRO shards first.

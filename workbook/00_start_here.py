@@ -45,6 +45,7 @@ MODEL = dict(n_layer=2, n_embd=64, n_head=4) if QUICK else {}  # {}: RunConfig's
 from distlab import Run, RunConfig, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab.common import claim, claims_table
+from distlab.lab.runs import in_rank_step_order, median_step_change
 
 # %% [markdown]
 # ## Launching a first run
@@ -148,7 +149,7 @@ four.wait()
 TOL = 1e-4
 a, b = single.losses(), four.losses()
 diff = max(abs(x - y) for x, y in zip(a, b))
-step_change = sorted(abs(a[t + 1] - a[t]) for t in range(len(a) - 1))[len(a) // 2]
+step_change = median_step_change(a)
 print(f"largest per-step loss difference, single vs ddp×4: {diff:.1e}")
 print(f"median change of the loss from one step to the next:     {step_change:.1e}")
 assert len(a) == len(b) == STEPS
@@ -229,11 +230,10 @@ with open(os.path.join(four.dir, "rank1.jsonl")) as f:
 
 # %%
 again = Run.load(four.dir)
-by_rank_step = lambda run: sorted(run.history("step"), key=lambda e: (e["rank"], e["step"]))
 print(again)
 assert again.status == "done" and again.cfg == four.cfg
 assert again.losses() == four.losses()
-assert by_rank_step(again) == by_rank_step(four)
+assert in_rank_step_order(again.history("step")) == in_rank_step_order(four.history("step"))
 
 # %% [markdown]
 # ## The control panel

@@ -46,7 +46,6 @@ import math
 import time
 from datetime import timedelta
 
-import plotly.graph_objects as go
 import torch
 import torch.distributed as dist
 from IPython.display import Markdown, display
@@ -54,25 +53,26 @@ from IPython.display import Markdown, display
 import distlab
 from distlab import comm as C
 from distlab.lab.collectives import (
+    TIME_MODELS,
     WIRE_TOL,
+    allreduce_time_figure,
     alpha_beta_points,
+    bytes_per_rank_figure,
     compare_allreduce,
+    counted_ratios,
     fit_loopback,
+    link_model_figure,
+    ratio_list,
     show_collectives,
+    size_label,
     summarize,
     wire_by_kind,
+    wire_figure,
     wire_per_collective,
     wire_rows,
 )
-from distlab.lab.common import claim, claims_table, markdown_table
+from distlab.lab.common import claim, claims_table, table
 from distlab.caller.launch import choose_device
-
-
-def table(header, rows):
-    display(Markdown(markdown_table(header, rows)))
-
-def size(b):
-    return f"{b / MiB:g} MiB" if b >= MiB else f"{b / KiB:g} KiB"
 
 
 # %% [markdown]
@@ -216,7 +216,7 @@ print(f"{len(summary)} (size, algorithm) cells, {REPEATS} timed calls each, in {
 # 2**-19 ≈ 1.9e-6 at most; a different order of the N-1 additions moves each result by a few ulps.
 TOL = 10 * 2**-19
 table(["size", "algorithm", "max |result − dist.all_reduce|", "exact on integer-valued data"],
-      [[size(r["size_bytes"]), r["algorithm"], f"{r['max_abs_diff']:.2e}", r["exact_int"]]
+      [[size_label(r["size_bytes"]), r["algorithm"], f"{r['max_abs_diff']:.2e}", r["exact_int"]]
        for r in summary])
 max_diff = {a: max(r["max_abs_diff"] for r in summary if r["algorithm"] == a) for a in ("torch", "ring", "naive")}
 assert all(r["exact_int"] for r in summary)
@@ -244,20 +244,7 @@ for r in summary:
     assert r["bytes_sent"] == want_sent and r["bytes_recv"] == want_recv, r
 
 ring, naive = by[(S_MAX, "ring")], by[(S_MAX, "naive")]
-nb = C.naive_allreduce_bytes(S_MAX, N)
-ranks = [f"rank {k}" for k in range(N)]
-fig = go.Figure([
-    go.Bar(name="ring, counted", x=ranks, y=[b / S_MAX for b in ring["bytes_sent"]]),
-    go.Bar(name="ring, 2(N-1)/N·S", x=ranks, y=[C.ring_allreduce_bytes(S_MAX, N) / S_MAX] * N),
-    go.Bar(name="naive, counted", x=ranks, y=[b / S_MAX for b in naive["bytes_sent"]]),
-    go.Bar(name="naive, (N-1)·S at root, S elsewhere", x=ranks,
-           y=[nb["root_sent"] / S_MAX] + [nb["other_sent"] / S_MAX] * (N - 1)),
-])
-fig.update_layout(barmode="group", height=380,
-                  title=f"Bytes each rank sent in one all-reduce of S = {size(S_MAX)}, N = {N} "
-                        "(received: the same)",
-                  yaxis_title="bytes sent / S")
-fig.show()
+bytes_per_rank_figure(ring, naive, S_MAX, N).show()
 total_ring, total_naive = sum(ring["bytes_sent"]), sum(naive["bytes_sent"])
 print(f"summed over all ranks: ring {total_ring / S_MAX:g}·S, naive {total_naive / S_MAX:g}·S")
 
@@ -289,15 +276,7 @@ else:
           [[k, " / ".join(f"{b:.3f}" for b in v["booked"]),
             " / ".join(f"{w:.3f}" for w in v["wire"]), f"{v['off']:.3%}",
             "yes" if v["holds"] else "**no**"] for k, v in wk.items()])
-    fig = go.Figure([
-        go.Bar(name="booked (formula or count)", x=list(wk),
-               y=[max(v["booked"]) for v in wk.values()], marker_color="#a5d8d3"),
-        go.Bar(name="on the wire (kernel)", x=list(wk),
-               y=[max(v["wire"]) for v in wk.values()], marker_color="#0b7285")])
-    fig.update_layout(barmode="group", height=360, yaxis_title="bytes sent / S (busiest rank)",
-                      title=f"One call on S = {size(WIRE_BYTES)}, N = {WORLD}: the busiest "
-                            "rank's bytes, booked and on the wire")
-    fig.show()
+    wire_figure(wk, WIRE_BYTES, WORLD).show()
 
 # %% [markdown]
 # Where gloo runs the textbook algorithm the two agree to a fraction of a percent (the rest is
@@ -338,30 +317,18 @@ alpha, beta = fit_loopback(summary)
 # curves below then leave this machine out.
 fit_ok = alpha > 0 and 0 < beta < float("inf")
 loopback = C.Link("this machine's loopback (fitted)", alpha, beta, "fit_alpha_beta on this run")
-model = {"ring": C.ring_allreduce_time, "naive": C.naive_allreduce_time}
+model = TIME_MODELS  # distlab.comm: ring 2(N−1)·(α + S/(N·β)), naive 2(N−1)·(α + S/β)
 points = alpha_beta_points(summary)
 ratios = [p["seconds"] / model[p["algorithm"]](p["size_bytes"], N, loopback) for p in points]
 print(f"fitted on {len(points)} points: α = {alpha * 1e6:.0f} µs per message, β = {beta / 1e9:.2f} GB/s")
 table(["size", "algorithm", "messages", "bytes in series", "measured ms", "model ms", "measured / model"],
-      [[size(p["size_bytes"]), p["algorithm"], p["messages"], p["bytes"],
+      [[size_label(p["size_bytes"]), p["algorithm"], p["messages"], p["bytes"],
         f"{p['seconds'] * 1e3:.2f}", f"{model[p['algorithm']](p['size_bytes'], N, loopback) * 1e3:.2f}",
         f"{q:.2f}"] for p, q in zip(points, ratios)])
 assert all(r["seconds"] > 0 for r in summary)
 
 # %%
-fig = go.Figure()
-for algo in ("torch", "ring", "naive"):
-    rows = [r for r in summary if r["algorithm"] == algo]
-    fig.add_scatter(x=[r["size_bytes"] for r in rows], y=[r["seconds"] * 1e3 for r in rows],
-                    mode="lines+markers", name=f"{algo}, measured")
-for algo in ("ring", "naive"):
-    fig.add_scatter(x=SIZES, y=[model[algo](S, N, loopback) * 1e3 for S in SIZES], mode="lines",
-                    line_dash="dot", name=f"{algo}, α-β model (fitted)")
-fig.update_layout(title=f"All-reduce time on {N} ranks (slowest rank's median of {REPEATS})",
-                  xaxis_title="tensor size S (bytes)", yaxis_title="ms", height=420)
-fig.update_xaxes(type="log")
-fig.update_yaxes(type="log")
-fig.show()
+allreduce_time_figure(summary, SIZES, N, loopback, REPEATS).show()
 
 # %% [markdown]
 # Read the table's last column before trusting the fit. The α-β model pictures N ranks joined by
@@ -387,20 +354,8 @@ fig.show()
 table(["link", "α (µs, assumed)", "β (GB/s per direction)", "source of β"],
       [[l.name, f"{l.alpha_s * 1e6:g}", f"{l.bandwidth_Bps / 1e9:g}", l.source] for l in C.LINKS.values()]
       + [[loopback.name, f"{alpha * 1e6:.0f}", f"{beta / 1e9:.2f}", loopback.source]])
-Ns = [2**k for k in range(1, 11)]
 links = list(C.LINKS.values()) + ([loopback] if fit_ok else [])
-fig = go.Figure()
-for i, link in enumerate(links):
-    color = f"hsl({i * 360 // len(links)},65%,45%)"
-    for algo, dash in (("ring", "solid"), ("naive", "dash")):
-        fig.add_scatter(x=Ns, y=[model[algo](GRADIENT_BYTES, n, link) for n in Ns], mode="lines",
-                        line=dict(color=color, dash=dash), name=f"{link.name}: {algo}",
-                        legendgroup=link.name)
-fig.update_layout(title=f"All-reduce of {GRADIENT_BYTES / 1e6:g} MB: ring (solid) vs naive (dashed)",
-                  xaxis_title="ranks N", yaxis_title="seconds", height=520)
-fig.update_xaxes(type="log")
-fig.update_yaxes(type="log")
-fig.show()
+link_model_figure(links, GRADIENT_BYTES).show()
 
 # %% [markdown]
 # The naive all-reduce's time grows **linearly in N**: the root's one link carries 2(N-1)·S. The
@@ -427,28 +382,24 @@ table(["link", "N", "ring: total", "ring: bandwidth term", "2S/β", "ring: laten
 # the sums are asserted; the timing rows depend on this shared machine and are shown.
 
 # %%
-ring_x = sorted({b / r["size_bytes"] for r in summary if r["algorithm"] == "ring"
-                 for b in r["bytes_sent"] + r["bytes_recv"]})
-root_x = sorted({r["bytes_sent"][0] / r["size_bytes"] for r in summary if r["algorithm"] == "naive"})
-other_x = sorted({b / r["size_bytes"] for r in summary if r["algorithm"] == "naive" for b in r["bytes_sent"][1:]})
+ring_x, root_x, other_x = counted_ratios(summary).values()  # every bytes/S ratio counted
 t = {a: by[(S_MAX, a)]["seconds"] for a in ("torch", "ring", "naive")}
 ib, n_big = C.LINKS["InfiniBand NDR"], 1024
 ring_big, naive_big = C.ring_allreduce_time(G, n_big, ib), C.naive_allreduce_time(G, n_big, ib)
-fmt = lambda xs: ", ".join(f"{v:g}" for v in xs)
 lat = {n: 2 * (n - 1) * alpha for n in (8, 1024)}  # the ring's latency term at the fitted α
 tree = {n: 2 * math.log2(n) * alpha for n in lat}  # what O(log N) steps would cost
 ring_ratios = [q for p, q in zip(points, ratios) if p["algorithm"] == "ring"]
 rows = [
     claim(f"ring all-reduce: each rank sends and receives 2(N-1)/N·S = {2 * (N - 1) / N:g}·S "
           f"(N = {N})", "Patarasuk & Yuan 2009",
-          f"counted, every rank, all {len(SIZES)} sizes: {fmt(ring_x)}·S",
+          f"counted, every rank, all {len(SIZES)} sizes: {ratio_list(ring_x)}·S",
           ring_x == [2 * (N - 1) / N]),
     claim(f"naive (parameter server): root sends and receives (N-1)·S = {N - 1}·S, others S",
-          "Dean et al. 2012", f"counted: root {fmt(root_x)}·S, others {fmt(other_x)}·S",
+          "Dean et al. 2012", f"counted: root {ratio_list(root_x)}·S, others {ratio_list(other_x)}·S",
           root_x == [N - 1] and other_x == [1]),
     claim("both move 2(N-1)·S in total; the ring spreads it over N links",
           "Patarasuk & Yuan 2009",
-          f"summed over ranks at S = {size(S_MAX)}: ring {total_ring / S_MAX:g}·S, naive "
+          f"summed over ranks at S = {size_label(S_MAX)}: ring {total_ring / S_MAX:g}·S, naive "
           f"{total_naive / S_MAX:g}·S", total_ring == total_naive == 2 * (N - 1) * S_MAX),
     claim("ring and naive compute the same sum as dist.all_reduce", "torch.distributed docs",
           f"max |diff| on random fp32: ring {max_diff['ring']:.1e}, naive "
@@ -462,14 +413,14 @@ rows = [
           fit_ok and all(0.5 <= q <= 2 for q in ratios)),
     claim(f"bandwidth-bound on independent links, the naive all-reduce takes N = {N}× the "
           "ring's time (bandwidth terms 2(N-1)·S/β vs 2(N-1)/N·S/β)", "Patarasuk & Yuan 2009",
-          f"measured at {size(S_MAX)}: naive {t['naive'] * 1e3:.0f} ms / ring "
+          f"measured at {size_label(S_MAX)}: naive {t['naive'] * 1e3:.0f} ms / ring "
           f"{t['ring'] * 1e3:.0f} ms = {t['naive'] / t['ring']:.2f}× — on loopback every 'link' "
           f"is a copy through the same memory and cores ({N} processes, {os.cpu_count()} "
           "cores), so the links are not independent",
           t["naive"] / t["ring"] >= 0.8 * N),
     claim("the backend's own all-reduce should be no slower than a hand-written ring",
           "gloo's ring all-reduce",
-          f"at {size(S_MAX)}: torch (gloo) {t['torch'] * 1e3:.0f} ms, our ring "
+          f"at {size_label(S_MAX)}: torch (gloo) {t['torch'] * 1e3:.0f} ms, our ring "
           f"{t['ring'] * 1e3:.0f} ms", t["torch"] <= t["ring"]),
     claim("ring's bandwidth term stays ≈ 2S/β as N grows; naive's grows ∝ N",
           f"distlab.comm's models; {ib.name}: {ib.source}",

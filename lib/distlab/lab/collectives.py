@@ -18,7 +18,15 @@ import torch
 import torch.distributed as dist
 
 from distlab import wire
-from distlab.comm import Comm
+from distlab.comm import (
+    Comm,
+    Link,
+    naive_allreduce_bytes,
+    naive_allreduce_time,
+    ring_allreduce_bytes,
+    ring_allreduce_time,
+)
+from distlab.units import KiB, MiB
 
 ALGORITHMS = ("torch", "ring", "naive")
 KIND = {"torch": "all_reduce", "ring": "all_reduce.ring", "naive": "all_reduce.naive"}
@@ -215,3 +223,101 @@ def fit_loopback(summary) -> tuple[float, float]:
     return fit_alpha_beta([p["bytes"] for p in pts], [p["seconds"] for p in pts],
                           [p["messages"] for p in pts])
 
+
+
+# -- caller side: labels, the counted ratios, figures ------------------------------------------
+TIME_MODELS = {"ring": ring_allreduce_time, "naive": naive_allreduce_time}  # distlab.comm's α-β
+
+
+def size_label(nbytes: int) -> str:
+    """A tensor size as the notebook names it: "4 MiB", "256 KiB" (binary units)."""
+    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / KiB:g} KiB"
+
+
+def counted_ratios(summary) -> dict[str, list[float]]:
+    """Every distinct bytes/S ratio counted, over all sizes: the ring's (each rank, sent and
+    received), the naive root's bytes sent, and the other ranks' bytes sent. One value each
+    when the formula holds at every size."""
+    ring = [r for r in summary if r["algorithm"] == "ring"]
+    naive = [r for r in summary if r["algorithm"] == "naive"]
+    return {"ring": sorted({b / r["size_bytes"] for r in ring
+                            for b in r["bytes_sent"] + r["bytes_recv"]}),
+            "root": sorted({r["bytes_sent"][0] / r["size_bytes"] for r in naive}),
+            "other": sorted({b / r["size_bytes"] for r in naive for b in r["bytes_sent"][1:]})}
+
+
+def ratio_list(ratios) -> str:
+    """Ratios as the claims table shows them: "1.5" or "1, 3"."""
+    return ", ".join(f"{v:g}" for v in ratios)
+
+
+def bytes_per_rank_figure(ring: dict, naive: dict, S: int, n: int):
+    """Bars: the bytes each rank sent in one all-reduce of S, counted, beside the formulas
+    (ring 2(N-1)/N·S everywhere; naive (N-1)·S at the root, S elsewhere)."""
+    import plotly.graph_objects as go
+    nb = naive_allreduce_bytes(S, n)
+    ranks = [f"rank {k}" for k in range(n)]
+    fig = go.Figure([
+        go.Bar(name="ring, counted", x=ranks, y=[b / S for b in ring["bytes_sent"]]),
+        go.Bar(name="ring, 2(N-1)/N·S", x=ranks, y=[ring_allreduce_bytes(S, n) / S] * n),
+        go.Bar(name="naive, counted", x=ranks, y=[b / S for b in naive["bytes_sent"]]),
+        go.Bar(name="naive, (N-1)·S at root, S elsewhere", x=ranks,
+               y=[nb["root_sent"] / S] + [nb["other_sent"] / S] * (n - 1)),
+    ])
+    fig.update_layout(barmode="group", height=380,
+                      title=f"Bytes each rank sent in one all-reduce of S = {size_label(S)}, "
+                            f"N = {n} (received: the same)",
+                      yaxis_title="bytes sent / S")
+    return fig
+
+
+def wire_figure(by_kind: dict, S: int, n: int):
+    """Bars per collective: the busiest rank's bytes, booked and counted on the wire."""
+    import plotly.graph_objects as go
+    fig = go.Figure([
+        go.Bar(name="booked (formula or count)", x=list(by_kind),
+               y=[max(v["booked"]) for v in by_kind.values()], marker_color="#a5d8d3"),
+        go.Bar(name="on the wire (kernel)", x=list(by_kind),
+               y=[max(v["wire"]) for v in by_kind.values()], marker_color="#0b7285")])
+    fig.update_layout(barmode="group", height=360, yaxis_title="bytes sent / S (busiest rank)",
+                      title=f"One call on S = {size_label(S)}, N = {n}: the busiest "
+                            "rank's bytes, booked and on the wire")
+    return fig
+
+
+def allreduce_time_figure(summary, sizes, n: int, loopback: Link, repeats: int):
+    """Log-log: all-reduce time against size, measured (each algorithm) and the α-β model
+    with the loopback's fitted α and β (dotted)."""
+    import plotly.graph_objects as go
+    fig = go.Figure()
+    for algo in ALGORITHMS:
+        rows = [r for r in summary if r["algorithm"] == algo]
+        fig.add_scatter(x=[r["size_bytes"] for r in rows], y=[r["seconds"] * 1e3 for r in rows],
+                        mode="lines+markers", name=f"{algo}, measured")
+    for algo, model in TIME_MODELS.items():
+        fig.add_scatter(x=sizes, y=[model(S, n, loopback) * 1e3 for S in sizes], mode="lines",
+                        line_dash="dot", name=f"{algo}, α-β model (fitted)")
+    fig.update_layout(title=f"All-reduce time on {n} ranks (slowest rank's median of {repeats})",
+                      xaxis_title="tensor size S (bytes)", yaxis_title="ms", height=420)
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    return fig
+
+
+def link_model_figure(links: list[Link], nbytes: float):
+    """Log-log: the α-β model's all-reduce time of `nbytes` against N = 2 ... 1024, per link,
+    ring (solid) and naive (dashed): modelled, not measured."""
+    import plotly.graph_objects as go
+    ns = [2**k for k in range(1, 11)]
+    fig = go.Figure()
+    for i, link in enumerate(links):
+        color = f"hsl({i * 360 // len(links)},65%,45%)"
+        for (algo, model), dash in zip(TIME_MODELS.items(), ("solid", "dash")):
+            fig.add_scatter(x=ns, y=[model(nbytes, n, link) for n in ns], mode="lines",
+                            line=dict(color=color, dash=dash), name=f"{link.name}: {algo}",
+                            legendgroup=link.name)
+    fig.update_layout(title=f"All-reduce of {nbytes / 1e6:g} MB: ring (solid) vs naive (dashed)",
+                      xaxis_title="ranks N", yaxis_title="seconds", height=520)
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    return fig

@@ -12,6 +12,7 @@ with the same number of processes train one after another in one launch
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable
 
 from distlab.config import RunConfig
@@ -86,6 +87,18 @@ def bytes_per_step(run: Run, kind: str, field: str = "bytes_sent", rank: int = 0
     """One rank's bytes of one collective kind, step by step (0 where it did not use it)."""
     return [e.get("comm", {}).get(kind, {}).get(field, 0)
             for e in sorted(run.history("step", rank=rank), key=lambda e: e["step"])]
+
+
+def median_step_change(losses: list[float]) -> float:
+    """The median |loss[t+1] - loss[t]| of one curve: how far the loss moves in a step. A
+    tolerance on the gap between two runs means something only if it sits well below this."""
+    return statistics.median(abs(b - a) for a, b in zip(losses, losses[1:]))
+
+
+def in_rank_step_order(events: list[dict]) -> list[dict]:
+    """Step events sorted by (rank, step): the order in which two reads of one run compare equal
+    (the ranks' log lines interleave differently from one read to the next)."""
+    return sorted(events, key=lambda e: (e["rank"], e["step"]))
 
 
 def max_step_loss_diff(a: list[float], b: list[float]) -> float:

@@ -9,9 +9,9 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
                         zero_and_fsdp (04), tensor_parallel (05), pipeline_parallel (06),
                         parallelism_3d (07), lora_finetuning (08), checkpoints_and_faults (09),
                         your_model (10); debugging and out_of_memory (11); time_to_train
-                        (12)
+                        (13)
     search.py           search with Optuna over real runs (live trials, pruning, storage):
-                        hp_search.py, arch_search.py, search_figures.py (12)
+                        hp_search.py, arch_search.py, search_figures.py (13)
     git_outputs.py      git compares the notebooks without their outputs (README)
 
 `from distlab import lab` gives the panel's API: lab.watch(run), lab.ControlPanel(), ...

@@ -1,4 +1,4 @@
-"""Time to train, from what one measures: 12_search_and_time's companion for its last parts.
+"""Time to train, from what one measures: 13_search_and_time's companion for its last parts.
 
     flops_rows(count)              PyTorch's FLOP count by operator beside the formula
     achieved(cfg)                  one process's step: FLOP/s, the peak it is set against, MFU

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 12 · Searching and timing: hyper-parameters, architectures, time to train, Horovod
+# # 13 · Searching and timing: hyper-parameters, architectures, time to train, Horovod
 #
 # The questions around a training job rather than inside it: which learning rate, warm-up,
 # batch size and weight decay (and how many runs it takes to find them), which shape of model

@@ -8,8 +8,8 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
                         data_parallel, stragglers and scaling (02), memory_and_precision (03),
                         zero_and_fsdp (04), tensor_parallel (05), pipeline_parallel (06),
                         parallelism_3d (07), lora_finetuning (08), checkpoints_and_faults (09),
-                        your_model (10); debugging and out_of_memory (11); time_to_train
-                        (13)
+                        your_model (10); debugging (11); out_of_memory (12);
+                        time_to_train (13)
     search.py           search with Optuna over real runs (live trials, pruning, storage):
                         hp_search.py, arch_search.py, search_figures.py (13)
     git_outputs.py      git compares the notebooks without their outputs (README)

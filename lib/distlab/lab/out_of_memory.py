@@ -1,4 +1,4 @@
-"""Caller-side helpers of the "out of memory after hours of training" section: the batching
+"""Caller-side helpers of 12_out_of_memory (out of memory after hours of training): the batching
 policies run side by side against one memory budget, the leak's variants, the allocator's
 fragmentation report, and their figures and tables.
 

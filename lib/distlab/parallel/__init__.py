@@ -7,7 +7,9 @@ state) the class declares (distlab.parallel.base.Strategy); RunConfig and the ch
 from there. Adding a strategy is one file and one line here.
 
 Classes are imported when first asked for, so a run imports only the strategy it uses.
-state.py is the strategy side of training checkpoints (distlab.checkpoint reads it).
+state.py is the strategy side of training checkpoints (distlab.checkpoint reads it); agree.py
+is the check every public wrapper runs when it is built: the ranks built it alike, or every rank
+raises naming the first difference and who holds it.
 
 May import: the foundation (comm, units, modules, memory, wire), data/ and models/. Never
 config (a strategy reads the RunConfig it is given), checkpoint/ or anything above.

@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from distlab.comm import Comm, Pending
+from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.compression import TopK
 from distlab.parallel.data_parallel.syncbn import attach_comm
@@ -174,9 +175,13 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("this module is already wrapped by a DistributedDataParallel: its "
                              "gradient hooks would all-reduce every gradient twice; wrap a "
                              "fresh module (or keep using the first wrapper)")
+        self.comm = comm if comm is not None else Comm(group)
+        agree(self.comm, "distlab.DistributedDataParallel",  # before the first broadcast
+              {"parameters": parameter_layout(module), "buffers": buffer_layout(module),
+               "bucket_mb": bucket_mb, "compression": (compression, topk_ratio),
+               "broadcast_buffers": broadcast_buffers})
         module._distlab_ddp = True
         self.module = module
-        self.comm = comm if comm is not None else Comm(group)
         self.world = self.comm.world
         self.broadcast_buffers = broadcast_buffers
         self.compressor = TopK(topk_ratio) if compression == "topk" else None

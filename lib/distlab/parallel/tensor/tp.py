@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from distlab.comm import Comm
 from distlab.modules import name_matches
+from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.base import Strategy
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
@@ -394,6 +395,10 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
                          "with every entry in one plan")
     state = TensorParallelState(comm if comm is not None else Comm(group))
     targets = _match(module, plan)
+    agree(state.comm, "distlab.parallelize_module",  # before the broadcast, which would not
+          {"parameters": parameter_layout(module),    # notice a shape that differs
+           "buffers": buffer_layout(module),
+           "plan": [(name, _describe(style)) for name, style in targets]})
     if state.comm.world > 1:
         with torch.no_grad():  # every rank splits the same weights: rank 0's
             for t in list(module.parameters()) + list(module.buffers()):
@@ -407,6 +412,12 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
         state.partial_grads = _PartialGrads(state.comm, state.partial_params)
     module._distlab_tp = state
     return module
+
+
+def _describe(style) -> str:
+    """A style as every rank can compare it: its class and settings (no object address)."""
+    settings = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(style).items()))
+    return f"{type(style).__name__}({settings})"
 
 
 def _match(module, plan) -> list[tuple[str, object]]:

@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from distlab.comm import Comm
 from distlab.modules import tensors_in
+from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.zero.optimizer import ShardedGradients, Unit, claim
@@ -88,8 +89,13 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
     every rank starts from rank 0's values (parameters, frozen ones and buffers broadcast).
     """
     _refuse_sharded(module)
-    FullyShard(module, unit_specs(module, units), mp_policy or MixedPrecisionPolicy(),
-               comm if comm is not None else Comm(group), reshard_after_forward, offload)
+    comm = comm if comm is not None else Comm(group)
+    specs, policy = unit_specs(module, units), mp_policy or MixedPrecisionPolicy()
+    agree(comm, "distlab.fully_shard",  # before the first broadcast
+          {"parameters": parameter_layout(module), "buffers": buffer_layout(module),
+           "units": [name for name, _ in specs], "mp_policy": repr(policy),
+           "reshard_after_forward": reshard_after_forward, "offload": offload})
+    FullyShard(module, specs, policy, comm, reshard_after_forward, offload)
     return module
 
 

@@ -58,6 +58,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distlab.comm import Comm, Pending
+from distlab.parallel.agree import agree
 from distlab.units import tensor_bytes
 
 
@@ -407,6 +408,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if stage not in (None, 1, 2, 3):
             raise ValueError(f"stage={stage!r} is not one of 1, 2, 3")
         self._asked, self.stage, self.offload, self.optim = stage, None, offload, None
+        self._inner_class = getattr(optimizer_class, "__name__", repr(optimizer_class))
         self.comm = comm if comm is not None else Comm(group)
         self.grads: ShardedGradients | None = None  # the units' gradient path (stage 3: shared)
         self.units: list[Unit] = []
@@ -425,6 +427,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         g = self.param_groups[-1]
         trainable = [p for p in g["params"] if p.requires_grad]
         held = [p for p in trainable if getattr(p, "_distlab_fsdp", None) is not None]
+        self._agree(g, held[0]._distlab_fsdp.comm if held else self.comm)
         if held:
             units = self._adopt(trainable, held)
         else:
@@ -435,6 +438,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.optim is not None:  # a group added after construction
             self.optim.add_param_group(self._inner_group(g, units))
             self._fill_settings(g, self.optim.param_groups[-1])
+
+    def _agree(self, g: dict, comm: Comm) -> None:
+        """Before a group's first broadcast: every rank passed the same optimizer, stage and
+        group (a width or a learning rate that differs would shard or step inconsistently)."""
+        k = len(self.param_groups) - 1
+        agree(comm, "distlab.ZeroOptimizer",
+              {"the optimizer class": self._inner_class, "stage": self._asked,
+               "offload": self.offload,
+               f"param group {k}'s parameters (shape, dtype, requires_grad)":
+                   [(tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+                    for p in g["params"]],
+               f"param group {k}'s settings": repr({key: v for key, v in sorted(g.items())
+                                                     if key != "params"})})
 
     def _settle(self, fsdp) -> None:
         """The first group decides the stage and whose gradient path this is; later groups

@@ -86,20 +86,31 @@ from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.lab.zero_and_fsdp import (
     WIRE_GLOO,
     MemoryExplorer,
-    activation_room,
     comm_by_step,
     comm_figure,
+    comm_rows,
     equivalence_figure,
+    fmt_gb,
+    global_norms,
+    limit_label,
+    median_step_change,
     memory_by_rank,
     memory_figure,
+    memory_rows,
     model_states,
+    per_gpu_rows,
+    prefetch_counts,
     reduction_figure,
+    rooms,
     stage_rows,
     total,
     wire_by_step,
+    wire_note,
+    zero_info,
 )
 from distlab.theory.comm_bytes import comm_formula
 from distlab.theory.estimate import estimate_memory
+from distlab.theory.zero_memory import zero_reduction
 from distlab.units import GB
 
 # Equivalence runs: plain SGD in fp32, one torch thread per rank (4 ranks share this
@@ -181,7 +192,7 @@ two = launch_together({s: SGD.replace(strategy=s, world_size=2, steps=2) for s i
 # The units of this run's model, as `zero3`'s step events report them:
 
 # %%
-z3 = four["zero3"].history("step", rank=0)[-1]["zero"]
+z3 = zero_info(four["zero3"])
 table(["unit", "Ψ_u (values)", "P_u (padded to a multiple of N)", f"S_u = P_u / {WORLD} per rank"],
       [[name, f"{n:,}", f"{p:,}", f"{p // WORLD:,}"] for name, n, p in z3["units"]]
       + [["all", f"{z3['numel']:,}", f"{z3['padded']:,}", f"{z3['shard']:,}"]])
@@ -198,10 +209,8 @@ assert z3["padded"] == psi
 
 # %%
 unit_bytes = 4 * max(p for _, _, p in z3["units"])
-rows = []
-for e in four["zero3"].history("step", rank=0)[1:]:  # step 0 records the order
-    p = e["zero"]["prefetch"]
-    rows.append(p)
+rows = prefetch_counts(four["zero3"])  # the steps after the first, which records the order
+for p in rows:
     assert p["gathers"] == 2 * len(z3["units"]) and p["prefetched"] == p["gathers"] - 1
 gathered_units = z3["gathered_peak_bytes"] / unit_bytes
 grad_units = z3["grad_buffer_peak_bytes"] / unit_bytes
@@ -240,7 +249,7 @@ curves = {"single": ref} | {s: four[s].losses() for s in STRATEGIES}
 loss_gap = {s: max(abs(a - b) for a, b in zip(curves[s], ref)) for s in STRATEGIES}
 param_gap = {s: max(worst_param_diff(four[s].states[r], single.states[0])
                     for r in range(WORLD)) for s in STRATEGIES}
-step_change = sorted(abs(ref[t + 1] - ref[t]) for t in range(len(ref) - 1))[len(ref) // 2]
+step_change = median_step_change(ref)
 table(["strategy", f"largest per-step loss gap (tol {LOSS_TOL:g})",
        f"worst parameter gap after {STEPS} steps, any rank (tol {PARAM_TOL:g})"],
       [[s, f"{loss_gap[s]:.1e}", f"{param_gap[s]:.1e}"] for s in STRATEGIES])
@@ -260,13 +269,12 @@ equivalence_figure(curves, "single", LOSS_TOL,
 # must still follow `single`'s clipped run within the tolerances above.
 
 # %%
-ref_norms = [e["grad_norm"] for e in one["single clip"].history("step")]
+ref_norms = global_norms(one["single clip"])
 clip_rows = []
 for s in ("zero2", "zero3"):
     run = four[f"{s} clip"]
     for r in range(WORLD):
-        norms = [e["grad_norm"] for e in sorted(run.history("step", rank=r),
-                                                key=lambda e: e["step"])]
+        norms = global_norms(run, r)
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms)), (s, r)
     gap = max(worst_param_diff(run.states[r], one["single clip"].states[0])
               for r in range(WORLD))
@@ -303,12 +311,7 @@ groups = {s: {f"r{r}": m for r, m in enumerate(mem[s])} | {"est.": est[s][0]} fo
 memory_figure(groups, f"Memory of each rank (r0..r{WORLD - 1}) by category next to the "
               "estimate (est., light), AdamW, fp32; hatched: host memory").show()
 table(["strategy", "params", "grads", "optimizer (device / host)", "activations",
-       "comm buffers", "model states vs DDP", "estimate from"],
-      [[s, f"{m[0]['params']:,}", f"{m[0]['grads']:,}",
-        f"{m[0]['optim']:,} / {m[0].get('optim_offloaded', 0):,}", f"{m[0]['activations']:,}",
-        f"{m[0]['comm_buffers']:,}",
-        f"{total(model_states(m[0])) / total(model_states(mem['ddp'][0])):.3f}", est[s][1]]
-       for s, m in mem.items()])
+       "comm buffers", "model states vs DDP", "estimate from"], memory_rows(mem, est))
 
 # %% [markdown]
 # **Exact, not approximately.** For the strategies written here the estimate is derived
@@ -338,7 +341,7 @@ assert m0["zero2"]["grads"] == m0["zero3"]["grads"] == 4 * psi // WORLD
 assert m0["zero3"]["params"] == 4 * psi // WORLD
 assert m0["zero1"]["params"] == m0["zero2"]["params"] == m0["ddp"]["params"] == 4 * psi
 # zero3's comm buffers: the peaks of gathered parameters and flat gradients in the step
-peaks = four["zero3 mem"].history("step", rank=0)[-1]["zero"]
+peaks = zero_info(four["zero3 mem"])
 assert m0["zero3"]["comm_buffers"] == peaks["gathered_peak_bytes"] + peaks["grad_buffer_peak_bytes"]
 # offload moves the optimizer state's bytes, it does not change them
 assert (m0["zero3 offload"]["optim"], m0["zero3 offload"]["optim_offloaded"]) == \
@@ -421,19 +424,13 @@ if blind:
     print(f"on the wire: not measured here ({wire['ddp'].get('why')})")
 on_wire = {s: wire[s]["sent"] for s in STRATEGIES}
 table(["strategy", "booked by Comm (rank 0, one step)", "booked / 4Ψ", "on the wire / 4Ψ",
-       "wire / booked", "wire vs DDP's wire", "on the wire by kind"],
-      [[s, ", ".join(f"{k} {v:,.0f}" for k, v in booked[s].items()) or "nothing",
-        f"{sent[s] / B:.3f}", "—" if blind else f"{on_wire[s] / B:.3f}",
-        "—" if blind or not sent[s] else f"{on_wire[s] / sent[s]:.3f}",
-        "—" if blind else f"{on_wire[s] / on_wire['ddp']:.2f}x",
-        "—" if blind else ", ".join(f"{k} {v:,}" for k, v in wire[s]["by_kind"].items())]
-       for s in STRATEGIES])
+       "wire / booked", "wire vs DDP's wire", "on the wire by kind"], comm_rows(booked, wire, B))
 z3_over_ddp = sent["zero3"] / sent["ddp"]
 assert sent["zero1"] == sent["zero2"] == sent["ddp"] and z3_over_ddp == 1.5  # booked
+wire_over_ddp = None if blind else {s: on_wire[s] / on_wire["ddp"] for s in STRATEGIES}
 if not blind:
     # on the wire, gloo's rule from 01_collectives; 3% covers gloo's 48-byte message headers
     # on this small model's many calls (measured: under 1% at N = 2 and 4)
-    wire_over_ddp = {s: on_wire[s] / on_wire["ddp"] for s in STRATEGIES}
     for s in OURS:
         assert abs(wire_over_ddp[s] - WIRE_GLOO[s] / 2) < 0.03 * WIRE_GLOO[s] / 2, wire_over_ddp
     assert abs(on_wire["ddp"] / sent["ddp"] - 1) < 0.03, (on_wire["ddp"], sent["ddp"])
@@ -547,18 +544,17 @@ ddp_states = total(model_states(m0["ddp"]))
 measured_ratio = {s: ddp_states / total(model_states(m0[s])) for s in ("zero1", "zero2", "zero3")}
 reduction_figure({"K = 12 (mixed-precision Adam)": MIXED_ADAM, "fp32 AdamW (ours)": FP32_ADAM},
                  {f"{s} measured, N = {WORLD}": (WORLD, r) for s, r in measured_ratio.items()}).show()
-red = lambda stage, n, bpp: (zero_model_states(1, n, 0, bpp).device
-                             / zero_model_states(1, n, stage, bpp).device)
-# as N_d grows the sharded part vanishes: what stays is the replicated bytes per parameter
-limit = lambda stage, bpp: ("= N_d, unbounded" if stage == 3 else
-                            f"{bpp.total / (bpp.params + (bpp.grads if stage == 1 else 0)):g}x")
+# zero_reduction: plain DP's model states over the stage's; as N_d grows the sharded part
+# vanishes and what stays is the replicated bytes per parameter (limit_label)
 table(["stage", "K = 12: N_d = 64", "K = 12: N_d → ∞", "fp32 AdamW: N_d → ∞",
        f"fp32 AdamW: N = {WORLD}, formula", f"N = {WORLD}, measured"],
-      [[STAGES[s], f"{red(s, 64, MIXED_ADAM):.2f}x", limit(s, MIXED_ADAM), limit(s, FP32_ADAM),
-        f"{red(s, WORLD, FP32_ADAM):.3f}x", f"{measured_ratio[f'zero{s}']:.3f}x"] for s in (1, 2, 3)])
+      [[STAGES[s], f"{zero_reduction(s, 64, MIXED_ADAM):.2f}x", limit_label(s, MIXED_ADAM),
+        limit_label(s, FP32_ADAM), f"{zero_reduction(s, WORLD, FP32_ADAM):.3f}x",
+        f"{measured_ratio[f'zero{s}']:.3f}x"] for s in (1, 2, 3)])
 # measured = formula up to AdamW's 4-byte step counters (one per tensor, or per unit shard)
 for s in (1, 2, 3):
-    assert abs(measured_ratio[f"zero{s}"] - red(s, WORLD, FP32_ADAM)) < 0.01 * red(s, WORLD, FP32_ADAM)
+    predicted = zero_reduction(s, WORLD, FP32_ADAM)
+    assert abs(measured_ratio[f"zero{s}"] - predicted) < 0.01 * predicted
 
 # %% [markdown]
 # **"70B model, 8 GPUs: FSDP stores ~9B parameters per GPU."** The count is right (70B/8 =
@@ -590,12 +586,10 @@ assert z3_8_off.device == 17.5e9 and z3_8_off.host == 122.5e9
 
 # %%
 W4 = BytesPerParam(4, 0, 0)  # what "280 GB" implies: 4 bytes per parameter, nothing else
-rows = []
-for name, bpp in (("4 B/param (the claim's)", W4), ("bf16 weights + grads (2 + 2)", BytesPerParam(2, 2, 0)),
-                  ("mixed-precision Adam (2 + 2 + 12)", MIXED_ADAM), ("fp32 AdamW (4 + 4 + 8)", FP32_ADAM)):
-    dp, z3 = (zero_model_states(PSI_70B, 64, s, bpp).device for s in (0, 3))
-    rows.append([name, f"{bpp.total:g}", f"{dp / GB:,.0f}", f"{z3 / GB:.2f}"])
-table(["bytes per parameter", "total", "plain DP, per GPU (GB)", "ZeRO-3, N_d = 64 (GB)"], rows)
+mixes = {"4 B/param (the claim's)": W4, "bf16 weights + grads (2 + 2)": BytesPerParam(2, 2, 0),
+         "mixed-precision Adam (2 + 2 + 12)": MIXED_ADAM, "fp32 AdamW (4 + 4 + 8)": FP32_ADAM}
+table(["bytes per parameter", "total", "plain DP, per GPU (GB)", "ZeRO-3, N_d = 64 (GB)"],
+      per_gpu_rows(PSI_70B, 64, mixes))
 claim_dp, claim_z3 = (zero_model_states(PSI_70B, 64, s, W4).device for s in (0, 3))
 adam_dp, adam_z3 = (zero_model_states(PSI_70B, 64, s, MIXED_ADAM).device for s in (0, 3))
 assert claim_dp == 280e9 and round(claim_z3 / GB) == 4  # 4.375 GB
@@ -635,18 +629,14 @@ per_seq = {mode: L * korthikanti_layer_activation_bytes(S, 1, H, A, recompute=mo
            for mode in ("none", "selective", "full")}
 ANSWER = "the answer's s·h·2 B"
 per_seq[ANSWER] = S * H * 2
-rows, result = [], {}
-for mode, b in per_seq.items():
-    d = activation_room(GPU, ddp_states, b, GPUS, S)
-    f = activation_room(GPU, fsdp_states, b, GPUS, S)
-    result[mode] = (d, f)
-    rows.append([mode, f"{b / GB:.3f}", d["per_gpu"], f"{d['tokens']:,}", f["per_gpu"],
-                 f"{f['tokens']:,}"])
+result = rooms(GPU, ddp_states, fsdp_states, per_seq, GPUS, S)
 say(f"Ψ = {psi_q5 / 1e9:.2f}B, L = {L} layers; per GPU: DDP {ddp_states / GB:.1f} GB of states "
     f"({(GPU - ddp_states) / GB:.1f} GB free), FSDP {fsdp_states / GB:.2f} GB with "
     f"{gathered_units:g} + {grad_units:g} layer units of working set ({(GPU - fsdp_states) / GB:.1f} GB free)")
 table(["activations per sequence", "GB per sequence", "DDP: sequences per GPU",
-       "DDP: tokens per step", "FSDP: sequences per GPU", "FSDP: tokens per step"], rows)
+       "DDP: tokens per step", "FSDP: sequences per GPU", "FSDP: tokens per step"],
+      [[mode, f"{per_seq[mode] / GB:.3f}", d["per_gpu"], f"{d['tokens']:,}", f["per_gpu"],
+        f"{f['tokens']:,}"] for mode, (d, f) in result.items()])
 (none_d, none_f), (sel_d, sel_f) = result["none"], result["selective"]
 assert ddp_states == 60e9 and zero_model_states(psi_q5, GPUS, 3, MIXED_ADAM).device == 7.5e9
 assert result["none"][0]["per_gpu"] < 4 and result[ANSWER][0]["per_gpu"] > 1000
@@ -677,8 +667,6 @@ assert 3 < free_ratio < 4
 # says so, from the estimator with the bytes-per-parameter named.
 
 # %%
-fmt = lambda b: f"{b / GB:.1f} GB"
-wire_txt = lambda s: "" if blind else f"; on gloo's wire {wire_over_ddp[s]:.2f}× ddp"
 rows = [
     claim("ZeRO, FSDP and torch's references train exactly as one process does",
           "Rajbhandari et al. 2020; Zhao et al. 2023 (FSDP)",
@@ -688,9 +676,10 @@ rows = [
           max(loss_gap.values()) <= LOSS_TOL and max(param_gap.values()) <= PARAM_TOL),
     claim("ZeRO-1 cuts memory 4×, ZeRO-2 8×", "Rajbhandari et al. 2020, Figure 1",
           f"model states, fp32 AdamW at N = {WORLD}: measured {measured_ratio['zero1']:.3f}× and "
-          f"{measured_ratio['zero2']:.3f}× (formula {red(1, WORLD, FP32_ADAM):.3f}×, "
-          f"{red(2, WORLD, FP32_ADAM):.3f}×); the paper's 4× and 8× need K = 12 and N_d → ∞ "
-          f"({red(1, 64, MIXED_ADAM):.2f}× and {red(2, 64, MIXED_ADAM):.2f}× at N_d = 64)",
+          f"{measured_ratio['zero2']:.3f}× (formula {zero_reduction(1, WORLD, FP32_ADAM):.3f}×, "
+          f"{zero_reduction(2, WORLD, FP32_ADAM):.3f}×); the paper's 4× and 8× need K = 12 "
+          f"and N_d → ∞ ({zero_reduction(1, 64, MIXED_ADAM):.2f}× and "
+          f"{zero_reduction(2, 64, MIXED_ADAM):.2f}× at N_d = 64)",
           measured_ratio["zero1"] >= 4 and measured_ratio["zero2"] >= 8),
     claim("ZeRO-3 divides model states by N", "Rajbhandari et al. 2020",
           f"measured {measured_ratio['zero3']:.3f}× at N = {WORLD} (AdamW's step counters are "
@@ -701,12 +690,12 @@ rows = [
           state_checks > 0 and not state_misses),
     claim("ZeRO-1 and ZeRO-2 communicate what DDP does", "Rajbhandari et al. 2020, Section 7",
           f"booked: ddp {sent['ddp']:,.0f} B, zero1 {sent['zero1']:,.0f} B, zero2 "
-          f"{sent['zero2']:,.0f} B per rank per step" + wire_txt("zero1")
+          f"{sent['zero2']:,.0f} B per rank per step" + wire_note(wire_over_ddp, "zero1")
           + ("" if blind else f" (zero2 {wire_over_ddp['zero2']:.2f}×)"),
           (sent["zero1"] == sent["zero2"] == sent["ddp"]) if blind else
           all(abs(wire_over_ddp[s] - 1) < 0.05 for s in ("zero1", "zero2"))),
     claim("ZeRO-3 = 1.5× DDP communication", "Rajbhandari et al. 2020, Section 7",
-          f"booked {z3_over_ddp:g}× ddp" + wire_txt("zero3")
+          f"booked {z3_over_ddp:g}× ddp" + wire_note(wire_over_ddp, "zero3")
           + ("" if blind else f" (fsdp-torch {wire_over_ddp['fsdp-torch']:.2f}×)"),
           (z3_over_ddp == 1.5) if blind else abs(wire_over_ddp["zero3"] - 1.5) < 0.05),
     claim("DDP moves 2× the model per step, FSDP 3×", "interview answer",
@@ -724,12 +713,12 @@ rows = [
           m0["zero3 offload"]["optim"] == 0
           and m0["zero3 offload"]["optim_offloaded"] == m0["zero3"]["optim"]),
     claim("70B on 8 GPUs: FSDP stores ~9B parameters per GPU", "interview answer",
-          f"{per_gpu / 1e9:.2f}B parameters; with Adam (K = 12) {fmt(z3_8.device)} per GPU, "
-          f"{fmt(z3_8_off.device)} with ZeRO-Offload", round(per_gpu / 1e9) == 9,
+          f"{per_gpu / 1e9:.2f}B parameters; with Adam (K = 12) {fmt_gb(z3_8.device)} per GPU, "
+          f"{fmt_gb(z3_8_off.device)} with ZeRO-Offload", round(per_gpu / 1e9) == 9,
           basis="modelled"),
     claim("70B on 64 GPUs: 280 GB per GPU without ZeRO, ~4 GB with ZeRO-3", "interview answer",
-          f"{fmt(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (no "
-          f"optimizer state); training with Adam: {fmt(adam_dp)} and {fmt(adam_z3)}",
+          f"{fmt_gb(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (no "
+          f"optimizer state); training with Adam: {fmt_gb(adam_dp)} and {fmt_gb(adam_z3)}",
           abs(adam_z3 / GB - 4) < 1, basis="modelled"),
     claim("60 GB model on 8× A100 80 GB: DDP 65K tokens per step, FSDP 229K",
           "interview answer",

@@ -29,6 +29,7 @@ from distlab.theory.estimate import STAGES, BytesPerParam, zero_model_states
 from distlab.caller.launch import launch
 from distlab.parallel import strategy_class
 from distlab.theory.estimate import estimate_memory
+from distlab.theory.zero_memory import zero_reduction, zero_reduction_limit
 from distlab.units import GB
 from distlab.caller.run import Run
 from distlab.step_event import comm, memory
@@ -65,6 +66,31 @@ def memory_by_rank(run: Run, step: int | None = None) -> list[dict]:
     return [memory(e) for e in lab.step_events(run, step)]
 
 
+def zero_info(run: Run) -> dict:
+    """e["zero"] of rank 0's last step: the units with their padding and shards, and the step's
+    peaks of gathered parameters and flat gradients (distlab.parallel.zero.stages)."""
+    return run.history("step", rank=0)[-1]["zero"]
+
+
+def prefetch_counts(run: Run) -> list[dict]:
+    """Rank 0's ZeRO-3 prefetch counts ({"gathers", "prefetched", "blocked_s"}) of every step
+    after the first: step 0 records the order in which the units run, so it cannot prefetch."""
+    return [e["zero"]["prefetch"] for e in run.history("step", rank=0)[1:]]
+
+
+def global_norms(run: Run, rank: int = 0) -> list[float]:
+    """The global gradient norm one rank logged at each step, in step order: with sharded
+    gradients every rank computes the whole model's norm (one all-reduce of ‖g‖²)."""
+    return [e["grad_norm"] for e in sorted(run.history("step", rank=rank),
+                                           key=lambda e: e["step"])]
+
+
+def median_step_change(losses: list[float]) -> float:
+    """The median |loss[t+1] - loss[t]|: how far the loss moves in one ordinary step, which a
+    tolerance on loss gaps must stay well below to catch a real divergence."""
+    return sorted(abs(losses[t + 1] - losses[t]) for t in range(len(losses) - 1))[len(losses) // 2]
+
+
 def comm_by_step(run: Run, rank: int) -> list[dict]:
     """One rank's {kind: bytes_sent} for every step, in step order."""
     return [{k: v["bytes_sent"] for k, v in comm(e).items()}
@@ -80,6 +106,39 @@ def model_states(mem: dict) -> dict:
 def total(mem: dict, keys=None) -> int:
     """Sum of a memory dict's entries (all categories, or `keys`); None counts as 0."""
     return sum(v or 0 for k, v in mem.items() if keys is None or k in keys)
+
+
+def memory_rows(mem: dict[str, list[dict]], est: dict[str, tuple[dict, str]]) -> list[list]:
+    """The memory table's rows: rank 0's bytes by category for each strategy, its model states
+    over DDP's (mem["ddp"]), and where its estimate comes from (estimate_memory's source)."""
+    ddp = total(model_states(mem["ddp"][0]))
+    return [[s, f"{m[0]['params']:,}", f"{m[0]['grads']:,}",
+             f"{m[0]['optim']:,} / {m[0].get('optim_offloaded', 0):,}", f"{m[0]['activations']:,}",
+             f"{m[0]['comm_buffers']:,}", f"{total(model_states(m[0])) / ddp:.3f}", est[s][1]]
+            for s, m in mem.items()]
+
+
+def comm_rows(booked: dict[str, dict], wire: dict[str, dict], model_bytes: float) -> list[list]:
+    """The bytes table's rows, one per strategy: what Comm booked on rank 0 in one step, by kind
+    and over 4Ψ (`model_bytes`), beside what the kernel saw it write (wire_by_step), over 4Ψ,
+    over the booked bytes and over DDP's wire. Dashes where the kernel cannot see the traffic."""
+    blind = wire["ddp"]["sent"] is None
+    rows = []
+    for s, kinds in booked.items():
+        sent, on_wire = sum(kinds.values()), wire[s]["sent"]
+        seen = ["—"] * 4 if blind else [
+            f"{on_wire / model_bytes:.3f}", f"{on_wire / sent:.3f}" if sent else "—",
+            f"{on_wire / wire['ddp']['sent']:.2f}x",
+            ", ".join(f"{k} {v:,}" for k, v in wire[s]["by_kind"].items())]
+        rows.append([s, ", ".join(f"{k} {v:,.0f}" for k, v in kinds.items()) or "nothing",
+                     f"{sent / model_bytes:.3f}", *seen])
+    return rows
+
+
+def wire_note(wire_over_ddp: dict[str, float] | None, strategy: str) -> str:
+    """A claim's clause on the wire, "; on gloo's wire 1.50× ddp", or "" where the wire was not
+    measured (wire_over_ddp None)."""
+    return "" if wire_over_ddp is None else f"; on gloo's wire {wire_over_ddp[strategy]:.2f}× ddp"
 
 
 # -- estimates --------------------------------------------------------------------------------
@@ -104,6 +163,28 @@ def stage_rows(psi: float, n_d: int, bpp: BytesPerParam, gpu_bytes: float | None
     return rows
 
 
+def per_gpu_rows(psi: float, n_d: int, mixes: dict[str, BytesPerParam]) -> list[list]:
+    """One row per bytes-per-parameter mix: its total, and the model states per GPU in GB of
+    plain DP and of ZeRO-3 on n_d GPUs (zero_model_states)."""
+    rows = []
+    for name, bpp in mixes.items():
+        dp, z3 = (zero_model_states(psi, n_d, s, bpp).device for s in (0, 3))
+        rows.append([name, f"{bpp.total:g}", f"{dp / GB:,.0f}", f"{z3 / GB:.2f}"])
+    return rows
+
+
+def fmt_gb(b: float) -> str:
+    """Bytes in the paper's GB (1e9), one decimal: '140.0 GB'."""
+    return f"{b / GB:.1f} GB"
+
+
+def limit_label(stage: int, bpp: BytesPerParam) -> str:
+    """zero_reduction_limit as the reduction table writes it: '4x', or ZeRO-3's '= N_d,
+    unbounded'."""
+    limit = zero_reduction_limit(stage, bpp)
+    return "= N_d, unbounded" if math.isinf(limit) else f"{limit:g}x"
+
+
 def activation_room(gpu_bytes: float, states_bytes: float, per_sequence_bytes: float,
                     gpus: int, seq_len: int) -> dict:
     """How many sequences fit in what the model states leave of a GPU, and the tokens of one
@@ -113,6 +194,15 @@ def activation_room(gpu_bytes: float, states_bytes: float, per_sequence_bytes: f
     per_gpu = max(0, math.floor(free / per_sequence_bytes))
     return {"free": free, "per_gpu": per_gpu, "sequences": gpus * per_gpu,
             "tokens": gpus * per_gpu * seq_len}
+
+
+def rooms(gpu_bytes: float, ddp_states: float, fsdp_states: float,
+          per_sequence: dict[str, float], gpus: int, seq_len: int) -> dict[str, tuple[dict, dict]]:
+    """{way of counting a sequence's activations: (DDP's activation_room, FSDP's)}: the same
+    GPU, each strategy's model states per GPU."""
+    return {mode: (activation_room(gpu_bytes, ddp_states, b, gpus, seq_len),
+                   activation_room(gpu_bytes, fsdp_states, b, gpus, seq_len))
+            for mode, b in per_sequence.items()}
 
 
 # -- figures -----------------------------------------------------------------------------------
@@ -257,8 +347,7 @@ def reduction_figure(mixes: dict[str, BytesPerParam], measured: dict[str, tuple[
     dashes = ("solid", "dot", "dash")
     for j, (mix_name, bpp) in enumerate(mixes.items()):
         for s in (1, 2, 3):
-            ys = [zero_model_states(1.0, n, 0, bpp).device / zero_model_states(1.0, n, s, bpp).device
-                  for n in ns]
+            ys = [zero_reduction(s, n, bpp) for n in ns]
             fig.add_scatter(x=ns, y=ys, mode="lines", name=f"{STAGES[s]}, {mix_name}",
                             line=dict(color=common.MEMORY_COLORS[s - 1], dash=dashes[j % 3]))
     for i, (label, (n, ratio)) in enumerate(measured.items()):

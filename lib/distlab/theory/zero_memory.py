@@ -53,6 +53,11 @@ DeepSpeed truncates each figure to whole bytes, and the 18Ψ/N_d and 2Ψ/N_d sha
 adding; so do we. Model states only: activations, temporary buffers and the CUDA context
 come on top.
 
+Beside them, the ZeRO paper's own reading of its formula (distlab.theory.estimate's
+zero_model_states): how many times less a rank holds than under plain data parallelism,
+`zero_reduction`, and what that tends to as N_d grows, `zero_reduction_limit` (the "4×" and
+"8×" of the paper's Figure 1 are these limits for K = 12).
+
     from distlab.theory.zero_memory import report, rows, table_cells
     print(report(3, 2851e6, 32e6, gpus_per_node=8))   # DeepSpeed's ZeRO-3 table for t5-3b
     rows(3, 2851e6, 32e6, gpus_per_node=8)            # the same figures as dicts
@@ -65,6 +70,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+from distlab.theory.estimate import BytesPerParam, zero_model_states
 from distlab.units import GiB
 
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor: a margin on every CPU figure
@@ -247,3 +253,21 @@ def model_counts(model) -> tuple[int, int]:
     largest = max((sum(p.numel() for p in m.parameters(recurse=False))
                    for m in model.modules()), default=0)
     return sum(unique.values()), largest
+
+
+# -- the ZeRO paper's memory reduction -----------------------------------------------------------
+def zero_reduction(stage: int, n_d: int, bpp: BytesPerParam) -> float:
+    """How many times less model-state memory a rank holds under ZeRO `stage` than under plain
+    data parallelism on n_d ranks (Rajbhandari et al. 2020, Figure 1): (2 + 2 + K)Ψ over the
+    stage's bytes, e.g. ZeRO-1 16/(4 + 12/N_d) with K = 12. Ψ cancels."""
+    return (zero_model_states(1, n_d, 0, bpp).device
+            / zero_model_states(1, n_d, stage, bpp).device)
+
+
+def zero_reduction_limit(stage: int, bpp: BytesPerParam) -> float:
+    """zero_reduction as N_d grows without bound: the sharded bytes vanish and what stays is
+    what every rank still replicates, the parameters (and for ZeRO-1 the gradients). ZeRO-3
+    replicates nothing: its reduction is N_d itself, unbounded (math.inf)."""
+    if stage == 3:
+        return math.inf
+    return bpp.total / (bpp.params + (bpp.grads if stage == 1 else 0))

@@ -58,17 +58,20 @@ import torch
 
 from distlab import RunConfig
 from distlab.comm import ring_allreduce_bytes
-from distlab.data.dataset import MarkovData
+from distlab.finetune.forgetting import task_data
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.lora_finetuning import (
     LoRAExplorer,
+    best_first,
     curves_figure,
     final_eval,
+    frozen_keys,
     last_memory,
     last_step_bytes_sent,
     last_step_wire,
     memory_figure,
     merge_check,
+    model_of,
     preset_shapes,
     start_eval,
     steps_to_reach,
@@ -76,6 +79,7 @@ from distlab.lab.lora_finetuning import (
     sweep_figure,
     sweep_rows,
     tradeoff_figure,
+    tradeoff_points,
     trainable_of,
     weights_path,
 )
@@ -91,7 +95,7 @@ from distlab.finetune.lora import (
 from distlab.models import GPT as TinyGPT
 from distlab.models import GPTConfig
 from distlab.models.gpt import gpt_param_count
-from distlab.rank.build import build_model
+from distlab.theory.estimate import fp32_adamw_state_bytes
 
 BASE = RunConfig(lr=3e-3, timeout_s=120, threads_per_rank=1, **GPT)
 PRE_PATH = weights_path("lora-pretrained")     # the pre-training run writes it
@@ -101,8 +105,7 @@ FT = BASE.replace(task=1, init_from=PRE_PATH, steps=FT_STEPS, eval_every=FT_STEP
 # The LoRA baseline of the interview challenge: q and v only, rank 4, a low learning
 # rate (the challenge: "rank 8 on Q/V at 1e-4"; the tiny model's scale is smaller).
 LORA = FT.replace(lora_rank=4, lora_targets="qv", lr=1e-3)
-floors = {f"task{t}": MarkovData(BASE.vocab_size, BASE.seq_len, BASE.successors,
-                                 BASE.seed, t).loss_floor for t in (0, 1)}
+floors = {f"task{t}": task_data(BASE, t).loss_floor for t in (0, 1)}
 print({k: round(v, 3) for k, v in floors.items()})
 
 # %% [markdown]
@@ -196,20 +199,13 @@ table(["targets", "rank", "trainable values", f"of {n_big / 1e9:.2f} B"],
 # cell checks each measured figure against that formula.
 
 # %%
-def adam_formula(cfg):
-    model = build_model(cfg.replace(init_from=""))
-    train = [p for p in model.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in train)
-    return {"params": 4 * sum(p.numel() for p in model.parameters()), "grads": 4 * n,
-            "optim": 8 * n + 4 * len(train)}
-
 mem_runs = {"full fine-tuning": runs["full fine-tuning"]}
 mem_runs |= {f"LoRA {t} r={r}": runs[f"{t} r={r} lr=0.01"]
              for t, r in (("qv", RANKS[0]), ("attn_mlp", RANKS[-1]))}
 groups = {}
 for label, run in mem_runs.items():
     measured = {k: last_memory(run)[k] for k in ("params", "grads", "optim")}
-    assert measured == adam_formula(run.cfg), label
+    assert measured == fp32_adamw_state_bytes(model_of(run.cfg)), label
     groups[label] = measured
 memory_figure(groups, "bytes held on rank 0: parameters, gradients, AdamW state").show()
 full_go = groups["full fine-tuning"]["grads"] + groups["full fine-tuning"]["optim"]
@@ -257,11 +253,12 @@ rows = sweep_rows({k: runs[k] for k in lora_cfgs}, start1, full1)
 n_trainable_full = trainable_of(FT)
 sweep_figure(rows, full1, start1, n_trainable_full, floors["task1"],
              "task-1 loss reached vs trainable values").show()
+ranked = best_first(rows)
 table(["run", "trainable", "task-1 loss", "recovered", "task-0 loss"],
       [[r["run"], f"{r['trainable']:,}", f"{r['task1']:.3f}", f"{r['recovered']:.0%}",
-        f"{r['task0']:.3f}"] for r in sorted(rows, key=lambda r: r["task1"])])
+        f"{r['task0']:.3f}"] for r in ranked])
 by = {r["run"]: r for r in rows}
-best = min(rows, key=lambda r: r["task1"])
+best = ranked[0]
 print(f"full fine-tuning: {n_trainable_full:,} trainable, task-1 loss {full1:.3f}")
 print(f"best LoRA: {best['run']}, {best['recovered']:.0%} of the gain with "
       f"{best['trainable'] / n_trainable_full:.1%} of the trainable values")
@@ -318,10 +315,8 @@ curves_figure(shown, "task0", "forgetting: task-0 held-out loss while fine-tunin
               floors["task0"]).show()
 curves_figure(shown, "task1", "learning: task-1 held-out loss", floors["task1"]).show()
 t0_start = start_eval(full)["task0"]
-points = {k: final_eval(runs[k]) for k in ["full fine-tuning"]
-          + [f"replay {f:g}" for f in REPLAY] + [f"EWC λ={lam:g}" for lam in EWC]}
-points |= {f"LoRA {r['run']}": {"task0": r["task0"], "task1": r["task1"]}
-           for r in rows if r["steps"] == FT_STEPS and r["lr"] == 0.01}
+points = tradeoff_points(runs, ["full fine-tuning"] + [f"replay {f:g}" for f in REPLAY]
+                         + [f"EWC λ={lam:g}" for lam in EWC], rows, FT_STEPS, lr=0.01)
 tradeoff_figure(points, f"after {FT_STEPS} steps on task 1 (task-0 loss before: "
                         f"{t0_start:.2f})").show()
 rise = {k: p["task0"] - t0_start for k, p in points.items()}
@@ -359,7 +354,7 @@ for k in ("sgd full", "sgd lora"):
            f"{fmt_bytes(on_wire[k])} on the wire")
         + f"; worst parameter diff vs single {diff:.1e}")
 lora_state, ref = ddp["sgd lora"].states[0], runs["sgd lora"].states[0]
-assert all(torch.equal(lora_state[k], ref[k]) for k in ref if "lora" not in k)
+assert all(torch.equal(lora_state[k], ref[k]) for k in frozen_keys(ref))
 ratio = booked["sgd lora"] / booked["sgd full"]
 wire_seen = None not in on_wire.values()
 wire_ratio = on_wire["sgd lora"] / on_wire["sgd full"] if wire_seen else None
@@ -379,7 +374,7 @@ if wire_seen:  # the all-reduce follows the ring on gloo: the wire is the formul
 # differently; tests/test_lora.py).
 
 # %%
-x, _ = MarkovData(BASE.vocab_size, BASE.seq_len, BASE.successors, BASE.seed, 1).eval_batch(0, 16)
+x, _ = task_data(BASE, 1).eval_batch(0, 16)
 m = merge_check(best_lora.cfg, best_lora.states[0], x, repeats=20 if QUICK else 200)
 table(["forward of 16 rows", "median time", "max |output − unmerged|"],
       [["unmerged (adapter path)", f"{m['unmerged_s'] * 1e3:.2f} ms", "0"],

@@ -73,9 +73,22 @@ def gain_recovered(loss: float, start: float, full: float) -> float:
     return (start - loss) / (start - full)
 
 
+def model_of(cfg: RunConfig) -> torch.nn.Module:
+    """cfg's model as a rank builds it (under LoRA: adapters injected, the rest frozen), freshly
+    initialised: init_from is dropped, as counting the model's values, or loading a run's final
+    state into it, needs no pre-trained weights."""
+    return build_model(cfg.replace(init_from=""))
+
+
 def trainable_of(cfg: RunConfig) -> int:
     """Trainable values of cfg's model (adapters only under LoRA), counted on the module."""
-    return trainable_parameters(build_model(cfg.replace(init_from="")))
+    return trainable_parameters(model_of(cfg))
+
+
+def frozen_keys(state: dict) -> list[str]:
+    """The entries of a LoRA model's state dict that fine-tuning must leave bitwise untouched:
+    all but the adapters' lora_A / lora_B."""
+    return [k for k in state if "lora" not in k]
 
 
 def last_memory(run: Run, rank: int = 0) -> dict:
@@ -135,6 +148,22 @@ def sweep_rows(runs: dict[str, Run], start: float, full: float) -> list[dict]:
                      "task0": fin["task0"],
                      "recovered": gain_recovered(fin["task1"], start, full)})
     return rows
+
+
+def best_first(rows: list[dict]) -> list[dict]:
+    """sweep_rows' rows by task-1 held-out loss, lowest (the best LoRA run) first."""
+    return sorted(rows, key=lambda r: r["task1"])
+
+
+def tradeoff_points(runs: dict[str, Run], labels, lora_rows: list[dict], steps: int,
+                    lr: float) -> dict[str, dict]:
+    """{label: final held-out loss per task} of the runs named, then of the LoRA sweep's runs
+    at `lr` trained `steps` steps ("LoRA <run>"): forgetting (task 0) against learning (task 1),
+    the points of tradeoff_figure."""
+    points = {k: final_eval(runs[k]) for k in labels}
+    points |= {f"LoRA {r['run']}": {"task0": r["task0"], "task1": r["task1"]}
+               for r in lora_rows if r["steps"] == steps and r["lr"] == lr}
+    return points
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -256,9 +285,9 @@ def merge_check(cfg: RunConfig, state: dict, x: torch.Tensor, repeats: int = 50)
     """Load a LoRA run's final state into its model; compare outputs and median forward time
     unmerged, merged, and of a plain model (no adapters) loaded with merged_state_dict."""
     torch.set_num_threads(1)  # the ranks' setting: one thread, so times compare like for like
-    model = build_model(cfg.replace(init_from=""))
+    model = model_of(cfg)
     model.load_state_dict(state)
-    plain = build_model(cfg.replace(init_from="", lora_rank=0))
+    plain = model_of(cfg.replace(lora_rank=0))
     plain.load_state_dict(merged_state_dict(model))
     with torch.no_grad():
         unmerged_out = model(x)

@@ -39,6 +39,8 @@ Sources, and what each formula here reproduces (tests/test_estimate.py checks ev
   zero1/2/3 with distlab.parallel.zero.stages's padded flat buffers) and gpt_activation_bytes() (our
   GPT, checkpointing none/selective/full) are derived for our model and loop, and equal what
   the ranks measure (Strategy.state_bytes, ActivationMeter) byte for byte.
+  fp32_adamw_state_bytes() counts the same on a module with frozen values (LoRA, Hu et al.
+  2021): gradients and AdamW state follow the trainable values only.
 
 A notebook's "textbook vs measured" table:
 
@@ -275,6 +277,19 @@ def run_model_state_bytes(cfg, rank: int = 0, partition: str | None = None) -> d
     if cfg.offload:
         out["optim_offloaded"], out["optim"] = out["optim"], 0
     return out
+
+
+def fp32_adamw_state_bytes(model: torch.nn.Module) -> dict:
+    """Bytes of parameters, gradients and AdamW state that one rank of a replicated fp32 run
+    (single, ddp) holds after a step, counted on `model`: every value is held (4 bytes, frozen
+    ones too), but only trainable values have a gradient (4 bytes) and AdamW's two moments
+    (8 bytes), plus AdamW's 4-byte step counter per trainable tensor. With every value
+    trainable this is run_model_state_bytes' replicated rule; under LoRA (Hu et al. 2021) the
+    gradients and optimizer state shrink to the adapters'."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    return {"params": 4 * sum(p.numel() for p in model.parameters()), "grads": 4 * n,
+            "optim": 8 * n + 4 * len(trainable)}
 
 
 # -- activations: Korthikanti et al. 2022 ------------------------------------------------------

@@ -72,19 +72,32 @@ from distlab.lab.data_parallel import (
     bucket_timeline,
     buffer_broadcast_claim,
     buffer_sums,
+    collective_bytes,
     diff_figure,
     dp_vs_ddp_claim,
     dp_bottleneck_figure,
     dp_summary,
+    fmt_ms,
     grouped_bars,
     loss_figure,
     lr_rule_claims,
+    median_overlap_step,
+    overlap_medians,
+    parameters_only,
+    ps_bytes_per_update,
     ps_ring_figure,
+    ps_steps,
+    ps_wire_per_update,
+    rule_grid,
+    running_statistics,
     scaling_figure,
+    staleness,
     staleness_figure,
+    steps_trained_and_shadowed,
     straggler_claim,
 )
-from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
+from distlab.lab.runs import (launch_together, max_step_loss_diff, median_step_change,
+                              worst_param_diff)
 from distlab.lab.scaling import BASE as SCALING_BASE
 from distlab.lab.scaling import RULES, SEED_RULES
 from distlab.lab.scaling import scaling_experiment
@@ -259,19 +272,10 @@ ps = launch_together({
 }, name="ps")
 ps_sync, ps_async = ps["ps-sync"], ps["ps-async"]
 N_PS = ps_sync.cfg.dp_degree
-server_ev = [e for e in ps_sync.history("step") if e.get("role") == "server"]
-worker_ev = [e for e in ps_sync.history("step") if e.get("role") != "server"]
-ps_measured = {"server (rank 0)": (statistics.median(e["bytes_out"] for e in server_ev),
-                                   statistics.median(e["bytes_in"] for e in server_ev))}
-for w in range(1, N_PS + 1):
-    mine = [e["comm"] for e in worker_ev if e["rank"] == w]
-    ps_measured[f"worker {w}"] = (statistics.median(c["ps.push"]["bytes_sent"] for c in mine),
-                                  statistics.median(c["ps.pull"]["bytes_recv"] for c in mine))
-ps_wire = {"server (rank 0)": statistics.median(lab.wire_sent(e) or 0 for e in server_ev)}
-for w in range(1, N_PS + 1):
-    ps_wire[f"worker {w}"] = statistics.median(lab.wire_sent(e) or 0 for e in worker_ev
-                                               if e["rank"] == w)
-ps_seen = lab.wire_sent(server_ev[0]) is not None
+server_ev, worker_ev = ps_steps(ps_sync)
+ps_measured = ps_bytes_per_update(ps_sync)  # {node: (sent, received)}, medians per update
+ps_wire = ps_wire_per_update(ps_sync)
+ps_seen = ps_wire is not None
 table(["node", "sent per update (counted)", "on the wire per update", "received per update",
        "formula (sent)"],
       [[k, f"{s:,.0f}", f"{ps_wire[k]:,.0f}" if ps_seen else "not measured here", f"{r:,.0f}",
@@ -300,8 +304,7 @@ assert ps_diff <= TOL
 # straggler twin from section 7 (one worker sleeping `DELAY_S` per step):
 
 # %%
-stale = {name: [e["staleness"] for e in run.history("step") if e.get("role") == "server"]
-         for name, run in (("ps-async", ps_async), ("with a straggler", ps["straggler ps-async"]))}
+stale = {"ps-async": staleness(ps_async), "with a straggler": staleness(ps["straggler ps-async"])}
 staleness_figure(ps_async, f"ps-async, {N_PS} workers: staleness of each update").show()
 staleness_figure(ps["straggler ps-async"], f"ps-async with worker rank "
                  f"{STRAGGLERS['ps-async'].straggler_rank} sleeping {DELAY_S} s per step").show()
@@ -391,15 +394,10 @@ four = launch_together({
 # *ready* is that call's own cost. Below: rank 0's step with the median overlap.
 
 # %%
-ddp_steps = [e for e in ddp.history("step") if e["step"] > 0]  # step 0 warms up
-overlaps = [e["ddp"]["overlap"] for e in ddp_steps]
-r0 = sorted((e for e in ddp_steps if e["rank"] == 0), key=lambda e: e["ddp"]["overlap"])
-shown = r0[len(r0) // 2]
-bucket_timeline(shown).show()
-bwd = statistics.median(e["ddp"]["backward"][1] for e in ddp_steps)
-comm = statistics.median(e["ddp"]["comm_s"] for e in ddp_steps)
-overlap = statistics.median(overlaps)
-say(f"{len(plan)} buckets; over {len(ddp_steps)} rank-steps: overlap median {overlap:.0%} "
+bucket_timeline(median_overlap_step(ddp, rank=0)).show()
+ov = overlap_medians(ddp)  # step 0 warms up: left out
+overlaps, overlap, bwd, comm = ov["overlaps"], ov["overlap"], ov["backward_s"], ov["comm_s"]
+say(f"{len(plan)} buckets; over {len(overlaps)} rank-steps: overlap median {overlap:.0%} "
     f"(min {min(overlaps):.0%}, max {max(overlaps):.0%}); backward {bwd * 1e3:.1f} ms, "
     f"communication {comm * 1e3:.1f} ms (medians)")
 print(f"at most backward / communication = {min(1, bwd / comm):.0%} of the communication "
@@ -438,8 +436,7 @@ diff_figure(gaps, LOSS_TOL, "|loss − single's loss| per step (log scale)").sho
 ddp_loss_diff = {k: max_step_loss_diff(r.losses(), single.losses())
                  for k, r in (("ddp", ddp), ("ddp-torch", ddp_torch))}
 torch_param_diff = worst_param_diff(ddp_torch.states[0], single.states[0])
-a = single.losses()
-step_change = statistics.median(abs(a[t + 1] - a[t]) for t in range(len(a) - 1))
+step_change = median_step_change(single.losses())
 for k, g in gaps.items():
     print(f"{k}: largest per-step loss gap {max(g):.1e} at step {g.index(max(g))}, "
           f"{g[-1]:.1e} at the last step (tolerance {LOSS_TOL:g})")
@@ -464,24 +461,20 @@ assert 10 * LOSS_TOL < step_change  # the tolerance could not hide a real diverg
 
 # %%
 ring_expected = ring_allreduce_bytes(P, WORLD)
+ar_bytes = {"ddp": collective_bytes(ddp), "ddp-torch": collective_bytes(ddp_torch)}
 rows = []
-for name, run in (("ddp", ddp), ("ddp-torch", ddp_torch)):
-    ar = [e["comm"]["all_reduce"] for e in run.history("step")]
-    sent = sorted({c["bytes_sent"] for c in ar})
-    calls = sorted({c["calls"] for c in ar})
-    on_wire = [lab.wire_sent(e) for e in run.history("step")]
-    seen = None not in on_wire
+for name, c in ar_bytes.items():
+    on_wire = c["on_wire"]
     rows.append([name, f"2·{WORLD - 1}/{WORLD} × {P:,} = {ring_expected:,.0f}",
-                 ", ".join(f"{s:,}" for s in sent),
+                 ", ".join(f"{s:,}" for s in c["booked"]),
                  f"{min(on_wire):,} to {max(on_wire):,} ({max(on_wire) / ring_expected - 1:+.2%})"
-                 if seen else "not measured here", ", ".join(map(str, calls))])
-    assert sent == [ring_expected], name
-    if seen:  # the payload is the formula; the excess is headers, a few % on tiny buckets
+                 if on_wire is not None else "not measured here", ", ".join(map(str, c["calls"]))])
+    assert c["booked"] == [ring_expected], name
+    if on_wire is not None:  # the payload is the formula; the excess is headers, a few %
         assert all(0 <= w / ring_expected - 1 < 0.10 for w in on_wire), (name, on_wire)
 table(["strategy", "formula, per rank per step", "booked, every rank and step",
        "on the wire, every rank and step", "all-reduce calls per step"], rows)
-ddp_calls = {e["comm"]["all_reduce"]["calls"] for e in ddp.history("step")}
-assert ddp_calls == {len(plan)}  # one all-reduce per bucket
+assert ar_bytes["ddp"]["calls"] == [len(plan)]  # one all-reduce per bucket
 
 # %% [markdown]
 # ## 4. Gradient accumulation: k micro-batches, one all-reduce
@@ -499,8 +492,8 @@ accum = four["ddp accum"]
 micro = accum.cfg.micro_batch
 accum_loss_diff = max_step_loss_diff(accum.losses(), single.losses())
 accum_param_diff = max(worst_param_diff(s, single.states[0]) for s in accum.states)
-accum_calls = sorted({e["comm"]["all_reduce"]["calls"] for e in accum.history("step")})
-accum_sent = sorted({e["comm"]["all_reduce"]["bytes_sent"] for e in accum.history("step")})
+accum_ar = collective_bytes(accum)
+accum_calls, accum_sent = accum_ar["calls"], accum_ar["booked"]
 table(["run", "rows per rank per step", "backward passes per step", "all-reduce calls per step",
        "bytes per rank per step", "vs single: loss / parameters"],
       [["ddp", ddp_cfg.local_batch, 1, len(plan), f"{ring_expected:,.0f}",
@@ -579,9 +572,7 @@ fix_rows = []
 for name in ("drop_last=True", "equal batches (8 rows)", "join=True"):
     run, cfg = fixes[name], fixes[name].cfg
     want = batches_per_rank(cfg.dataset_size, 2, cfg.local_batch, cfg.drop_last)
-    trained = [sum(1 for e in run.history("step", rank=r) if not e.get("joined"))
-               for r in range(2)]
-    joined = [sum(1 for e in run.history("step", rank=r) if e.get("joined")) for r in range(2)]
+    trained, joined = steps_trained_and_shadowed(run)
     fix_rows.append([name, want, trained, joined, f"{run.losses()[-1]:.3f}"])
     assert trained == want, name
     for k, v in run.states[1].items():  # every rank ends with the same model
@@ -613,13 +604,12 @@ loss_figure({"single (BatchNorm over the global batch)": bn_single.losses(),
              f"per-rank BN, {WORLD} ranks": bn_plain.losses()},
             f"BatchNorm net, {BN.global_batch // WORLD} rows per rank",
             floor=bn_single.info("loss_floor")).show()
-params = lambda st: {k: v for k, v in st.items() if "running" not in k and "num_batches" not in k}
-stats = lambda st: {k: v for k, v in st.items() if "running" in k}
-ref = bn_single.states[0]
-sync_diff = max(worst_param_diff(params(s), params(ref)) for s in bn_sync.states)
-sync_stat_diff = max(worst_param_diff(stats(s), stats(ref)) for s in bn_sync.states)
-plain_diff = worst_param_diff(params(bn_plain.states[0]), params(ref))
-plain_stat_diff = worst_param_diff(stats(bn_plain.states[0]), stats(ref))
+ref, plain = bn_single.states[0], bn_plain.states[0]
+sync_diff = max(worst_param_diff(parameters_only(s), parameters_only(ref)) for s in bn_sync.states)
+sync_stat_diff = max(worst_param_diff(running_statistics(s), running_statistics(ref))
+                     for s in bn_sync.states)
+plain_diff = worst_param_diff(parameters_only(plain), parameters_only(ref))
+plain_stat_diff = worst_param_diff(running_statistics(plain), running_statistics(ref))
 sync_loss_diff = max_step_loss_diff(bn_sync.losses(), bn_single.losses())
 plain_loss_diff = max_step_loss_diff(bn_plain.losses(), bn_single.losses())
 table(["run", "worst parameter difference vs single",
@@ -664,11 +654,11 @@ strag_runs = {"allreduce": fixes["straggler allreduce"], "ps-sync": ps["straggle
               "ps-sync + 1 backup": four["straggler ps-sync + backup"],
               "ps-async": ps["straggler ps-async"]}
 strag = {k: {"name": k, **stragglers.summarize(r)} for k, r in strag_runs.items()}
-ms = lambda v: "–" if v is None else f"{v * 1e3:.0f} ms"
 table(["layout", "ranks", "grads per update", "time between updates", "fast worker's step",
        "straggler's step", "dropped", "staleness mean / max"],
-      [[k, r["world_size"], r["grads_per_update"], ms(r["update_s"]), ms(r["worker_step_s"]),
-        ms(r["straggler_step_s"]), r["dropped"], f"{r['staleness_mean']:.2f} / {r['staleness_max']}"]
+      [[k, r["world_size"], r["grads_per_update"], fmt_ms(r["update_s"]),
+        fmt_ms(r["worker_step_s"]), fmt_ms(r["straggler_step_s"]), r["dropped"],
+        f"{r['staleness_mean']:.2f} / {r['staleness_max']}"]
        for k, r in strag.items()])
 grouped_bars({"time between updates": {k: r["update_s"] * 1e3 for k, r in strag.items()},
               "a fast worker's step": {k: r["worker_step_s"] * 1e3 for k, r in strag.items()}},
@@ -711,11 +701,10 @@ assert b["dropped"] == STRAGGLER_STEPS and b["used_per_update"] == [2]  # b·ste
 topk = four["ddp topk"]
 numels = [b["bytes"] // 4 for b in topk.history("step")[0]["ddp"]["buckets"]]
 topk_expected = topk_bytes_per_rank(numels, TOPK_RATIO, WORLD)
-topk_sent = sorted({e["comm"]["all_gather"]["bytes_sent"] for e in topk.history("step")})
-dense_sent = sorted({e["comm"]["all_reduce"]["bytes_sent"] for e in ddp.history("step")})
-topk_wire = [lab.wire_sent(e) for e in topk.history("step")]
-dense_wire = [lab.wire_sent(e) for e in ddp.history("step")]
-topk_seen = None not in topk_wire + dense_wire
+topk_ag, dense_ar = collective_bytes(topk, "all_gather"), ar_bytes["ddp"]
+topk_sent, dense_sent = topk_ag["booked"], dense_ar["booked"]
+topk_wire, dense_wire = topk_ag["on_wire"], dense_ar["on_wire"]
+topk_seen = topk_wire is not None and dense_wire is not None
 table(["", "formula, per rank per step", "booked by distlab.comm, every rank and step",
        "on the wire, largest"],
       [["dense all-reduce (the ddp run)", f"2(N-1)/N·P = {ring_expected:,.0f}",
@@ -764,16 +753,13 @@ curves = scaling_experiment(SCALING_BASE, rules=RULES + SEED_RULES)
 scaling_figure(curves).show()
 scaling_rows = scaling_summary(curves)
 budget_key = next(k for k in scaling_rows[0] if k.startswith("loss_at_"))
-at_budget = {r["run"]: r[budget_key] for r in scaling_rows}
 table(["run", "peak lr", f"final loss (step {SCALING_BASE.steps})",
        f"loss at {budget_key.split('_')[2]} samples", "diverged"],
       [[r["run"], f"{r['lr']:.3g}", f"{r['final_loss']:.3f}", f"{r[budget_key]:.3f}",
         r["diverged"]] for r in scaling_rows])
 
 # %%
-by = {(c["batch"], c["rule"], c["warmup_steps"]): c for c in curves}
-b0, b1, bmax = sorted({c["batch"] for c in curves})
-w = max(c["warmup_steps"] for c in curves)
+by, (b0, b1, bmax), w = rule_grid(curves)
 small, lin = by[(b0, "none", 0)], by[(b1, "linear", 0)]
 big_lin, big_lin_wu = by[(bmax, "linear", 0)], by[(bmax, "linear", w)]
 print(f"equal steps: B={b1} with the linear rule reaches {lin['final_loss']:.3f}, "
@@ -818,13 +804,10 @@ panel
 # %%
 early = all(e["ddp"]["buckets"][0]["start"] < e["ddp"]["backward"][1]
             for e in ddp.history("step"))
-fixed = all(r[2] == list(batches_per_rank(fixes[r[0]].cfg.dataset_size, 2,
-                                          fixes[r[0]].cfg.local_batch, fixes[r[0]].cfg.drop_last))
-            for r in fix_rows)
+fixed = all(r[2] == r[1] for r in fix_rows)  # steps trained = the sampler's batches, per rank
 server_sent, worker_sent = ps_measured["server (rank 0)"][0], ps_measured["worker 1"][0]
 ddp_step = statistics.median(e["step_s"] for e in ddp.history("step") if e["step"] > 0)
-booked = sorted({e["comm"]["all_reduce"]["bytes_sent"] for r in (ddp, ddp_torch)
-                 for e in r.history("step")})
+booked = sorted(set(ar_bytes["ddp"]["booked"] + ar_bytes["ddp-torch"]["booked"]))
 straggler_row = straggler_claim(strag, noise, DELAY_S)
 lin_rule, lin_vs_sqrt, seed_lr = lr_rule_claims(curves)
 dp_ddp_row = dp_vs_ddp_claim(dp["step_s"], ddp_step, n, os.cpu_count())

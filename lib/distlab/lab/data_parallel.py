@@ -1,5 +1,7 @@
-"""Companion of workbook/02_data_parallel: the figures and tables that notebook draws from the
-runs' events (its runs are launched with distlab.lab.runs.launch_together).
+"""Companion of workbook/02_data_parallel: what that notebook reads out of the runs' events
+(bytes per node and per collective, the bucket timeline, steps per rank, state-dict parts) and
+the figures and claims rows it draws from them (its runs are launched with
+distlab.lab.runs.launch_together).
 
 Nothing here runs inside a rank or changes how anything trains; it reads what the runs logged.
 """
@@ -13,6 +15,7 @@ from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, fmt_bytes, hline
+from distlab.lab.panel import wire_sent
 from distlab.parallel.data_parallel.dp import KINDS as DP_KINDS
 from distlab.caller.run import Run
 
@@ -262,6 +265,132 @@ def gil_cost(cfg, block: bool = True) -> dict:
             "speedup": fb / fa if fa else None, "runs": (threaded, sequential)}
 
 
+# -- parameter servers: the server's events and each worker's --------------------------------
+SERVER = "server (rank 0)"
+
+
+def ps_steps(run: Run) -> tuple[list[dict], list[dict]]:
+    """A parameter-server run's step events split by role: (the server's, the workers'). The
+    server logs one event per update; each worker one per step it pushed a gradient."""
+    steps = run.history("step")
+    return ([e for e in steps if e.get("role") == "server"],
+            [e for e in steps if e.get("role") != "server"])
+
+
+def ps_steps_by_node(run: Run) -> dict[str, list[dict]]:
+    """{node: its step events}: the server (rank 0), then workers 1..N, N = cfg.dp_degree."""
+    server, workers = ps_steps(run)
+    nodes = {SERVER: server}
+    for w in range(1, run.cfg.dp_degree + 1):
+        nodes[f"worker {w}"] = [e for e in workers if e["rank"] == w]
+    return nodes
+
+
+def ps_bytes_per_update(run: Run) -> dict[str, tuple[float, float]]:
+    """{node: (bytes sent, bytes received)} per update, medians over the steps: the server's
+    own count of what it pushed out and took in, and each worker's gradient push and weight
+    pull as distlab.comm booked them. The figures Dean et al.'s N·P and P are set beside."""
+    med = statistics.median
+    out = {}
+    for node, ev in ps_steps_by_node(run).items():
+        if node == SERVER:
+            out[node] = (med(e["bytes_out"] for e in ev), med(e["bytes_in"] for e in ev))
+        else:
+            out[node] = (med(e["comm"]["ps.push"]["bytes_sent"] for e in ev),
+                         med(e["comm"]["ps.pull"]["bytes_recv"] for e in ev))
+    return out
+
+
+def ps_wire_per_update(run: Run) -> dict[str, float] | None:
+    """{node: bytes the kernel saw it write per update} (distlab.wire), medians over the steps;
+    None where the wire could not be seen (then no step carries it)."""
+    nodes = ps_steps_by_node(run)
+    if wire_sent(nodes[SERVER][0]) is None:
+        return None
+    return {node: statistics.median(wire_sent(e) or 0 for e in ev) for node, ev in nodes.items()}
+
+
+def staleness(run: Run) -> list[int]:
+    """The staleness of each update a ps-async server applied, in the order it logged them."""
+    return [e["staleness"] for e in ps_steps(run)[0]]
+
+
+# -- DDP: the bucket timeline and the bytes booked per step ------------------------------------
+def ddp_steps_after_warmup(run: Run) -> list[dict]:
+    """A ddp run's step events, every rank, without step 0 (it warms up: its timings are not
+    the run's)."""
+    return [e for e in run.history("step") if e["step"] > 0]
+
+
+def median_overlap_step(run: Run, rank: int = 0) -> dict:
+    """`rank`'s step event (after warm-up) whose overlap is the median, the upper one of an
+    even count: the timeline to show, neither the luckiest step nor the unluckiest."""
+    mine = sorted((e for e in ddp_steps_after_warmup(run) if e["rank"] == rank),
+                  key=lambda e: e["ddp"]["overlap"])
+    return mine[len(mine) // 2]
+
+
+def overlap_medians(run: Run) -> dict:
+    """Over every rank's steps after warm-up: each step's overlap fraction ("overlaps"), and the
+    medians of the overlap, of backward's duration and of the communication time (seconds).
+    Backward over communication bounds the overlap: only that much can hide under it."""
+    steps = ddp_steps_after_warmup(run)
+    overlaps = [e["ddp"]["overlap"] for e in steps]
+    return {"overlaps": overlaps, "overlap": statistics.median(overlaps),
+            "backward_s": statistics.median(e["ddp"]["backward"][1] for e in steps),
+            "comm_s": statistics.median(e["ddp"]["comm_s"] for e in steps)}
+
+
+def collective_bytes(run: Run, kind: str = "all_reduce") -> dict:
+    """One collective kind over every rank and step of a run: the distinct bytes per rank per
+    step distlab.comm booked ("booked", sorted) and the distinct calls per step ("calls"); a
+    run that books the formula everywhere shows one value. "on_wire": the bytes the kernel saw
+    each rank write in each step (distlab.wire), None where it could not see them all."""
+    steps = run.history("step")
+    booked = [e["comm"][kind] for e in steps]
+    wire = [wire_sent(e) for e in steps]
+    return {"booked": sorted({c["bytes_sent"] for c in booked}),
+            "calls": sorted({c["calls"] for c in booked}),
+            "on_wire": None if None in wire else wire}
+
+
+# -- uneven inputs: what each rank did -----------------------------------------------------------
+def steps_trained_and_shadowed(run: Run) -> tuple[list[int], list[int]]:
+    """Per rank: the steps it trained on its own rows, and the steps it only shadowed the
+    others' collectives (joined, out of data) under the join protocol."""
+    ranks = range(run.cfg.world_size)
+    trained = [sum(1 for e in run.history("step", rank=r) if not e.get("joined")) for r in ranks]
+    joined = [sum(1 for e in run.history("step", rank=r) if e.get("joined")) for r in ranks]
+    return trained, joined
+
+
+# -- BatchNorm: a state dict's parameters apart from its running statistics ---------------------
+def parameters_only(state: dict) -> dict:
+    """The entries of a BatchNorm model's state dict that training updates by gradient: no
+    running statistics, no batch counter (those are buffers, compared apart)."""
+    return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
+
+
+def running_statistics(state: dict) -> dict:
+    """The BatchNorm running means and variances of a state dict: buffers, which no gradient
+    reaches and which each rank updates from the rows it saw."""
+    return {k: v for k, v in state.items() if "running" in k}
+
+
+# -- stragglers ---------------------------------------------------------------------------------
+def fmt_ms(seconds: float | None) -> str:
+    """Seconds as whole milliseconds; a dash for None (a layout with no such worker)."""
+    return "–" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+# -- large batches: scaling_experiment's curves by setting ------------------------------------
+def rule_grid(curves: list[dict]) -> tuple[dict, list[int], int]:
+    """distlab.lab.scaling.scaling_experiment's curves keyed by (batch, rule, warmup_steps), the
+    batches it ran (smallest first) and its longest warm-up: the runs the rules are judged on."""
+    by = {(c["batch"], c["rule"], c["warmup_steps"]): c for c in curves}
+    return by, sorted({c["batch"] for c in curves}), max(c["warmup_steps"] for c in curves)
+
+
 # -- DDP's buffer broadcast ---------------------------------------------------------------------
 def buffer_sums(run) -> dict:
     """What each rank's floating buffers (BatchNorm's running statistics) summed to at the start
@@ -338,9 +467,7 @@ def lr_rule_claims(curves: list[dict]) -> list[dict]:
     (run with rules "none", "linear", "sqrt" and "inverse")."""
     from distlab.lab.common import claim
     from distlab.lab.scaling import loss_at_samples
-    by = {(c["batch"], c["rule"], c["warmup_steps"]): c for c in curves}
-    b0, b1, bmax = sorted({c["batch"] for c in curves})
-    w = max(c["warmup_steps"] for c in curves)
+    by, (b0, b1, bmax), w = rule_grid(curves)
     budget = min(c["samples"][-1] for c in curves)
     small, lin, inv = by[(b0, "none", 0)], by[(b1, "linear", 0)], by[(b1, "inverse", 0)]
     big_lin, big_lin_wu = by[(bmax, "linear", 0)], by[(bmax, "linear", w)]

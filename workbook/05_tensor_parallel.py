@@ -75,14 +75,17 @@ from distlab import RunConfig
 from distlab.comm import LINKS, ring_allreduce_time
 from distlab.lab.common import claim, claims_table, fmt_bytes, table
 from distlab.lab.data_parallel import loss_figure
-from distlab.lab.runs import launch_together, max_step_loss_diff, worst_param_diff
+from distlab.lab.runs import launch_together
 from distlab.lab.tensor_parallel import (
     booked_per_step,
     bytes_figure,
     collective_trace,
+    equivalence_gaps,
     measured_bytes,
     tp_panel,
+    where_issued,
     wire_range,
+    wire_table_rows,
 )
 from distlab.theory.comm_bytes import megatron_bytes
 from distlab.models import GPT, GPTConfig
@@ -159,12 +162,7 @@ print(f"{single.info('n_params'):,} parameters; runs: {', '.join(runs)}")
 loss_figure({k: r.losses() for k, r in runs.items()},
             f"loss per step: single and tensor-parallel runs ({STEPS} steps, SGD, fp32)",
             floor=single.info("loss_floor")).show()
-agree = {}
-for k, r in runs.items():
-    if k == "single":
-        continue
-    agree[k] = (max_step_loss_diff(r.losses(), single.losses()),
-                max(worst_param_diff(s, single.states[0]) for s in r.states))
+agree = equivalence_gaps(runs, single)
 table(["run", "ranks", "max per-step loss gap vs single", "worst parameter gap vs single (any rank)"],
       [[k, runs[k].cfg.world_size, f"{lg:.1e}", f"{pg:.1e}"] for k, (lg, pg) in agree.items()])
 for k, (lg, pg) in agree.items():
@@ -227,17 +225,9 @@ print("SP (reduce-scatter + all-gather, less the region ends) vs TP all-reduce, 
 # follows the ring) it costs none.
 
 # %%
-wire_rows, wire = [], {}
-for k, r in runs.items():
-    if k == "single":
-        continue
-    wire[k], b = wire_range(r), booked_per_step(r)
-    wire_rows.append([k, ", ".join(f"{x:,.0f}" for x in sorted(b)) or "nothing",
-                      "not measured here" if wire[k] is None else
-                      f"{wire[k][0]:,} to {wire[k][1]:,}",
-                      "—" if wire[k] is None or not max(b) else f"{wire[k][1] / max(b):.3f}"])
+wire = {k: wire_range(r) for k, r in runs.items() if k != "single"}
 table(["run", "booked per rank per step", "on the wire per rank per step (every rank, step)",
-       "wire / booked"], wire_rows)
+       "wire / booked"], wire_table_rows(runs, wire))
 wire_seen = all(w is not None for w in wire.values())
 if wire_seen:
     for t in TPS:  # plain TP: all-reduces only, the ring formula plus gloo's headers
@@ -263,11 +253,8 @@ if wire_seen:
 # %%
 plan_styles = plan_table(L)
 trace = collective_trace(BASE)
-where = lambda r: (f"inside {r['inside']} ({plan_styles.get(r['inside'], 'replicated')}), "
-                   f"on its partial output" if r["inside"] else
-                   f"between {r['after']} and {r['before']}")
 table(["#", "phase", "kind", "where"],
-      [[i, r["phase"], r["kind"], where(r)] for i, r in enumerate(trace)])
+      [[i, r["phase"], r["kind"], where_issued(r, plan_styles)] for i, r in enumerate(trace)])
 fwd = [r for r in trace if r["phase"] == "forward"]
 bwd = [r for r in trace if r["phase"] == "backward"]
 # forward: one all-reduce (g) at the end of every row-parallel layer, nowhere else

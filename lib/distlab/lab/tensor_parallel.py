@@ -19,6 +19,7 @@ import torch
 
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
+from distlab.lab.runs import max_step_loss_diff, worst_param_diff
 from distlab.step_event import bytes_sent
 
 FP32 = 4
@@ -50,6 +51,27 @@ def booked_per_step(run) -> set:
     """The distinct totals distlab.comm booked for one rank in one step, over every rank and
     step of a run."""
     return {bytes_sent(e) for e in run.history("step")}
+
+
+def equivalence_gaps(runs: dict, reference) -> dict[str, tuple[float, float]]:
+    """{run: (largest per-step loss gap, worst parameter gap on any rank)} against `reference`
+    (one process) for every other run in `runs`: TP must take one process's steps, up to the
+    order of its additions."""
+    return {k: (max_step_loss_diff(r.losses(), reference.losses()),
+                max(worst_param_diff(s, reference.states[0]) for s in r.states))
+            for k, r in runs.items() if r is not reference}
+
+
+def wire_table_rows(runs: dict, wire: dict[str, tuple[int, int] | None]) -> list[list]:
+    """The wire table's rows, one per run in `wire` ({run: wire_range}): the totals booked for
+    a rank in a step, the range the kernel saw written, and its top over the most booked."""
+    rows = []
+    for k, w in wire.items():
+        b = booked_per_step(runs[k])
+        rows.append([k, ", ".join(f"{x:,.0f}" for x in sorted(b)) or "nothing",
+                     "not measured here" if w is None else f"{w[0]:,} to {w[1]:,}",
+                     "—" if w is None or not max(b) else f"{w[1] / max(b):.3f}"])
+    return rows
 
 
 # -- where the collectives sit -------------------------------------------------------------------
@@ -124,6 +146,15 @@ def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
         else:
             phase, open_, last = "backward", None, ev[1]
     return rows
+
+
+def where_issued(row: dict, styles: dict[str, str]) -> str:
+    """Where a collective_trace row's collective sits, in words: inside a module (with its plan
+    style, `styles` being plan_table's), on that module's partial output, or between two."""
+    if row["inside"]:
+        return (f"inside {row['inside']} ({styles.get(row['inside'], 'replicated')}), "
+                f"on its partial output")
+    return f"between {row['after']} and {row['before']}"
 
 
 # -- figures -------------------------------------------------------------------------------------

@@ -62,12 +62,17 @@ from distlab import RunConfig
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.pipeline_parallel import (
     PipelineExplorer,
+    blocks_held,
     bubble_curve,
     bubble_rows,
     gantt,
     ideal_gantt,
+    modules_held,
+    p2p_per_step,
     schedule_rows,
     step_pipelines,
+    whole_model,
+    wire_per_step,
 )
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.parallel.pipeline.pp import (
@@ -125,9 +130,8 @@ table(["layout", "rank", "stages", "blocks"],
       [[f"p={P}, v={v}", r, ", ".join(str(c * P + r) for c in range(v)),
         ", ".join(str(list(stage_blocks(L, P * v, c * P + r))) for c in range(v))]
        for v in (1, V) for r in range(P)])
-held = [sorted({k.split(".")[0] + (("." + k.split(".")[1]) if k.startswith("blocks") else "")
-                for k in s}) for s in runs["gpipe"].states]
-table(["rank (gpipe, v=1)", "modules it holds"], [[r, ", ".join(h)] for r, h in enumerate(held)])
+table(["rank (gpipe, v=1)", "modules it holds"],
+      [[r, ", ".join(modules_held(s))] for r, s in enumerate(runs["gpipe"].states)])
 keys = [set(s) for s in runs["gpipe"].states]
 assert not keys[0] & keys[1] and keys[0] | keys[1] == set(single.states[0])
 
@@ -249,8 +253,7 @@ assert g[0]["peak_stash_bytes"] * P == f[0]["peak_stash_bytes"] * M
 eq = {}
 for name in ("naive", "gpipe", "1f1b", "interleaved", "pp-torch gpipe", "pp-torch 1f1b"):
     run = runs[name]
-    merged = {k: t for s in run.states for k, t in s.items()}
-    eq[name] = (worst_param_diff(merged, single.states[0]),
+    eq[name] = (worst_param_diff(whole_model(run.states), single.states[0]),
                 max(abs(a - b) for a, b in zip(run.losses(), single.losses())))
 table(["run", f"worst parameter diff after {STEPS} steps", "max per-step loss diff"],
       [[k, f"{p:.1e}", f"{l:.1e}"] for k, (p, l) in eq.items()])
@@ -272,24 +275,16 @@ for sc in ("naive", "gpipe", "1f1b", "interleaved"):
     want = bnd * p2p_bytes_per_step(cfg)["per_boundary_each_way"]
     for kind, field in (("pp_send_act", "bytes_sent"), ("pp_send_grad", "bytes_sent"),
                         ("pp_recv_act", "bytes_recv"), ("pp_recv_grad", "bytes_recv")):
-        per_step = {}
-        for e in runs[sc].history("step"):
-            per_step[e["step"]] = per_step.get(e["step"], 0) + e["comm"].get(kind, {}).get(field, 0)
+        per_step = p2p_per_step(runs[sc], kind, field)
         seen[(sc, kind)] = sorted(set(per_step.values()))
         assert seen[(sc, kind)] == [want], (sc, kind, per_step, want)
     # on the wire: every rank's bytes in the step, summed, against activations + gradients
-    wire_step = {}
-    for e in runs[sc].history("step"):
-        w = e.get("wire", {}).get("sent")
-        wire_step[e["step"]] = None if w is None or wire_step.get(e["step"], 0) is None else \
-            wire_step.get(e["step"], 0) + w
-    wired = sorted(v for v in wire_step.values() if v is not None)
-    wire_seen = len(wired) == len(wire_step)
+    wired = wire_per_step(runs[sc])
     byte_rows.append([sc, bnd, f"{bnd} x {p2p_bytes_per_step(cfg)['per_boundary_each_way']:,}"
                       f" = {want:,}", ", ".join(f"{b:,}" for b in seen[(sc, "pp_send_act")]),
                       f"{wired[0]:,} to {wired[-1]:,} ({wired[-1] / (2 * want) - 1:+.1%})"
-                      if wire_seen else "not measured here"])
-    if wire_seen:  # sends are counted bytes: the wire adds gloo's headers and the barrier
+                      if wired is not None else "not measured here"])
+    if wired is not None:  # sends are counted bytes: the wire adds gloo's headers and the barrier
         assert all(0 <= v / (2 * want) - 1 < 0.10 for v in wired), (sc, wired, 2 * want)
 table(["schedule", "boundaries", "formula, each way per step",
        "booked activations sent, every step",
@@ -321,8 +316,7 @@ explorer
 # can read **no**), and every row is asserted: each one rests on a check made above.
 
 # %%
-il_blocks = sorted({int(k.split(".")[1]) for k in runs["interleaved"].states[0]
-                    if k.startswith("blocks.")})
+il_blocks = blocks_held(runs["interleaved"].states[0])
 rows = [
     claim("more micro-batches shrink the bubble: (p−1)/(m+p−1) of total time",
           "Huang et al. 2019 (GPipe)",

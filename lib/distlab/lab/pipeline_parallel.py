@@ -59,6 +59,43 @@ def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
     return rows
 
 
+def modules_held(state: dict) -> list[str]:
+    """The modules a rank's state dict covers, a block by its index ("blocks.3"), sorted: which
+    part of the model its pipeline stages hold."""
+    return sorted({k.split(".")[0] + (("." + k.split(".")[1]) if k.startswith("blocks") else "")
+                   for k in state})
+
+
+def blocks_held(state: dict) -> list[int]:
+    """The indices of the transformer blocks in a rank's state dict, sorted."""
+    return sorted({int(k.split(".")[1]) for k in state if k.startswith("blocks.")})
+
+
+def whole_model(states: list[dict]) -> dict:
+    """The ranks' state dicts as one: each stage keeps its parameters under the unsplit model's
+    names, so together they are the whole model, comparable with one process's."""
+    return {k: t for s in states for k, t in s.items()}
+
+
+def p2p_per_step(run: Run, kind: str, field: str = "bytes_sent") -> dict[int, int]:
+    """{step: bytes of one point-to-point kind ("pp_send_act", ...; its `field`) summed over
+    the ranks}: what crossed the stage boundaries that way in that step."""
+    per_step: dict[int, int] = {}
+    for e in run.history("step"):
+        per_step[e["step"]] = per_step.get(e["step"], 0) + e["comm"].get(kind, {}).get(field, 0)
+    return per_step
+
+
+def wire_per_step(run: Run) -> list[int] | None:
+    """Each step's bytes on the wire summed over the ranks (distlab.wire), in ascending order;
+    None where the kernel could not see some rank's traffic in some step."""
+    per_step: dict[int, int | None] = {}
+    for e in run.history("step"):
+        w, before = e.get("wire", {}).get("sent"), per_step.get(e["step"], 0)
+        per_step[e["step"]] = None if w is None or before is None else before + w
+    return None if None in per_step.values() else sorted(per_step.values())
+
+
 def schedule_rows(kind: str, p: int, m: int, v: int = 1) -> list[list[str]]:
     """make_schedule as table rows: one row per rank, ops written F0, B0 (chunk as F0.1)."""
     out = []

@@ -55,26 +55,31 @@ GPT = (dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=8) if QUICK
 # %%
 import shutil
 
-from distlab import CheckpointError, RunConfig, launch, resume
+from distlab import RunConfig, launch, resume
 from distlab.checkpoint import (
     latest_checkpoint,
-    list_checkpoints,
     load_full,
     read_meta,
     verify,
 )
 from distlab.lab.checkpoints_and_faults import (
     alive,
+    attempt_rows,
     attempts,
+    checkpoint_errors,
     contents_rows,
     drill_figure,
     failed_run,
     file_rows,
     final_checkpoint,
+    final_checkpoint_diff,
+    flip_byte,
     max_abs_diff,
     overhead_row,
+    reshard_row,
     save_cost,
     save_cost_figure,
+    saved_steps,
     torchrun,
     wait_for_steps,
 )
@@ -102,8 +107,8 @@ STRATS = ("ddp", "zero3", "fsdp-torch")
 refs = launch_together({s: BASE.replace(strategy=s, checkpoint_dir=os.path.join(WORK, s))
                         for s in STRATS}, name="references")
 for s in STRATS:
-    print(f"{s:11s} checkpoints:", [n for n, _ in list_checkpoints(os.path.join(WORK, s))])
-    assert [n for n, _ in list_checkpoints(os.path.join(WORK, s))][-1] == STEPS
+    print(f"{s:11s} checkpoints:", saved_steps(os.path.join(WORK, s)))
+    assert saved_steps(os.path.join(WORK, s))[-1] == STEPS
 
 # %% [markdown]
 # ## 2. What a checkpoint holds, and who wrote it
@@ -174,8 +179,7 @@ again = resume(first).wait(timeout=300)
 start = again.history("resume")[0]["steps_done"]
 drill_figure(refs["ddp"], first, again, f"SIGKILL at step {KILL_STEP}, resumed from "
              f"step_{start:06d}").show()
-kill_diff = max_abs_diff(final_checkpoint(again)["tensors"],
-                         final_checkpoint(refs["ddp"])["tensors"])
+kill_diff = final_checkpoint_diff(again, refs["ddp"])
 print(f"resumed from {start} steps done; max |diff| of every stored tensor at the end "
       f"vs uninterrupted: {kill_diff}")
 assert again.losses() == refs["ddp"].losses()[start:] and kill_diff == 0.0
@@ -207,8 +211,7 @@ assert read_meta(prev)["steps_done"] < SAVE_FAULT_STEP + 1
 again2 = resume(torn).wait(timeout=300)
 drill_figure(refs["ddp"], torn, again2, "killed while saving, resumed from the "
              "previous checkpoint").show()
-torn_diff = max_abs_diff(final_checkpoint(again2)["tensors"],
-                         final_checkpoint(refs["ddp"])["tensors"])
+torn_diff = final_checkpoint_diff(again2, refs["ddp"])
 print(f"max |diff| at the end vs uninterrupted: {torn_diff}")
 assert torn_diff == 0.0 and not os.path.exists(tmp)  # the next complete save cleared it
 
@@ -240,8 +243,7 @@ assert saved["reason"] == "preempted" and not alive(job.pids)
 
 again3 = resume(job, step_delay_s=0.0).wait(timeout=300)
 drill_figure(refs["ddp"], job, again3, "preempted, resumed on a new machine").show()
-preempt_diff = max_abs_diff(final_checkpoint(again3)["tensors"],
-                            final_checkpoint(refs["ddp"])["tensors"])
+preempt_diff = final_checkpoint_diff(again3, refs["ddp"])
 notice_s = max(e["notice_to_exit_s"] for e in notices)
 print(f"max |diff| at the end vs uninterrupted: {preempt_diff}")
 assert preempt_diff == 0.0
@@ -267,13 +269,7 @@ proc = torchrun(BASE.replace(resume_from="auto", fault="kill", fault_rank=1,
                              fault_step=KILL_STEP), el_dir, max_restarts=1)
 assert proc.returncode == 0, proc.stderr[-3000:]
 tries = attempts(el_dir, rank=0)
-rows = []
-for i, evs in enumerate(tries):
-    steps = [e["step"] for e in evs if e["kind"] == "step"]
-    res = [e["steps_done"] for e in evs if e["kind"] == "resume"]
-    end = next((e["kind"] for e in evs if e["kind"] in ("error", "done")), "?")
-    rows.append([i, evs[0]["pid"], res[0] if res else "fresh",
-                 f"{steps[0]}..{steps[-1]}", end])
+rows = attempt_rows(tries)
 table(["attempt", "rank 0 pid", "resumed from (steps done)", "steps run", "ended with"],
       rows)
 elastic_start = rows[1][2]
@@ -304,15 +300,10 @@ first_save = {s: os.path.join(WORK, f"w4-{s}", f"step_{EVERY:06d}") for s in RES
 at2 = launch_together({s: SGD.replace(strategy=s, world_size=2, checkpoint_every=0,
                                       resume_from=first_save[s])
                        for s in RESHARD}, name="resumed-at-2")
-rows, reshard_diff = [], {}
-for s in RESHARD:
-    meta = read_meta(first_save[s])
-    shards = sorted(k for k in meta["files"] if k.endswith(".distcp"))
-    reshard_diff[s] = worst_param_diff(at2[s].states[0], at4[s].states[0])
-    rows.append([s, len(shards), at2[s].history("resume")[0]["saved_world_size"],
-                 at2[s].cfg.world_size, f"{reshard_diff[s]:.1e}"])
+reshard_diff = {s: worst_param_diff(at2[s].states[0], at4[s].states[0]) for s in RESHARD}
 table(["strategy", "shard files saved", "saved by ranks", "resumed by ranks",
-       f"worst parameter diff after {STEPS} steps vs 4 ranks throughout"], rows)
+       f"worst parameter diff after {STEPS} steps vs 4 ranks throughout"],
+      [reshard_row(s, first_save[s], at2[s], reshard_diff[s]) for s in RESHARD])
 # SGD fp32 across world sizes agrees to ~6e-8 per comparison (tests/test_zero.py); it does not
 # amplify rounding, so after STEPS steps 1e-5 leaves a wide margin.
 assert all(d < 1e-5 for d in reshard_diff.values())
@@ -330,20 +321,11 @@ assert all(d < 1e-5 for d in reshard_diff.values())
 # %%
 bad = os.path.join(WORK, "damaged")
 shutil.copytree(latest_checkpoint(os.path.join(WORK, "ddp")), bad)
-with open(os.path.join(bad, "state.pt"), "r+b") as f:  # flip one byte
-    f.seek(1000)
-    byte = f.read(1)
-    f.seek(1000)
-    f.write(bytes([byte[0] ^ 0xFF]))
-messages = []
-for attempt in (lambda: verify(bad),
-                lambda: resume(os.path.join(WORK, "ddp"), n_embd=2 * BASE.n_embd),
-                lambda: resume(os.path.join(WORK, "ddp"), strategy="zero3")):
-    try:
-        attempt()
-    except CheckpointError as e:
-        msg = str(e).replace(WORK, "…")
-        messages.append(msg if len(msg) <= 300 else msg[:300] + " …")
+flip_byte(os.path.join(bad, "state.pt"), offset=1000)
+messages = checkpoint_errors([lambda: verify(bad),
+                              lambda: resume(os.path.join(WORK, "ddp"), n_embd=2 * BASE.n_embd),
+                              lambda: resume(os.path.join(WORK, "ddp"), strategy="zero3")],
+                             hide=WORK)
 for m in messages:
     print("CheckpointError:", m, "\n")
 assert len(messages) == 3 and "CRC-32" in messages[0]

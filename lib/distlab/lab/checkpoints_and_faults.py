@@ -1,6 +1,6 @@
 """Caller-side helpers of the checkpoints notebook (workbook/09_checkpoints_and_faults): the fault
 drills' curves, torchrun's command line for a RunConfig, what a checkpoint holds and what saving
-it cost each rank.
+it cost each rank, and a damaged checkpoint with the errors it gives.
 
 Nothing here runs inside a rank; it reads what the runs logged and what the checkpoints hold.
 
@@ -21,7 +21,8 @@ import plotly.graph_objects as go
 import psutil
 from plotly.subplots import make_subplots
 
-from distlab.checkpoint import checkpoint_root, latest_checkpoint, load_full
+from distlab.checkpoint import (CheckpointError, checkpoint_root, latest_checkpoint,
+                                list_checkpoints, load_full, read_meta)
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
 from distlab.events import LogTail, rank_log_path
@@ -70,7 +71,26 @@ def attempts(run_dir: str, rank: int = 0) -> list[list[dict]]:
     return out
 
 
+def attempt_rows(tries: list[list[dict]]) -> list[list]:
+    """One row per worker process of attempts(): its index, its pid, the steps done it resumed
+    from ("fresh" if it did not resume), the steps it ran, and how it ended (its first "error"
+    or "done" event; "?" if neither came)."""
+    rows = []
+    for i, evs in enumerate(tries):
+        steps = [e["step"] for e in evs if e["kind"] == "step"]
+        res = [e["steps_done"] for e in evs if e["kind"] == "resume"]
+        end = next((e["kind"] for e in evs if e["kind"] in ("error", "done")), "?")
+        rows.append([i, evs[0]["pid"], res[0] if res else "fresh",
+                     f"{steps[0]}..{steps[-1]}", end])
+    return rows
+
+
 # -- the drills ------------------------------------------------------------------------------------
+def saved_steps(root: str) -> list[int]:
+    """Steps done of each complete checkpoint under a checkpoint folder, oldest first."""
+    return [n for n, _ in list_checkpoints(root)]
+
+
 def final_checkpoint(run: Run) -> dict:
     """The latest complete checkpoint of a run, read whole (distlab.checkpoint.load_full)."""
     return load_full(latest_checkpoint(checkpoint_root(run.cfg, run.dir)))
@@ -111,6 +131,12 @@ def max_abs_diff(a: dict, b: dict) -> float:
         raise ValueError(f"different keys: {sorted(a.keys() ^ b.keys())[:5]}")
     return max(((x.double() - b[k].double()).abs().max().item() if x.numel() else 0.0)
                for k, x in a.items())
+
+
+def final_checkpoint_diff(run: Run, reference: Run) -> float:
+    """max_abs_diff over every tensor of two runs' final checkpoints: 0.0 when a resumed run
+    ended bit for bit where the uninterrupted one did."""
+    return max_abs_diff(final_checkpoint(run)["tensors"], final_checkpoint(reference)["tensors"])
 
 
 def steps_losses(run: Run) -> tuple[list[int], list[float]]:
@@ -176,6 +202,15 @@ def file_rows(meta: dict) -> list[list]:
             for rel, rec in sorted(meta["files"].items())]
 
 
+def reshard_row(strategy: str, saved: str, resumed: Run, diff: float) -> list:
+    """One row of the resharding table: the strategy, the shard files (.distcp) of the
+    checkpoint at `saved`, the ranks that saved it (as the resumed run read it), the ranks that
+    resumed it, and the worst parameter diff given."""
+    shards = [rel for rel in read_meta(saved)["files"] if rel.endswith(".distcp")]
+    return [strategy, len(shards), resumed.history("resume")[0]["saved_world_size"],
+            resumed.cfg.world_size, f"{diff:.1e}"]
+
+
 def save_cost(runs: dict[str, Run]) -> dict[str, dict[int, dict]]:
     """{label: {rank: {"bytes": per save, "seconds": median per save}}} from "checkpoint"
     events (the final save included)."""
@@ -209,3 +244,28 @@ def save_cost_figure(cost: dict[str, dict[int, dict]]) -> go.Figure:
     fig.update_layout(barmode="group", height=360, template="plotly_white",
                       title="What one checkpoint costs each rank")
     return fig
+
+
+# -- a bad checkpoint --------------------------------------------------------------------------
+def flip_byte(path: str, offset: int = 1000) -> None:
+    """Invert one byte of a file in place, its size unchanged, as a bad disk or a faulty copy
+    would: only a checksum (meta.json's CRC-32) can tell."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def checkpoint_errors(attempts, hide: str, limit: int = 300) -> list[str]:
+    """The CheckpointError message of each call in `attempts` that raises one (a call that
+    succeeds adds none), with `hide` (a long run folder) shown as "…" and each cut at `limit`
+    characters: what the reader needs of it is the first lines."""
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except CheckpointError as e:
+            msg = str(e).replace(hide, "…")
+            messages.append(msg if len(msg) <= limit else msg[:limit] + " …")
+    return messages

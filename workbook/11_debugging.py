@@ -61,15 +61,21 @@ import math
 import time
 
 from distlab.data.dataset import MarkovData
-from distlab.debug.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings, matches_reference
+from distlab.debug.diagnose import HEALTHY_UPDATE_RATIO
 from distlab.lab.common import claim, claims_table, table
 from distlab.lab.debugging import (
+    CLEAN_RUNS,
     DRILL_HEADER,
     DebugExplorer,
+    accumulation_findings,
+    clean_run_checks,
     drill_base,
     drill_results,
     drill_rows,
+    finding,
     fingerprint_rows,
+    identical_units,
+    last_quarter_loss,
     layers_figure,
     loss_figure,
     median_update_ratio,
@@ -164,12 +170,9 @@ table(["run", "step", "rank 0", "rank 1", ""], fingerprint_rows(runs))
 # the gradient, and so SGD's step, by k.
 
 # %%
-sgd = Trace.of(runs["sgd"])
-acc = {}
-for name in ("divided", "loss not divided by k"):
-    t = Trace.of(runs[name])
-    acc[name] = matches_reference(t, sgd)
-    print(f"{name:22s} step-0 loss {t.losses[0]:.3f};  {acc[name].evidence}")
+acc = accumulation_findings(runs)  # each against the SGD run without accumulation
+for name, f in acc.items():
+    print(f"{name:22s} step-0 loss {runs[name].losses()[0]:.3f};  {f.evidence}")
 
 # %% [markdown]
 # **Overfit one batch.** A finite dataset of one global batch
@@ -179,7 +182,7 @@ for name in ("divided", "loss not divided by k"):
 # "overfit one batch"); a loop with any of the bugs above fails it.
 
 # %%
-overfit = {f.check: f for f in findings(runs["overfit"])}["memorises"]
+overfit = finding(runs["overfit"], "memorises")
 print(overfit)
 
 # %% [markdown]
@@ -227,14 +230,10 @@ for f in explorer.findings():
 
 # %%
 healthy_ratio = median_update_ratio(runs["healthy"])
-shuffled = Trace.of(runs["shuffled labels"])
-shuffled_end = sum(shuffled.quarter(4)) / len(shuffled.quarter(4))
+shuffled_end = last_quarter_loss(runs["shuffled labels"])
 clipped = runs["clipped"].losses()
-zero_last = Trace.of(runs["zero init"]).rank0("unit_spread")[-1]
-zero_same = sum(v < 1e-6 for v in zero_last.values())
-clean = ["healthy", "sgd", "overfit", "divided", "clipped", "per-rank rows"]
-clean_checks = {n: findings(runs[n], runs["sgd"] if n == "divided" else None) for n in clean}
-false_alarms = sum(not f.passed for fs in clean_checks.values() for f in fs)
+zero_same, zero_layers = identical_units(runs["zero init"])
+checks_run, false_alarms = clean_run_checks(runs)
 res = results
 drill_claims = [
     claim("shuffled labels stall at the unigram entropy",
@@ -260,7 +259,7 @@ drill_claims = [
           f"(lr 1e-5)", res["lr too high"]["caught"] and res["lr too low"]["caught"]),
     claim("zero init: every unit of a layer stays identical",
           "Karpathy, CS231n notes, Neural Networks Part 2 (all-zero initialisation)",
-          f"{zero_same} of {len(zero_last)} weight matrices still identical after {STEPS} "
+          f"{zero_same} of {zero_layers} weight matrices still identical after {STEPS} "
           f"steps; loss {runs['zero init'].losses()[-1]:.3f} (healthy "
           f"{runs['healthy'].losses()[-1]:.3f}): the bigram path hides it",
           res["zero init"]["caught"] and res["zero init"]["fixed"]),
@@ -282,7 +281,7 @@ drill_claims = [
           "Neural Networks; CS231n notes, Neural Networks Part 3 (sanity checks)",
           overfit.evidence, overfit.passed),
     claim("the checks raise no false alarm on a clean run", "distlab.debug.diagnose",
-          f"{sum(map(len, clean_checks.values()))} checks on {len(clean)} clean runs: "
+          f"{checks_run} checks on {len(CLEAN_RUNS)} clean runs: "
           f"{false_alarms} failed", false_alarms == 0),
 ]
 claims_table(drill_claims)

@@ -20,7 +20,13 @@ from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
 from distlab.data.dataset import make_data
-from distlab.debug.diagnose import HEALTHY_UPDATE_RATIO, Trace, findings
+from distlab.debug.diagnose import (
+    HEALTHY_UPDATE_RATIO,
+    Finding,
+    Trace,
+    findings,
+    matches_reference,
+)
 from distlab.lab.common import RUN_COLORS, has_hint, html_table
 from distlab.lab.panel import Explorer, LiveDashboard
 from distlab.lab.runs import launch_together
@@ -430,3 +436,43 @@ def update_ratio_rows(runs: dict[str, Run], names=("healthy", "sgd", "lr too low
         rows.append([n, cfg.optimizer, f"{cfg.lr:g}", f"{r:.1e}",
                      f"{r / HEALTHY_UPDATE_RATIO:.2g} x", f"{np.mean(loss):.3f}"])
     return rows
+
+
+def last_quarter_loss(run: Run) -> float:
+    """The mean loss over the run's last quarter: where a run that stalled has settled."""
+    losses = Trace.of(run).quarter(4)
+    return sum(losses) / len(losses)
+
+
+def identical_units(run: Run) -> tuple[int, int]:
+    """(weight matrices whose units are still identical at the last step, weight matrices):
+    spread under 1e-6, diagnose.symmetry's threshold (rank 0)."""
+    spread = Trace.of(run).rank0("unit_spread")[-1]
+    return sum(v < 1e-6 for v in spread.values()), len(spread)
+
+
+def finding(run: Run, check: str) -> Finding | None:
+    """The named check's Finding on a run (None where the check does not apply to it)."""
+    return next((f for f in findings(run) if f.check == check), None)
+
+
+def accumulation_findings(runs: dict[str, Run]) -> dict[str, Finding]:
+    """Step 0 of the two accumulation runs (k = 4, the loss divided by k and not) against the
+    SGD run without accumulation (diagnose.matches_reference): the same init and rows, so
+    their gradient norms agree with the division and differ by k without it."""
+    sgd = Trace.of(runs["sgd"])
+    return {name: matches_reference(Trace.of(runs[name]), sgd)
+            for name in ("divided", "loss not divided by k")}
+
+
+# The runs with no bug in them: the healthy base, the SGD reference, overfit one batch, and
+# the fixes that are not the healthy run
+CLEAN_RUNS = ("healthy", "sgd", "overfit", "divided", "clipped", "per-rank rows")
+
+
+def clean_run_checks(runs: dict[str, Run]) -> tuple[int, int]:
+    """(checks run, checks failed) over CLEAN_RUNS, each with its reference where its drill
+    has one: on a run without a bug every failure is a false alarm."""
+    found = drill_findings({name: runs[name] for name in CLEAN_RUNS})
+    return (sum(map(len, found.values())),
+            sum(not f.passed for fs in found.values() for f in fs))

@@ -149,14 +149,14 @@ if cause is None:
     say(f"pad to longest: no step over the budget in {steps} steps (P = "
         f"{math.exp(-STEPS_PER_MEAN):.0%} by the model); nothing to diagnose in this run")
 else:
-    fitted = runs["pad to longest"].steps[:cause["step"]]
+    fitted = runs["pad to longest"].survived
     say(f"pad to longest dies at step {cause['step']}, {cause['elapsed_s']:.2f} s in: its "
         f"batch pads to {cause['T']} tokens for one document of {cause['longest']} "
         f"(next longest {cause['second']}, median {cause['median']}); the "
         f"{len(fitted)} steps before it peaked at most "
-        f"{max((s.peak for s in fitted), default=0) / MiB:.2f} MiB of {BUDGET / MiB:.2f}")
+        f"{O.highest_peak(fitted) / MiB:.2f} MiB of {BUDGET / MiB:.2f}")
 if unbounded is not None:
-    over = [s.step for s in unbounded.steps if s.oom]
+    over = O.steps_over_budget(unbounded)
     worst = O.longest_step(unbounded)
     say(f"had it gone on: {len(over)} of {steps} steps over the budget "
         f"({len(over) / steps:.1%}; modelled p = {p_step:.1%}), the largest "
@@ -173,13 +173,9 @@ if unbounded is not None:
 # saved tensor of one layer would be 4·R·T·h bytes, ~2.7% of the peak here.
 
 # %%
-checked = {**runs, **({"had it gone on": unbounded} if unbounded else {})}
-checks = {name: O.formula_check(r, MODEL) for name, r in checked.items()}
-table(["run", "largest batch", "measured peak MiB", "formula MiB", "difference"],
-      [[n, f"{c['rows']} × {c['T']} (step {c['step']})", f"{c['measured'] / MiB:.4f}",
-        f"{c['predicted'] / MiB:.4f}",
-        f"{c['measured'] - c['predicted']:+,} B ({c['rel_err']:.4%})"] for n, c in checks.items()])
-worst_err = max(c["rel_err"] for c in checks.values())
+checks = O.formula_checks(runs, MODEL, unbounded)  # each run's largest batch
+table(*O.formula_table(checks))
+worst_err = max(c["rel_err"] for c in checks.values())  # |measured − formula| / formula
 
 # %% [markdown]
 # ### 2. A leak: what the loop keeps
@@ -257,8 +253,8 @@ else:
 pad, res, capr, bkt = (runs[k] for k in ("pad to longest", "pad + reserve at start",
                                          "length cap", "buckets + reserve at start"))
 floor = docs.data.loss_floor
-all_tokens = sum(b.tokens for b in batches["pad to longest"])
-big = max(checks.values(), key=lambda c: c["rows"] * c["T"])
+all_tokens = O.tokens_in(batches["pad to longest"])
+big = O.largest_batch(checks)
 oom_claims = [
     claim("a rare long sequence can OOM a run hours in, with no code changed",
           "a common production failure (variable-length data)",

@@ -87,12 +87,41 @@ def longest_step(run: BudgetRun):
     return max(run.steps, key=lambda s: (s.padded_tokens, -s.step))
 
 
+def steps_over_budget(run: BudgetRun) -> list:
+    """The steps whose peak exceeded the budget (with stop_at_oom=False, every one that would
+    have failed; otherwise at most the last)."""
+    return [s for s in run.steps if s.oom]
+
+
+def highest_peak(steps: list) -> int:
+    """The highest peak among the steps (0 for none: a run that died at its first step)."""
+    return max((s.peak for s in steps), default=0)
+
+
+def tokens_in(batches: list) -> int:
+    """The real (unpadded) tokens the batches hold: what a run of them all would train."""
+    return sum(b.tokens for b in batches)
+
+
 def formula_check(run: BudgetRun, model_cfg) -> dict:
     """The measured peak of the run's largest batch against memory_budget.predicted_peak."""
     s = longest_step(run)
     pred = predicted_peak(model_cfg, s.rows, s.T)
     return {"step": s.step, "rows": s.rows, "T": s.T, "measured": s.peak, "predicted": pred,
             "rel_err": abs(s.peak - pred) / pred}
+
+
+def formula_checks(runs: dict[str, BudgetRun], model_cfg,
+                   unbounded: BudgetRun | None = None) -> dict[str, dict]:
+    """formula_check per run, and for the run that went on past the budget ("had it gone on")
+    where there is one: its largest batches are the ones no other run reached."""
+    checked = {**runs, **({"had it gone on": unbounded} if unbounded is not None else {})}
+    return {name: formula_check(r, model_cfg) for name, r in checked.items()}
+
+
+def largest_batch(checks: dict[str, dict]) -> dict:
+    """The formula check of the largest batch (most padded tokens) of all the runs checked."""
+    return max(checks.values(), key=lambda c: c["rows"] * c["T"])
 
 
 # -- (a) figures and tables ---------------------------------------------------------------------
@@ -121,7 +150,7 @@ def peak_figure(runs: dict[str, BudgetRun], budget: int,
     budget (stop_at_oom=False), drawn in grey: every step that would have failed."""
     fig = go.Figure()
     if unbounded is not None:
-        over = [s for s in unbounded.steps if s.oom]
+        over = steps_over_budget(unbounded)
         fig.add_scatter(x=[s.step for s in unbounded.steps],
                         y=[s.peak / MiB for s in unbounded.steps], mode="lines",
                         line=dict(color=COLORS[-1], width=1, dash="dot"),
@@ -176,6 +205,17 @@ def policy_table(runs: dict[str, BudgetRun], floor: float) -> tuple[list, list]:
                      f"{r.tokens_trained:,}", f"{r.padding_fraction:.0%}",
                      f"{r.eval_before:.2f} → {r.eval_after:.2f}",
                      "yes" if learned(r, floor) else "no"])
+    return header, rows
+
+
+def formula_table(checks: dict[str, dict]) -> tuple[list, list]:
+    """(header, rows) per run: its largest batch, the measured peak beside predicted_peak's,
+    their difference in bytes and relative to the formula."""
+    header = ["run", "largest batch", "measured peak MiB", "formula MiB", "difference"]
+    rows = [[n, f"{c['rows']} × {c['T']} (step {c['step']})", f"{c['measured'] / MiB:.4f}",
+             f"{c['predicted'] / MiB:.4f}",
+             f"{c['measured'] - c['predicted']:+,} B ({c['rel_err']:.4%})"]
+            for n, c in checks.items()]
     return header, rows
 
 

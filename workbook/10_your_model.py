@@ -117,7 +117,8 @@ from IPython.display import Markdown, display
 from distlab import RunConfig
 from distlab.lab import ControlPanel
 from distlab.lab.common import claim, claims_table, table
-from distlab.lab.your_model import compare, loss_figure, rows, worst_diffs
+from distlab.lab.runs import max_step_loss_diff
+from distlab.lab.your_model import all_gather_bytes, compare, loss_figure, rows, worst_diffs
 
 MODEL, DATA = "runs/your_model.py:make_model", "runs/your_model.py:make_data"
 # SGD in fp32: the update is linear in the gradient, so the parallel runs can be compared
@@ -164,11 +165,9 @@ table(["run", "strategy", "max |Δ loss| per step vs single", "max |Δ parameter
 # %%
 worst = worst_diffs(single, runs)
 fp32_labels = [label for label in runs if "bf16" not in label]
-bf16_loss_gap = max(abs(a - b) for a, b in zip(runs["zero3, bf16 policy"].losses(),
-                                                 single.losses()))
-gather_fp32 = runs["zero3"].history("step", rank=0)[-1]["comm"]["all_gather"]["bytes_sent"]
-gather_bf16 = (runs["zero3, bf16 policy"].history("step", rank=0)[-1]["comm"]["all_gather"]
-               ["bytes_sent"])
+bf16_loss_gap = max_step_loss_diff(runs["zero3, bf16 policy"].losses(), single.losses())
+gather_fp32 = all_gather_bytes(runs["zero3"])
+gather_bf16 = all_gather_bytes(runs["zero3, bf16 policy"])
 display(Markdown(
     f"Largest fp32 parameter difference: **{max(worst[k] for k in fp32_labels):.1e}** "
     f"({', '.join(f'{k} {worst[k]:.1e}' for k in fp32_labels)}). bf16 policy: loss within "

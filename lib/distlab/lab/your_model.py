@@ -27,11 +27,21 @@ def compare(base: RunConfig, variants: dict[str, dict]) -> tuple[Run, dict[str, 
     return single, runs
 
 
+def last_step(run: Run) -> dict:
+    """Rank 0's last step event: its bytes are a step's in the steady state."""
+    return max(run.history("step", rank=0), key=lambda e: e["step"])
+
+
 def step_bytes(run: Run, field: str = "bytes_sent") -> int:
     """Rank 0's bytes per step, summed over its collectives (booked by distlab.comm; torch's
     own collectives, as in fsdp-torch, are not booked), from its last step."""
-    last = max(run.history("step", rank=0), key=lambda e: e["step"])
-    return sum(v.get(field, 0) or 0 for v in comm(last).values())
+    return sum(v.get(field, 0) or 0 for v in comm(last_step(run)).values())
+
+
+def all_gather_bytes(run: Run) -> int:
+    """Bytes rank 0's all-gathers sent in its last step (ZeRO-3 gathering the parameters): what
+    a param_dtype policy shrinks, as it casts the shards before gathering them."""
+    return comm(last_step(run))["all_gather"]["bytes_sent"]
 
 
 def worst_diffs(single: Run, runs: dict[str, Run]) -> dict[str, float]:

@@ -86,7 +86,9 @@ from distlab.lab.common import claim, claims_table, mib, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.memory_and_precision import (
     clipping_after_overflow,
+    fastest_within,
     forward_breakdown,
+    gpt_module_params,
     gradient_sequence,
     largest_fitting,
     last_memory,
@@ -94,6 +96,7 @@ from distlab.lab.memory_and_precision import (
     memory_over_steps_figure,
     recipe_configs,
     recipe_figure,
+    recipe_rows,
     replay_figure,
     replay_scalers,
     scale_figure,
@@ -102,8 +105,7 @@ from distlab.lab.memory_and_precision import (
     sweep_figure,
 )
 from distlab.theory.estimate import autocast_weight_copy_bytes
-from distlab.lab.runs import launch_together
-from distlab.models import GPTConfig, gpt_param_count
+from distlab.lab.runs import launch_together, max_step_loss_diff
 
 torch.set_num_threads(1)  # this kernel's own few computations: one thread, like each rank
 
@@ -238,11 +240,10 @@ table(["MLP width r", "per layer 4h² + 2rh² + biases + norms", "gpt_params (fo
        "GPT module (built)"],
       [[r, f"{4 * h_**2 + 2 * r * h_**2 + (4 + r + 1) * h_ + 4 * h_:,}",
         f"{E.gpt_params(L_, h_, V_, s_, mlp_ratio=r):,}",
-        f"{gpt_param_count(GPTConfig(vocab_size=V_, block_size=s_, n_layer=L_, n_embd=h_, n_head=cfg.n_head, mlp_ratio=r)):,}"]
+        f"{gpt_module_params(cfg, r):,}"]
        for r in (1, 2, 4, 8)])
 for r in (1, 2, 4, 8):
-    assert E.gpt_params(L_, h_, V_, s_, mlp_ratio=r) == gpt_param_count(
-        GPTConfig(vocab_size=V_, block_size=s_, n_layer=L_, n_embd=h_, n_head=cfg.n_head, mlp_ratio=r))
+    assert E.gpt_params(L_, h_, V_, s_, mlp_ratio=r) == gpt_module_params(cfg, r)
 assert E.gpt_params_of(cfg) == n_params  # the run's own count (its start event)
 gpt3 = E.narayanan_params(96, 12288, 51200, 2048)
 print(f"this run's GPT (r = {cfg.mlp_ratio}): {n_params:,} parameters")
@@ -587,7 +588,7 @@ for s in SETTINGS:  # smaller micro-batches, smaller peak, every setting
 # loss's own change from one step to the next).
 ACCUM_TOL = 2e-4
 sweep_losses = {b: mem[f"fp32, micro {b}"].losses() for b in MICRO_BATCHES}
-accum_diff = max(abs(x - y) for b in MICRO_BATCHES for x, y in zip(sweep_losses[b], sweep_losses[32]))
+accum_diff = max(max_step_loss_diff(sweep_losses[b], sweep_losses[32]) for b in MICRO_BATCHES)
 print(f"fp32, micro-batches of 1 … 32: largest loss difference from the whole batch {accum_diff:.1e}")
 assert accum_diff < ACCUM_TOL
 peak_saved_accum = 1 - peaks["fp32"][1] / peaks["fp32"][32]
@@ -623,21 +624,9 @@ runs2 = launch_together({**{k: c for k, c in two.items()},
                          **{f"{k}, timed": c.replace(track_peak=False, steps=TIME_STEPS)
                             for k, c in two.items()}}, name="recipe-w2")
 
-
 # %%
-def memory_of(name, c):
-    if c.world_size == 1:  # the sweep ran this very config with the tracker on
-        setting = {("fp32", "none"): "fp32", ("bf16", "none"): "bf16",
-                   ("bf16", "full"): "bf16 + full checkpointing"}[(c.precision, c.checkpointing)]
-        return [last_memory(mem[f"{setting}, micro {c.micro_batch}"])]
-    return [last_memory(runs2[name], r) for r in range(c.world_size)]
-
-rows = []
-for name, c in recipe.items():
-    ms = memory_of(name, c)
-    t = median_step_s(timed1[name] if c.world_size == 1 else runs2[f"{name}, timed"])
-    rows.append({"step": name, "cfg": c, "activations": max(m["activations"] for m in ms),
-                 "peak": max(m["peak"] for m in ms), "step_s": t})
+# memory: the sweep's run of each one-rank step, the tracked run of each two-rank step
+rows = recipe_rows(recipe, swept=mem, timed=timed1, ranked=runs2)
 table(["step", "ranks × micro-batches × rows", "precision, checkpointing",
        "activations / rank", "peak / rank", "fits?", "step ms", "vs fp32 at once"],
       [[r["step"], f"{r['cfg'].world_size} × {r['cfg'].grad_accum} × {r['cfg'].micro_batch}",
@@ -656,12 +645,12 @@ assert R["fp32"]["peak"] > R["+ bf16"]["peak"] > R["+ full checkpointing"]["peak
 assert R["fp32"]["activations"] > R["+ bf16"]["activations"] > R["+ full checkpointing"]["activations"]
 peak_ratio_bf16 = R["+ bf16"]["peak"] / R["fp32"]["peak"]
 act_ratio_bf16 = R["+ bf16"]["activations"] / R["fp32"]["activations"]
-fastest = min((r for r in rows if r["peak"] <= budget), key=lambda r: r["step_s"])
+fastest = fastest_within(rows, budget)
 print(f"fastest within the budget on this machine: {fastest['step']} "
       f"({fastest['step_s'] * 1e3:.0f} ms per step)")
 # accumulation alone reaches batch 32 as well: its losses equal the whole batch's
 whole = timed1["fp32"].losses()
-alone_diff = max(abs(x - y) for x, y in zip(timed1["accumulation alone"].losses(), whole))
+alone_diff = max_step_loss_diff(timed1["accumulation alone"].losses(), whole)
 step_change = sorted(abs(whole[i + 1] - whole[i]) for i in range(len(whole) - 1))[len(whole) // 2]
 say(f"accumulation alone vs the whole batch: largest loss difference {alone_diff:.1e} over "
     f"{len(whole)} steps; the loss's median change per step {step_change:.1e}")

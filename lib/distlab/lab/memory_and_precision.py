@@ -1,7 +1,8 @@
 """Caller-side helpers of the memory-and-precision notebook (workbook/03_memory_and_precision):
-reading memory, loss scales and step times out of runs' events, a one-micro-batch look inside
-autocast, the loss scaler replayed beside torch.amp.GradScaler, the micro-batch sweep and the
-"fits at batch 1, need batch 32" recipe, and their figures.
+reading memory, loss scales and step times out of runs' events, the GPT's parameter count at
+other MLP widths, a one-micro-batch look inside autocast, the loss scaler replayed beside
+torch.amp.GradScaler, the micro-batch sweep and the "fits at batch 1, need batch 32" recipe
+(its configs and its rows), and their figures.
 
 Nothing here changes how anything trains: the runs are distlab.rank.train's; these functions read
 their events, or (forward_breakdown, replay_scalers) run one forward/backward or a scaler on
@@ -15,6 +16,7 @@ gradients in this process to show what a run does inside.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -25,6 +27,7 @@ from plotly.subplots import make_subplots
 from distlab.config import RunConfig
 from distlab.lab.common import MEMORY_COLORS as COLORS, MiB
 from distlab.caller.run import Run
+from distlab.models import GPTConfig, gpt_param_count
 from distlab.step_event import memory
 
 
@@ -70,6 +73,14 @@ def memory_over_steps_figure(run: Run, title: str = "") -> go.Figure:
                       xaxis_title="step", yaxis_title="MiB", template="plotly_white")
     fig.update_yaxes(rangemode="tozero")
     return fig
+
+
+# -- the estimator beside the model -------------------------------------------------------------
+def gpt_module_params(cfg: RunConfig, mlp_ratio: int) -> int:
+    """Parameters of the GPT distlab.models builds for cfg's shape at MLP width `mlp_ratio`
+    (gpt_param_count, which tests/test_model_data.py holds equal to the module's own count):
+    what distlab.theory.estimate.gpt_params must match."""
+    return gpt_param_count(dataclasses.replace(GPTConfig.from_run(cfg), mlp_ratio=mlp_ratio))
 
 
 # -- inside one micro-batch ----------------------------------------------------------------------
@@ -280,6 +291,10 @@ def replay_figure(rep: dict) -> go.Figure:
     return fig
 
 
+# The sweep's settings by (precision, checkpointing): a one-rank recipe step is one of its runs.
+SWEEP_SETTINGS = {("fp32", "none"): "fp32", ("bf16", "none"): "bf16",
+                  ("bf16", "full"): "bf16 + full checkpointing"}
+
 RECIPE_STEPS = ("fp32", "+ bf16", "+ full checkpointing", "+ accumulation", "+ more ranks",
                 "accumulation alone")
 
@@ -309,6 +324,38 @@ def recipe_configs(base: RunConfig, micro: int, ranks: int = 2,
         s0, s0.replace(precision="bf16"), s2, s2.replace(grad_accum=G // micro),
         s2.replace(strategy=strategy, world_size=ranks, grad_accum=G // (ranks * micro)),
         s0.replace(grad_accum=G))))
+
+
+def recipe_memory(step: str, cfg: RunConfig, swept: dict, ranked: dict) -> list[dict]:
+    """The last step's memory dict of each rank of one recipe step, from runs with the peak
+    tracker on. A one-rank step is a config the sweep ran already: its run in `swept` (by
+    "{setting}, micro {b}", the setting named in SWEEP_SETTINGS); a step on more ranks has its
+    own run in `ranked`, by step name."""
+    if cfg.world_size == 1:
+        setting = SWEEP_SETTINGS[(cfg.precision, cfg.checkpointing)]
+        return [last_memory(swept[f"{setting}, micro {cfg.micro_batch}"])]
+    return [last_memory(ranked[step], r) for r in range(cfg.world_size)]
+
+
+def recipe_rows(recipe: dict[str, RunConfig], swept: dict, timed: dict,
+                ranked: dict) -> list[dict]:
+    """One row per recipe step (recipe_configs' order): {"step", "cfg", "activations", "peak"
+    (bytes, the most on any rank: the rank that must fit), "step_s"}. Memory as recipe_memory
+    reads it; the step time (median_step_s) from runs with the tracker off, which costs time
+    per op: a one-rank step's in `timed`, by step name, a step on more ranks' in `ranked`, by
+    "{step}, timed"."""
+    rows = []
+    for step, cfg in recipe.items():
+        ms = recipe_memory(step, cfg, swept, ranked)
+        t = median_step_s(timed[step] if cfg.world_size == 1 else ranked[f"{step}, timed"])
+        rows.append({"step": step, "cfg": cfg, "activations": max(m["activations"] for m in ms),
+                     "peak": max(m["peak"] for m in ms), "step_s": t})
+    return rows
+
+
+def fastest_within(rows: list[dict], budget: float) -> dict:
+    """The recipe row with the shortest step among those whose peak fits `budget`."""
+    return min((r for r in rows if r["peak"] <= budget), key=lambda r: r["step_s"])
 
 
 # -- clipping is not overflow protection ---------------------------------------------------------

@@ -52,11 +52,11 @@ def build(case, rank):
     elif case == "zero lr":
         ZeroOptimizer(mlp().parameters(), torch.optim.SGD, stage=1, lr=0.2 if odd else 0.1)
     elif case == "tp width":
-        parallelize_module(mlp(32 if odd else 16), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(mlp(32 if odd else 16), plan)
     elif case == "tp plan":
-        parallelize_module(mlp(), {"0": ColwiseParallel(input_layout="replicate"),
-                                   "2": RowwiseParallel()} if not odd else
-                           {"0": ColwiseParallel(), "2": RowwiseParallel(output_layout="sequence")})
+        last = RowwiseParallel(output_layout="sequence" if odd else "replicate")
+        parallelize_module(mlp(), {"0": ColwiseParallel(), "2": last})
     elif case == "all alike":
         DistributedDataParallel(mlp())
         model = mlp()
@@ -112,8 +112,8 @@ def test_every_rank_names_the_difference_and_the_ranks(launched, case):
         for words in EXPECTED[case] + [f"on ranks {others}", f"on rank {ODD}"]:
             assert words in msg, f"rank {rank}, {case}: {words!r} not in {msg!r}"
         assert msg == launched[0][case]["error"]  # every rank says the same
-        # one all_gather_object of a few KiB: measured 6-25 ms on 4 ranks; 10 s is a hang's bound, not a
-        # speed target
+        # one all_gather_object of a few KiB: measured 6-25 ms on 4 ranks; 10 s is a hang's
+        # bound, not a speed target
         assert out[case]["seconds"] < 10
 
 

@@ -65,17 +65,20 @@ def test_an_exception_in_one_rank_reaches_the_caller_with_its_traceback():
     assert [e["step"] for e in run.history("step", rank=1)] == [0, 1, 2]
 
 
-def test_a_rank_stuck_on_a_collective_ends_in_a_timeout_error():
+def test_a_rank_stuck_on_a_collective_is_named_with_its_stack():
     # rank 1 stops joining collectives at step 2: rank 0 waits in the all-reduce until the
-    # process group's timeout, then the run fails naming the timeout instead of hanging
+    # process group's timeout; the run fails naming rank 1, the one it waited for, with the
+    # stack rank 1 dumped when asked (SIGUSR1, faulthandler), not rank 0's timeout
     cfg = TINY.replace(fault="stall", fault_rank=1, fault_step=2, timeout_s=3)
     t0 = time.time()
     run = launch(cfg)
     with pytest.raises(RunError) as e:
         run.wait(timeout=120)
-    assert e.value.rank == 0
+    assert e.value.rank == 1 and e.value.step == 2
+    assert "never joined the collective rank 0 waited for" in str(e.value)
     assert "timed out after 3 s" in str(e.value) and "timeout_s" in str(e.value)
-    assert "rank 1: 1" in str(e.value)  # it says which rank fell behind
+    assert "rank 1: 1" in str(e.value)  # the last step each rank logged
+    assert "faults.py" in e.value.traceback and "inject_fault" in e.value.traceback
     assert time.time() - t0 < 60
     assert_all_gone(run.pids)
 

@@ -240,6 +240,13 @@ class RunConfig:
         for name in ("lr", "timeout_s"):
             if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a number > 0")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0 (the data and NumPy's generators "
+                             "take non-negative seeds)")
+        if any(c in self.name for c in "/\\\0") or self.name in (".", ".."):
+            raise ValueError(f"name={self.name!r} becomes part of the run's folder name under "
+                             "the runs root: no '/', '\\' or NUL, and not '.' or '..' (a path "
+                             "would put the run outside the root, where retention never looks)")
         if self.weight_decay < 0 or self.step_delay_s < 0:
             raise ValueError("weight_decay and step_delay_s must be >= 0")
         if self.threads_per_rank < 0:

@@ -91,6 +91,23 @@ def rank_log_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"rank{rank}.jsonl")
 
 
+def rank_stderr_path(run_dir: str, rank: int) -> str:
+    """A launched rank's stderr: what a backend prints before it aborts, Python's warnings, and
+    the stack a silent rank dumps when the caller asks (distlab.caller.run)."""
+    return os.path.join(run_dir, f"rank{rank}.stderr")
+
+
+def tail(path: str, nbytes: int = 4000) -> str:
+    """The last `nbytes` of a text file ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def step_events_per_run(run_dir: str, rank: int) -> list[list[dict]]:
     """A rank's step events from its log, one list per training run in it: a launch that
     trains several configs one after another (train_with_state) starts each with "start"."""

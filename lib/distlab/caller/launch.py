@@ -25,6 +25,7 @@ The same rank body runs under `torchrun -m distlab ...` (env:// rendezvous); see
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import signal
@@ -41,7 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distlab.config import RunConfig
-from distlab.events import EventLog, rank_log_path
+from distlab.events import EventLog, rank_log_path, rank_stderr_path
 
 if TYPE_CHECKING:  # for the annotation; launch() and run_ranks() import Run where they use it
     from distlab.caller.run import Run
@@ -136,6 +137,8 @@ def _watch_parent(launcher_pid: int):
     parent = os.getppid()
     while True:
         if os.getppid() != parent or not _alive(launcher_pid):
+            if os.getpgrp() == os.getpid():  # and what the rank started: its own group,
+                os.killpg(0, signal.SIGKILL)  # never the caller's
             os._exit(3)
         time.sleep(0.5)
 
@@ -235,8 +238,44 @@ def init_under_torchrun_agent_store(backend: str, rank: int, world: int, timeout
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def _own_process_group() -> None:
+    """The rank leads a process group of its own, so the caller ends it together with every
+    process it started (a model factory's workers), by group, not by pid."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a group leader (a platform that starts it so)
+        pass
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL from the kernel when the rank's parent exits. The parent-watching thread
+    cannot act in a stopped rank (SIGSTOP, a debugger); the kernel's signal still lands."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _stderr_to_file(path: str) -> None:
+    """fd 2 into the run folder, where the caller reads it: a backend's abort message (gloo's
+    "terminate called ..." before SIGABRT) and the stack a silent rank dumps on SIGUSR1
+    (faulthandler) would otherwise scroll past in the terminal that started Jupyter."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return  # a full or read-only disk: keep the inherited stderr
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
+    _own_process_group()
+    _die_with_parent()
+    _stderr_to_file(rank_stderr_path(spec["run_dir"], rank))
     # the launcher's environment now, as a spawned process gets it (the fork server's is that of
     # the first launch)
     os.environ.clear()
@@ -299,7 +338,8 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
     from distlab.caller.run import Run
     from distlab.rank.train import train_rank
 
-    preflight.check(cfg, runs_root(cfg.runs_root))  # this machine: paths, your model, memory
+    # this machine: paths, your model (checked in a process from where the ranks start), memory
+    preflight.check(cfg, runs_root(cfg.runs_root), rank_context())
     run_dir = run_dir or new_run_dir(runs_root(cfg.runs_root),
                                      cfg.name or f"{cfg.strategy}-w{cfg.world_size}")
     os.makedirs(run_dir, exist_ok=True)

@@ -16,17 +16,23 @@ import glob
 import json
 import os
 import re
+import signal
 import threading
 import time
 import warnings
 import weakref
 
 from distlab.config import RunConfig
-from distlab.events import LogTail, rank_log_path
+from distlab.events import LogTail, rank_log_path, rank_stderr_path, tail
 
 POLL_S = 0.1
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
+# A training rank that logs nothing for RunConfig.timeout_s + this long is stalled: a peer waiting
+# on it in a collective would have timed out by then, and with no peer waiting (one rank, or
+# every rank inside a model factory) nothing else would ever end the run.
+SILENCE_GRACE_S = 15.0
+STACK_WAIT_S = 1.0  # after SIGUSR1, how long a rank gets to dump its stack (faulthandler)
 # A live line while wait() blocks: "starting 4 ranks", then step k/n with tokens/s and ETA.
 # It starts with "\r", which terminals and Jupyter's output area redraw in place. Off by default
 # (scripts and tests stay quiet); distlab.lab turns it on inside a notebook's kernel, and
@@ -84,6 +90,7 @@ class Run:
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self._stopping = False
+        self._last_heard = [self.started] * self.world_size  # when each rank last logged
         self.problems: list[str] = []  # what went wrong around the run, not in it (reported once)
         self._reported = False
         if self.processes:
@@ -97,6 +104,10 @@ class Run:
     # -- reading ---------------------------------------------------------------------------
     def _read(self) -> list[dict]:
         new = [e for t in self._tails for e in t.read_new()]
+        now = time.time()
+        for e in new:
+            if 0 <= e.get("rank", -1) < self.world_size:
+                self._last_heard[e["rank"]] = now
         for t in self._tails:
             self.problems += t.skipped
             t.skipped = []
@@ -144,9 +155,12 @@ class Run:
                 if self._stopping:
                     return
                 failed = any(c not in (None, 0) for c in codes) or any(
-                    e["kind"] == "error" for e in self.events)
+                    e["kind"] == "error" for e in self.events) or self._vanished(codes)
                 if failed:
                     return self._fail()
+                stalled = self._stalled()
+                if stalled is not None:
+                    return self._fail(stalled)
                 if all(c == 0 for c in codes):
                     self._read()
                     # ranks that left on a preemption notice saved first (distlab.checkpoint)
@@ -159,16 +173,96 @@ class Run:
             finally:
                 self._finish("failed")
 
-    def _fail(self):
-        deadline = time.time() + FAILURE_GRACE_S
+    def _fail(self, cause: "RunError | None" = None):
+        deadline = time.time() + (0 if cause else FAILURE_GRACE_S)
         while time.time() < deadline and any(p.exitcode is None for p in self.processes):
             self._read()  # give other ranks a moment to report: the earliest report is the cause
             time.sleep(POLL_S)
         codes = {r: p.exitcode for r, p in enumerate(self.processes)}
+        if cause is None:
+            cause = self._behind_a_timeout(codes)  # asks a live rank for its stack: before the end
         self._end_processes()
         self._read()
-        self.error = self._root_cause(codes)
+        self.error = cause or self._root_cause(codes)
         self._finish("failed")
+
+    # -- what the events cannot say: ranks that vanished, stopped or went silent ------------
+    def _vanished(self, codes) -> bool:
+        """A rank that exited with status 0 without logging "done" left the run midway."""
+        if not any(c == 0 for c in codes):
+            return False
+        self._read()  # its "done" may have landed since the loop's read
+        done = {e["rank"] for e in self.history("done")}
+        return any(c == 0 and r not in done for r, c in enumerate(codes))
+
+    def _stalled(self) -> "RunError | None":
+        """A training rank silent past its limit: stopped (SIGSTOP, a debugger), or running
+        somewhere it never leaves. Named with its stack when it can dump one."""
+        if self.cfg is None:  # run_ranks' functions log nothing until they return
+            return None
+        limit = self.cfg.timeout_s + SILENCE_GRACE_S
+        now = time.time()
+        for r, p in enumerate(self.processes):
+            quiet = now - self._last_heard[r]
+            if p.exitcode is None and quiet > limit:
+                return self._stuck_rank_error(r, f"logged nothing for {quiet:.0f} s "
+                                                 f"(RunConfig.timeout_s + {SILENCE_GRACE_S:g} s)")
+        return None
+
+    def _stuck_rank_error(self, r: int, what: str) -> "RunError":
+        last = self.last_steps().get(r, -1)
+        state = process_state(self.pids[r])
+        if state in ("T", "t"):
+            how = ("it is stopped (process state T: SIGSTOP, Ctrl-Z or a debugger), so it "
+                   "can neither step nor time out")
+            stack = ""
+        else:
+            how = "it is alive and neither stepping nor failing; its stack below"
+            stack = self._dump_stack(r)
+        return RunError(r, f"rank {r} {what}; {how}. Last step it logged: {last}", stack,
+                        last + 1)
+
+    def _dump_stack(self, r: int) -> str:
+        """SIGUSR1 makes a launched rank write every thread's stack to its stderr file."""
+        path = rank_stderr_path(self.dir, r)
+        before = len(tail(path, 1 << 20))
+        try:
+            os.kill(self.pids[r], signal.SIGUSR1)
+        except OSError:
+            return ""
+        time.sleep(STACK_WAIT_S)
+        dump = tail(path, 1 << 20)[before:]
+        return dump[-6000:]
+
+    def _behind_a_timeout(self, codes: dict) -> "RunError | None":
+        """A collective timed out: name the rank it waited for, not the rank that waited. A
+        peer that finished the run means the ranks ran different numbers of steps; a stopped
+        or silent live peer is the one at fault."""
+        errors = [e for e in self.history("error") if _TIMEOUT.search(
+            e["error"] + e["traceback"][-2000:]) and not _SECONDARY.search(e["error"])]
+        if not errors or self.cfg is None:
+            return None
+        waited = min(errors, key=lambda e: e["time"])
+        w, last = waited["rank"], self.last_steps()
+        failed = {e["rank"] for e in self.history("error")}
+        done = sorted({e["rank"] for e in self.history("done")})
+        live = [r for r, c in codes.items() if c is None and r not in failed]
+        if done and not live:
+            return RunError(w, f"a collective timed out after {self.cfg.timeout_s:g} s "
+                               f"(RunConfig.timeout_s) after rank(s) "
+                               f"{', '.join(map(str, done))} had finished the run: the ranks "
+                               f"ran different numbers of steps (last step logged per rank: "
+                               f"{_per_rank(last)}). Every rank must take the same steps.\n"
+                               f"{waited['error']}", waited["traceback"], waited.get("step"))
+        if not live:
+            return None
+        stopped = [r for r in live if process_state(self.pids[r]) in ("T", "t")]
+        r = (stopped or sorted(live, key=lambda r: (last.get(r, -1), r)))[0]
+        err = self._stuck_rank_error(r, f"never joined the collective rank {w} waited for "
+                                        f"(it timed out after {self.cfg.timeout_s:g} s, "
+                                        f"RunConfig.timeout_s)")
+        err.message += f". Last step logged per rank: {_per_rank(last)}"
+        return RunError(err.rank, err.message, err.traceback, err.step)
 
     def _root_cause(self, codes: dict) -> RunError:
         import signal as _signal
@@ -177,20 +271,32 @@ class Run:
         for r, c in codes.items():
             if c is not None and c < 0:
                 name = _signal.Signals(-c).name
+                said = tail(rank_stderr_path(self.dir, r), 3000).strip()
                 return RunError(r, f"rank {r} was killed by {name} (exit code {c}); "
-                                   f"last step it logged: {last.get(r, -1)}", "",
-                                last.get(r, -1) + 1)
+                                   f"last step it logged: {last.get(r, -1)}"
+                                   + (f"; the last it wrote to stderr:\n{said}" if said else ""),
+                                "", last.get(r, -1) + 1)
+        done = {e["rank"] for e in self.history("done")}
+        for r, c in codes.items():
+            if c == 0 and r not in done:
+                return RunError(r, f"rank {r} exited with status 0 in the middle of the run "
+                                   f"(after step {last.get(r, -1)}), without an error: its code "
+                                   "returned or called os._exit early, and its peers were left "
+                                   "without it", "", last.get(r, -1) + 1)
         errors = self.history("error")
         primary = [e for e in errors if not _SECONDARY.search(e["error"])] or errors
         if not primary:
             r, c = next((r, c) for r, c in codes.items() if c not in (None, 0))
+            said = tail(rank_stderr_path(self.dir, r), 3000).strip()
             return RunError(r, f"exited with code {c} before it could report an error: it failed "
-                               "while starting (its stderr says why; a script that launches runs "
-                               "needs `if __name__ == '__main__':`)", "", last.get(r, -1) + 1)
+                               "while starting (a script that launches runs needs `if __name__ "
+                               "== '__main__':`); "
+                               + (f"its stderr:\n{said}" if said else "it wrote no stderr"),
+                            "", last.get(r, -1) + 1)
         e = min(primary, key=lambda e: e["time"])
         msg = e["error"]
         if _TIMEOUT.search(msg + e["traceback"][-2000:]) and self.cfg is not None:
-            behind = ", ".join(f"rank {r}: {s}" for r, s in sorted(last.items()))
+            behind = _per_rank(last)
             msg = (f"a collective timed out after {self.cfg.timeout_s:g} s "
                    f"(RunConfig.timeout_s): a peer never joined it. It had stalled, died or run "
                    f"a different collective. Last step logged per rank: {behind}.\n{msg}")
@@ -203,16 +309,40 @@ class Run:
         return last
 
     def _end_processes(self):
+        """SIGTERM to every live rank's process group (the rank and what it started), SIGKILL
+        after TERMINATE_GRACE_S; then SIGKILL to what is left of the groups."""
         alive = [p for p in self.processes if p.exitcode is None]
         for p in alive:
-            p.terminate()
+            self._signal_rank(p, signal.SIGTERM)
         deadline = time.time() + TERMINATE_GRACE_S
         for p in alive:
             p.join(max(0.0, deadline - time.time()))
         for p in alive:
             if p.exitcode is None:
-                p.kill()
+                self._signal_rank(p, signal.SIGKILL)
                 p.join(5.0)
+        self._end_groups()
+
+    def _signal_rank(self, p, sig):
+        """`sig` to the rank's process group (distlab.caller.launch makes each rank lead one,
+        whose id is its pid), or to the rank alone if it has none yet."""
+        try:
+            os.killpg(p.pid, sig)
+            if sig != signal.SIGKILL and process_state(p.pid) in ("T", "t"):
+                os.killpg(p.pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM once resumed
+            return
+        except OSError:
+            pass
+        (p.kill if sig == signal.SIGKILL else p.terminate)()
+
+    def _end_groups(self):
+        """Whatever a rank started and left behind (a model factory's workers) ends with it:
+        a group whose id is a rank's pid exists only if that rank made it."""
+        for pid in self.pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:  # no such group: nothing was left
+                pass
 
     def _finish(self, status: str):
         """Record the outcome. Never raises: a folder deleted, made read-only or on a full disk
@@ -222,6 +352,7 @@ class Run:
         try:
             for p in self.processes:
                 p.join(5.0)
+            self._end_groups()
             self.status = status
             self.ended = time.time()
             self._store = None  # closes the rendezvous port
@@ -347,6 +478,20 @@ class Run:
     def __repr__(self):
         return (f"Run({os.path.basename(self.dir)}, status={self.status}, "
                 f"steps={self.steps_done()}/{self.cfg.steps if self.cfg else '?'})")
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (R running, S sleeping, T stopped, Z zombie),
+    from /proc; "" where there is no /proc or no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _per_rank(last: dict) -> str:
+    return ", ".join(f"rank {r}: {s}" for r, s in sorted(last.items()))
 
 
 @atexit.register

@@ -16,9 +16,10 @@ The two functions, each called with the RunConfig (or with no argument, if it ta
                                    with the step); optional loss_floor and loss_at_start (floats,
                                    drawn on the loss plots)
 
-`check(cfg)` builds both in the launching process and runs one forward on the first rank's
-rows, so a typo, a wrong return type or a shape error is reported before any rank starts, with
-the launcher's own traceback, instead of as N identical failures from the ranks.
+`check(cfg)` builds both and runs one forward on the first rank's rows, so a typo, a wrong
+return type or a shape error is reported before any rank starts, as the factory's own
+exception, instead of as N identical failures from the ranks. launch() runs it in a process of
+its own, with a time limit (distlab.caller.preflight.check_factory_apart).
 """
 
 from __future__ import annotations

@@ -70,13 +70,16 @@ from distlab.lab.parallelism_3d import wire_rows as mesh_wire_rows
 from distlab.lab.parallelism_3d import (
     GROUP_HEADER,
     MeshExplorer,
+    calls_with_bytes,
     describe_row,
     group_rows,
     group_table_rows,
     kind_bytes,
     layout_rank,
+    layout_standing,
     layout_sweep,
     mesh_config,
+    peers,
     placement_seconds,
     traffic_figure,
     zero1_optim_rows,
@@ -144,9 +147,9 @@ print(f"{len(cfgs)} configs trained in one launch of {MESH.world_size} ranks "
 # %%
 logged = {e["rank"]: e["mesh"]["coords"] for e in steps}
 table(["rank", "pp", "dp", "tp", "its tp / dp / pp peers"],
-      [[r, c["pp"], c["dp"], c["tp"], " / ".join(
-          str(next(g["ranks"] for g in mesh_table(*DIMS) if g["kind"] == k and r in g["ranks"]))
-          for k in ("tp", "dp", "pp"))] for r, c in sorted(logged.items())])
+      [[r, c["pp"], c["dp"], c["tp"],
+        " / ".join(str(peers(r, *DIMS)[k]) for k in ("tp", "dp", "pp"))]
+       for r, c in sorted(logged.items())])
 table(["group", "index", "ranks", "what 3d sends over it"],
       [[g["kind"], g["group"], g["ranks"], g["carries"]] for g in mesh_table(*DIMS)])
 assert all(c == coords(r, DP, TP, PP) for r, c in logged.items())
@@ -177,9 +180,7 @@ print(f"S = {S:,} B, L_s = {MESH.n_layer // PP}, m = {M}; Ψ_r = {psi[0]:,} (fir
       f"{psi[MESH.world_size - 1]:,} (last stage) parameters")
 assert all(r["measured"] == r["predicted"] > 0 for r in rows)
 per_rank = {r: kind_bytes(steps, r) for r in range(MESH.world_size)}
-e0 = next(e for e in steps if e["rank"] == 0)
-calls = {k: sum(c["calls"] for c in e0["mesh"]["comm"][k].values() if c["bytes_sent"])
-         for k in KINDS}
+calls = calls_with_bytes(steps, 0)
 table(["rank 0, per step", "bytes sent", "messages that carry bytes"],
       [[k, fmt_bytes(per_rank[0][k]), calls[k]] for k in KINDS])
 tp_bytes, dp_bytes, pp_bytes = (per_rank[0][k] for k in ("tp", "dp", "pp"))
@@ -361,15 +362,12 @@ MODELS = {"1.3B": Model(24, 2048, 16), "13B": Model(40, 5120, 40),
 BATCHES = (512, 2048, 8192)
 sweep = layout_sweep({(n, b): (MODELS[n], b) for n in MODELS for b in BATCHES},
                      Cluster(gpus=512), named=((64, 1, 8), (64, 2, 4)))
-
-def named(s, lay):
-    rank, row = s["named"][lay]
-    return "does not fit" if rank is None else f"#{rank} of {s['layouts']}, {row.step_s:.2f} s"
 table(["model", "parameters", "global batch", "fastest layout", "step s", "MFU",
        "64×1×8 (TP=1)", "64×2×4 (TP=2)"],
       [[s["case"][0], f"{s['model'].params / 1e9:.1f}B", s["batch"], describe_row(s["best"]),
         f"{s['best'].step_s:.2f}",
-        f"{s['best'].mfu:.2f}", named(s, (64, 1, 8)), named(s, (64, 2, 4))] for s in sweep])
+        f"{s['best'].mfu:.2f}", layout_standing(s, (64, 1, 8)), layout_standing(s, (64, 2, 4))]
+       for s in sweep])
 best_tp = {s["case"]: s["best"].tp for s in sweep}
 print("best tp as the batch grows 512 → 8192: " + "; ".join(
     f"{n}: " + " → ".join(str(best_tp[(n, b)]) for b in BATCHES) for n in MODELS))

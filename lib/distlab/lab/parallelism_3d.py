@@ -75,6 +75,12 @@ def valid_layouts(base: RunConfig, world: int, microbatches: int | None = None,
     return sorted(out, key=lambda d: (-d[0], d[1]))
 
 
+def peers(rank: int, dp: int, tp: int, pp: int) -> dict[str, list[int]]:
+    """{group kind: the members of `rank`'s group of that kind} on a dp × tp × pp mesh: whom
+    it talks to over tp, dp and pp."""
+    return {k: next(g for g in groups if rank in g) for k, groups in layout(dp, tp, pp).items()}
+
+
 # -- the formulas --------------------------------------------------------------------------------
 
 
@@ -167,6 +173,13 @@ def kind_bytes(step_events, rank: int) -> dict[str, int]:
     """Bytes `rank` sends per step over each group kind."""
     got = measured_bytes(step_events)[rank]
     return {k: sum(v["bytes_sent"] for v in got[k].values()) for k in KINDS}
+
+
+def calls_with_bytes(step_events, rank: int) -> dict[str, int]:
+    """Calls `rank` makes per step over each group kind, counting only those that carried
+    bytes (a group of one rank calls its collectives, but sends nothing)."""
+    got = measured_bytes(step_events)[rank]
+    return {k: sum(v["calls"] for v in got[k].values() if v["bytes_sent"]) for k in KINDS}
 
 
 def traffic_matrix(cfg: RunConfig, step_events) -> tuple[list[list[int]], list[list[str]]]:
@@ -292,6 +305,13 @@ def layout_sweep(cases: dict, cluster, named=(), mfu: float = 0.5) -> list[dict]
                     "named": {lay: layout_rank(rows, *lay) for lay in named},
                     "layouts": len(best_per_layout(rows))})
     return out
+
+
+def layout_standing(case: dict, lay: tuple[int, int, int]) -> str:
+    """Where a named layout of a layout_sweep case stands: '#3 of 40, 1.25 s' (its rank among
+    the distinct layouts, its best step time), or 'does not fit'."""
+    rank, row = case["named"][lay]
+    return "does not fit" if rank is None else f"#{rank} of {case['layouts']}, {row.step_s:.2f} s"
 
 
 def describe_row(r) -> str:

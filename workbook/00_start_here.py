@@ -216,8 +216,9 @@ for m in mem4.values():
 #
 # Each run gets a folder under `$DISTLAB_RUNS` (or `./runs`): `config.json` (the
 # RunConfig), one event log per rank (`rank<r>.jsonl`, one JSON object per line, flushed
-# as it happens, so a crash loses nothing already written) and `status.json` (how it
-# ended). `Run.load(folder)` reopens a run without starting anything.
+# as it happens, so a crash loses nothing already written), each rank's stderr
+# (`rank<r>.stderr`: warnings, a backend's last words before an abort) and `status.json`
+# (how it ended). `Run.load(folder)` reopens a run without starting anything.
 
 # %%
 import json

@@ -14,7 +14,11 @@ How a launch keeps processes safe from a notebook:
 * Every collective has a timeout (RunConfig.timeout_s), so a rank waiting on a peer that never
   comes raises instead of hanging for torch's default 30 minutes.
 * Each rank watches its parent and exits when the parent is gone, so killing the kernel leaves
-  no rank behind, even one blocked inside a collective.
+  no rank behind, even one blocked inside a collective (or stopped: the kernel's
+  PR_SET_PDEATHSIG). Each rank leads its own process group, and the run ends the group: what
+  a rank started (a model factory's workers) does not outlive it.
+* Each rank's stderr goes to its run folder (rank<r>.stderr), where the caller reads a
+  backend's last words before an abort, and the stack a silent rank dumps on SIGUSR1.
 * Each rank ignores SIGINT: a kernel interrupt stops the run only through `Run.wait()` (which
   then ends the ranks), so interrupting some other cell never kills a run started from a button.
 * Each rank writes its traceback to its own event log before exiting; the caller picks the root

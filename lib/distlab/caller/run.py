@@ -5,8 +5,9 @@ When a rank fails it picks the root cause, ends every other rank and records a R
 caller sees it from `wait()`, `error` or `status`. `Run.load(path)` reopens a finished run from
 its folder.
 
-Folder layout: config.json, rank<r>.jsonl (one per rank), status.json (written at the end),
-checkpoints/ (distlab.checkpoint, when the run saves them).
+Folder layout: config.json, rank<r>.jsonl (one per rank), rank<r>.stderr (what the rank wrote
+to stderr), status.json (written at the end), checkpoints/ (distlab.checkpoint, when the run
+saves them).
 """
 
 from __future__ import annotations

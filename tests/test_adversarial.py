@@ -139,3 +139,29 @@ def test_an_unknown_fp32_module_is_refused_before_any_rank_starts(tmp_path):
                                          "'no_such_block'"):
         launch(cfg)
     assert not any(tmp_path.iterdir())
+
+
+def _listening(pid: int) -> set:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.mark.slow
+def test_a_local_run_listens_on_loopback_only(hostile):
+    # Before: the caller's TCPStore listened on '::' (every interface, v4 and v6) although
+    # 127.0.0.1 was passed. Now the rendezvous is a file and the caller opens no port; the
+    # ranks' gloo sockets are bound to the loopback interface. (On this machine the hostname
+    # resolves to 127.0.0.1, so the ranks' half also held before; on a laptop whose hostname
+    # resolves to its LAN address it did not.)
+    hostile("none")
+    before = _listening(os.getpid())
+    run = launch(HOSTILE.replace(steps=100_000, step_delay_s=0.01))
+    try:
+        wait_for_step(run, 2)
+        assert _listening(os.getpid()) - before == set()
+        ranks = set().union(*(_listening(pid) for pid in run.pids))
+        assert ranks and {ip for ip, _ in ranks} <= {"127.0.0.1", "::1"}, ranks
+    finally:
+        run.stop()
+    assert not os.path.exists(os.path.join(run.dir, "rendezvous.store"))
+    assert_all_gone(run.pids)

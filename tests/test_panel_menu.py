@@ -18,7 +18,7 @@ import pytest
 
 from distlab import RunConfig
 from distlab.caller import preflight
-from distlab.caller.launch import runs_root
+from distlab.caller.launch import rank_context, runs_root
 from distlab.parallel import DEGREES, FEATURE_FIELDS, KNOBS, strategy_class
 
 pytest.importorskip("ipywidgets")
@@ -49,7 +49,7 @@ def _walk(panel):
                 out[s, w] = str(e)
                 continue
             try:
-                preflight.check(cfg, runs_root(cfg.runs_root))  # what launch() checks first
+                preflight.check(cfg, runs_root(cfg.runs_root), rank_context())  # launch()'s checks
             except ValueError as e:
                 panel._on_run_click(None)  # the user presses Run: nothing starts, it says why
                 assert not panel.runs and str(e) in html.unescape(panel.status.value)

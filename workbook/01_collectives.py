@@ -61,6 +61,7 @@ from distlab.lab.collectives import (
     compare_allreduce,
     counted_ratios,
     fit_loopback,
+    listening_addresses,
     link_model_figure,
     ratio_list,
     show_collectives,
@@ -87,14 +88,19 @@ from distlab.caller.launch import choose_device
 #   `MASTER_ADDR:MASTER_PORT`; the others connect to it, each publishes how to reach it, and the
 #   backend then opens its own connections between the ranks. Someone has to choose a port that
 #   is free on rank 0's host.
-# * **Our launcher** (`distlab.caller.launch.start_ranks`) opens the `TCPStore` itself, in the notebook's
-#   process, on `127.0.0.1` with port **0**: the operating system picks a free port, and the
-#   notebook holds it for the whole run, so two runs started at once can never collide. The ranks
-#   get the port as an argument and call `init_process_group(store=...)`; they need no
-#   `MASTER_ADDR`/`MASTER_PORT` (the table below shows them empty).
+# * **Our launcher** (`distlab.caller.launch.start_ranks`) runs every rank on this machine, so
+#   the store can be a `FileStore`: the same key-value store kept in a file of the run's
+#   folder. No port is chosen, none can collide with another run's, and nothing listens on the
+#   network. The ranks get the file's path as an argument and call
+#   `init_process_group(store=...)`; they need no `MASTER_ADDR`/`MASTER_PORT` (the table below
+#   shows them empty), and their own gloo sockets are bound to the loopback interface
+#   (`GLOO_SOCKET_IFNAME`).
 #
-# The store is an ordinary object you can try here: a server on an OS-chosen port, and a client
-# that writes a key the server reads back — what each rank does with its address at rendezvous.
+# The store is an ordinary object you can try here: a `TCPStore` server on an OS-chosen port
+# (port 0), and a client that writes a key the server reads back — what each rank does with its
+# address at rendezvous. The cell also asks the kernel where the server listens: a `TCPStore`
+# server listens on every interface, whatever host it is given, which is why a local launch
+# has no use for one.
 
 # %%
 server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
@@ -103,6 +109,10 @@ client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=timedelta(
 client.set("rank3/addr", "127.0.0.1:whatever-port-rank-3-listens-on")
 print(f"server on 127.0.0.1:{server.port} (chosen by the OS); key written by the client, "
       f"read by the server: {server.get('rank3/addr').decode()}")
+where = listening_addresses(server.port)  # '::' is every interface (IPv6, and IPv4 mapped)
+print(f"the kernel says the server listens on {where}: " + (
+    "every interface, although the host given was 127.0.0.1"
+    if {"::", "0.0.0.0"} & set(where) else "loopback only, as asked"))
 assert server.port > 0 and server.get("rank3/addr") == b"127.0.0.1:whatever-port-rank-3-listens-on"
 del client, server  # closes the port
 

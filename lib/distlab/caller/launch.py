@@ -8,9 +8,11 @@ How a launch keeps processes safe from a notebook:
   interpreters where there is no fork server. Either way the function they run is the
   library's, because such a process cannot import a notebook's `__main__`. A warm launch of 4
   ranks then skips importing torch four times (benchmarks/launch_latency.py prints the figures).
-* Rendezvous is a TCPStore that the caller itself opens on 127.0.0.1 with port 0: the OS picks a
-  free port and the caller holds it for the whole run, so two runs launched at once can never
-  pick the same one (a "find a free port, close it, hope" scheme can race).
+* Rendezvous is a FileStore in the run's own folder: nothing listens for it, so two runs
+  launched at once can never collide on a port, and no port is open to the network (torch's
+  TCPStore server listens on every interface whatever host it is given). The ranks' gloo
+  sockets are bound to the loopback interface (GLOO_SOCKET_IFNAME, unless you set it), not to
+  whatever the hostname resolves to.
 * Every collective has a timeout (RunConfig.timeout_s), so a rank waiting on a peer that never
   comes raises instead of hanging for torch's default 30 minutes.
 * Each rank watches its parent and exits when the parent is gone, so killing the kernel leaves
@@ -33,6 +35,7 @@ import faulthandler
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -52,6 +55,7 @@ if TYPE_CHECKING:  # for the annotation; launch() and run_ranks() import Run whe
     from distlab.caller.run import Run
 
 RUNS_ENV = "DISTLAB_RUNS"
+RENDEZVOUS_FILE = "rendezvous.store"  # the ranks' FileStore, in the run folder while it runs
 
 
 def runs_root(cfg_root: str = "") -> str:
@@ -189,7 +193,7 @@ def rank_context():
 def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
     """What every rank does: set up, run `spec['fn']`, log the outcome. Never returns on error.
 
-    init: {"port": p} to join the launcher's TCPStore, or {"env": True} under torchrun.
+    init: {"file": path} to join the launcher's FileStore, or {"env": True} under torchrun.
     """
     log = EventLog(rank_log_path(spec["run_dir"], rank), rank)
     try:
@@ -203,8 +207,9 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
                                 local_gpu_count())
         device = choose_device(spec["device"], local_rank, local_world, spec["backend"])
         timeout = timedelta(seconds=spec["timeout_s"])
-        if "port" in init:
-            store = dist.TCPStore("127.0.0.1", init["port"], world, False, timeout=timeout)
+        if "file" in init:
+            store = dist.FileStore(init["file"], world)
+            store.set_timeout(timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                     timeout=timeout)
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -275,7 +280,13 @@ def _stderr_to_file(path: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int):
+def loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1: "lo" on Linux, "lo0" on macOS."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
+def _spawned_rank(rank: int, world: int, spec: dict, rendezvous: str, parent_pid: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
     _own_process_group()
     _die_with_parent()
@@ -284,6 +295,9 @@ def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int)
     # the first launch)
     os.environ.clear()
     os.environ.update(spec["env"])
+    # a local run talks over loopback only; a user who wants another interface sets these
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     # and fresh Python, NumPy and torch generators, seeded from the OS as a new interpreter's
     # are (a fork copies the server's: every rank of every run would draw the same numbers)
     random.seed()
@@ -291,7 +305,7 @@ def _spawned_rank(rank: int, world: int, spec: dict, port: int, parent_pid: int)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    rank_body(rank, world, spec, {"port": port})
+    rank_body(rank, world, spec, {"file": rendezvous})
     # Everything is logged and flushed; skip interpreter teardown, where C++ threads of the
     # store client have aborted ranks ("terminate called without an active exception").
     os._exit(0)
@@ -306,15 +320,16 @@ def _check_importable(fn):
 def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", device="auto",
                 timeout_s=60.0, threads=0, debug=False, save_result=False):
     """Spawn `world` processes running fn(rank, world, device, log, *args). Returns
-    (processes, store); the store must stay alive as long as the ranks run."""
+    (processes, the rendezvous file), which the Run removes when the run ends."""
     _check_importable(fn)
     # an impossible device/backend request fails here, in the caller, before any rank starts
     place_rank(device, backend, 0, world, local_gpu_count())
     os.makedirs(run_dir, exist_ok=True)
-    # The caller owns the rendezvous store: port 0 lets the OS pick a free port, and holding
-    # it open means no other run can take it.
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    # The rendezvous is a file of this run's folder: no port to pick, none open to the network.
+    # A file left by an earlier launch into the same folder would hand out dead addresses.
+    rendezvous = os.path.join(run_dir, RENDEZVOUS_FILE)
+    if os.path.exists(rendezvous):
+        os.remove(rendezvous)
     spec = {"fn": fn, "args": args, "run_dir": run_dir, "backend": backend, "device": device,
             "timeout_s": timeout_s, "threads": threads, "debug": debug,
             "save_result": save_result, "env": dict(os.environ)}
@@ -323,14 +338,14 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
     try:
         for rank in range(world):
             p = ctx.Process(target=_spawned_rank, name=f"distlab-rank{rank}", daemon=False,
-                            args=(rank, world, spec, store.port, os.getpid()))
+                            args=(rank, world, spec, rendezvous, os.getpid()))
             p.start()
             procs.append(p)
     except BaseException:
         for p in procs:
             p.kill()
         raise
-    return procs, store
+    return procs, rendezvous
 
 
 def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
@@ -353,10 +368,10 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
     if progress_every > 0:
         from distlab.caller.progress import train_rank_with_progress
         fn, args = train_rank_with_progress, (cfg.to_dict(), progress_every)
-    procs, store = start_ranks(fn, cfg.processes, args, run_dir,
-                               backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout_s,
-                               threads=cfg.threads_per_rank, debug=cfg.debug)
-    run = Run(run_dir, cfg=cfg, processes=procs, store=store)
+    procs, rendezvous = start_ranks(fn, cfg.processes, args, run_dir, backend=cfg.backend,
+                                    device=cfg.device, timeout_s=cfg.timeout_s,
+                                    threads=cfg.threads_per_rank, debug=cfg.debug)
+    run = Run(run_dir, cfg=cfg, processes=procs, rendezvous=rendezvous)
     return run.wait() if block else run
 
 
@@ -373,10 +388,10 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, backend="auto", de
     from distlab.caller.run import Run, RunStopped
 
     run_dir = run_dir or new_run_dir(runs_root(), f"{fn.__name__}-w{world}")
-    procs, store = start_ranks(fn, world, args, run_dir, backend=backend, device=device,
-                               timeout_s=timeout_s, threads=threads, debug=debug,
-                               save_result=True)
-    run = Run(run_dir, processes=procs, store=store, world_size=world)
+    procs, rendezvous = start_ranks(fn, world, args, run_dir, backend=backend, device=device,
+                                    timeout_s=timeout_s, threads=threads, debug=debug,
+                                    save_result=True)
+    run = Run(run_dir, processes=procs, rendezvous=rendezvous, world_size=world)
     if on_start is not None:
         try:
             on_start(run)

@@ -71,7 +71,8 @@ class RunStopped(RuntimeError):
 
 
 class Run:
-    def __init__(self, run_dir: str, cfg: RunConfig | None = None, processes=None, store=None,
+    def __init__(self, run_dir: str, cfg: RunConfig | None = None, processes=None,
+                 rendezvous: str | None = None,
                  world_size: int | None = None):
         self.dir = run_dir
         self.cfg = cfg
@@ -86,7 +87,7 @@ class Run:
         self.status = "running" if self.processes else "loaded"
         self.started = time.time()
         self.ended: float | None = None
-        self._store = store  # the rendezvous; closed when the run ends
+        self._rendezvous = rendezvous  # the ranks' FileStore; removed when the run ends
         self._tails = [LogTail(rank_log_path(run_dir, r)) for r in range(self.world_size)]
         self._lock = threading.Lock()
         self._finished = threading.Event()
@@ -356,7 +357,7 @@ class Run:
             self._end_groups()
             self.status = status
             self.ended = time.time()
-            self._store = None  # closes the rendezvous port
+            self._remove_rendezvous()
             for t in self._tails:
                 t.close()
             with open(os.path.join(self.dir, "status.json"), "w") as f:
@@ -368,6 +369,13 @@ class Run:
                                  f"ended {status}, but Run.load will not know it")
         finally:  # nothing may leave wait() hanging
             self._finished.set()
+
+    def _remove_rendezvous(self):
+        try:
+            if self._rendezvous:
+                os.remove(self._rendezvous)
+        except OSError:  # never made (a rank failed first), or the folder is gone
+            pass
 
     # -- control ---------------------------------------------------------------------------
     def wait(self, timeout: float | None = None, progress: bool | None = None) -> "Run":

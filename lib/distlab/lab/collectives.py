@@ -229,6 +229,13 @@ def fit_loopback(summary) -> tuple[float, float]:
 TIME_MODELS = {"ring": ring_allreduce_time, "naive": naive_allreduce_time}  # distlab.comm's α-β
 
 
+def listening_addresses(port: int) -> list[str]:
+    """The addresses this process listens on at `port`, as the kernel reports them (psutil)."""
+    import psutil
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+
+
 def size_label(nbytes: int) -> str:
     """A tensor size as the notebook names it: "4 MiB", "256 KiB" (binary units)."""
     return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / KiB:g} KiB"

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from factory_models import Classifier
+from factory_models import Blobs, Classifier
 
 
 def _setting():
@@ -73,3 +73,17 @@ def make_model(cfg):
         _start_a_child()
     torch.manual_seed(cfg.seed)
     return Hostile()
+
+
+class NanInLastRow(Blobs):
+    """Data whose last row holds a NaN at step 2: under data parallelism, the last rank's."""
+
+    def global_batch(self, step, batch):
+        x, y = super().global_batch(step, batch)
+        if step == 2:
+            x[-1, 0] = float("nan")
+        return x, y
+
+
+def nan_data():
+    return NanInLastRow()

@@ -1,20 +1,39 @@
-"""A bad day, caused on purpose: ranks that vanish, abort, stop or never return, factories that
-hang, exit or leave processes behind, and inputs that used to pass the config and fail in the
-ranks. Each test asserts the error's text (the cause, and the rank where one is at fault), how
-long it took to come, and that no process is left. (Ranks that disagree: tests/test_agree.py;
-a rank stuck in a collective, a killed rank, a killed launcher: tests/test_process_safety.py.)
+"""A bad day, caused on purpose. Each test asserts the error's text (the cause, and the rank
+where one is at fault), how long it took to come, and that no process is left:
 
-The misbehaving factories are in tests/hostile_models.py; the environment selects what each
-does (DISTLAB_HOSTILE = "<behaviour>:<rank>:<step>"), and every process of a run inherits it.
+  a rank that leaves with status 0 midway      named, not its peer's "Connection closed"
+  a rank that aborts (SIGABRT)                  what it wrote to stderr before, in the error
+  a stopped rank (SIGSTOP)                      named as stopped, not the rank that waited
+  every rank hanging in the model factory       named after timeout_s + grace, with its stack
+  a factory that hangs, exits or dies in launch()'s check   a ValueError within timeout_s
+  processes a factory starts                    ended with the run (the ranks' process groups)
+  inputs the ranks used to refuse               refused by the config or launch()
+  the sockets of a local run                    loopback only; the caller listens on nothing
+  resume_from="auto" with damaged checkpoints   the newest that verifies, with a warning
+  a full disk under a sharded save              "no space left" with the path; no partial save
+  a full disk under the event logs              a warning, not the run
+  NaN in one rank's input                       a warning; with detect_nan, the rank and step
+  a lost fork server                            said as such; the next launch starts a new one
+  the launcher killed while a rank is stopped   no rank, fork server or tracker left
+
+Ranks that disagree: tests/test_agree.py; a rank stuck in a collective, a killed rank, a killed
+launcher: tests/test_process_safety.py. The misbehaving factories are in
+tests/hostile_models.py; the environment selects what each does (DISTLAB_HOSTILE =
+"<behaviour>:<rank>:<step>"), and every process of a run inherits it. The full-disk tests mount
+a 512 KiB tmpfs: they need root, and are skipped, saying so, without it.
 """
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import psutil
 import pytest
-from test_process_safety import assert_all_gone, wait_for_step
+from test_process_safety import TINY, assert_all_gone, wait_for_step
 
 from distlab import RunConfig, RunError, launch
 from distlab.caller import run as run_module
@@ -165,3 +184,147 @@ def test_a_local_run_listens_on_loopback_only(hostile):
         run.stop()
     assert not os.path.exists(os.path.join(run.dir, "rendezvous.store"))
     assert_all_gone(run.pids)
+
+
+# -- checkpoints that do not verify, and a disk that fills --------------------------------------
+CKPT = RunConfig(strategy="ddp", world_size=2, steps=6, global_batch=8, seq_len=16, n_layer=1,
+                 n_embd=32, n_head=2, optimizer="sgd", lr=0.1, timeout_s=10,
+                 checkpoint_every=2, keep_last=10)
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, another CRC-32
+    path.write_bytes(data)
+
+
+@pytest.mark.slow
+def test_auto_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
+    cfg = CKPT.replace(checkpoint_dir=str(tmp_path / "ckpt"), runs_root=str(tmp_path / "runs"))
+    launch(cfg).wait(timeout=120)  # saves after steps 2, 4 and 6
+    uninterrupted = launch(cfg.replace(steps=8, checkpoint_every=0, checkpoint_dir="")).wait(
+        timeout=120)
+    flip_a_byte(tmp_path / "ckpt" / "step_000006" / "state.pt")
+    run = launch(cfg.replace(steps=8, resume_from="auto"))
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 newer checkpoint.*step_000006.*CRC-32"):
+        run.wait(timeout=120)
+    assert run.history("resume")[0]["steps_done"] == 4  # the newest one that verifies
+    # ... and from there it trains as the run that never stopped, bit for bit
+    assert run.losses() == uninterrupted.losses()[4:]  # steps 4-7
+    for step in ("step_000002", "step_000004", "step_000006", "step_000008"):  # 6: saved anew
+        flip_a_byte(tmp_path / "ckpt" / step / "state.pt")
+    err, _, run = failure(cfg.replace(steps=10, resume_from="auto"))
+    assert "none of the 4 checkpoint(s)" in err.message and "CRC-32" in err.message
+    assert_all_gone(run.pids)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs (root only; skipped, with the reason, elsewhere), unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+                          capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk, leave_bytes):
+    free = shutil.disk_usage(disk).free
+    (disk / "filler").write_bytes(b"\0" * max(0, free - leave_bytes))
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_a_sharded_save_says_no_space_and_leaves_no_partial_save(small_disk,
+                                                                                   tmp_path):
+    cfg = CKPT.replace(strategy="zero3", checkpoint_dir=str(small_disk / "ckpt"),
+                       runs_root=str(tmp_path / "runs"))
+    fill(small_disk, 16 * 1024)  # a shard of this model is ~40 KiB
+    err, took, run = failure(cfg)
+    assert "no space left on device saving step 1's checkpoint" in err.message, err
+    assert str(small_disk / "ckpt") in err.message
+    assert [p.name for p in (small_disk / "ckpt").iterdir()] == []  # the partial save went
+    assert took < 30
+    assert_all_gone(run.pids)
+
+
+@pytest.mark.slow
+def test_event_logs_on_a_full_disk_cost_a_warning_not_the_run(small_disk):
+    cfg = CKPT.replace(checkpoint_every=0, steps=40, runs_root=str(small_disk / "runs"))
+    fill(small_disk, 24 * 1024)  # the config and a few steps' events fit, the rest does not
+    run = launch(cfg)
+    with pytest.warns(RuntimeWarning, match="could not write|is full"):
+        run.wait(timeout=120)
+    assert run.status == "done" and run.error is None
+    assert 0 < len(run.history("step")) < 2 * cfg.steps  # some events were lost, none raised
+    assert_all_gone(run.pids)
+
+
+@pytest.mark.slow
+def test_nan_in_one_ranks_input_is_a_warning_or_with_detect_nan_names_the_rank(hostile):
+    hostile("none")
+    cfg = HOSTILE.replace(data="hostile_models:nan_data")
+    run = launch(cfg)
+    with pytest.warns(RuntimeWarning, match=r"the loss was nan at step 2 on rank 1"):
+        run.wait(timeout=60)  # it spread to every rank's weights: before, "done" and silent
+    err, took, run = failure(cfg.replace(detect_nan=True))
+    assert err.rank == 1 and err.step == 2, err
+    assert "in forward: first in module '(input)'" in err.message
+    assert "the batch this rank fed the model: 1 NaN" in err.message
+    assert_all_gone(run.pids)
+
+
+@pytest.mark.slow
+def test_a_lost_fork_server_is_said_as_such_and_the_next_launch_starts_a_new_one(hostile):
+    from multiprocessing import forkserver
+    hostile("none")
+    run = launch(HOSTILE.replace(steps=100_000, step_delay_s=0.01))
+    wait_for_step(run, 2)
+    server = forkserver._forkserver._forkserver_pid
+    os.kill(server, signal.SIGKILL)
+    with pytest.raises(RunError, match=f"the fork server the ranks were started from \\(pid "
+                                       f"{server}\\) is gone"):
+        run.wait(timeout=30)
+    assert_all_gone(run.pids)
+    again = launch(HOSTILE).wait(timeout=60)  # before: EOFError, 3 times out of 3
+    assert again.status == "done" and forkserver._forkserver._forkserver_pid != server
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_while_a_rank_is_stopped_leaves_nothing(tmp_path):
+    # A stopped rank cannot run its own parent watch; the kernel's PR_SET_PDEATHSIG ends it
+    # when the fork server (its parent) exits, and the resource tracker exits once no rank
+    # holds it. Before: the rank, the fork server and the resource tracker all stayed.
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        from multiprocessing import forkserver, resource_tracker
+        from distlab import RunConfig, launch
+        if __name__ == "__main__":
+            cfg = RunConfig.from_dict({TINY.replace(
+                steps=100_000, step_delay_s=0.01, timeout_s=600).to_dict()!r})
+            run = launch(cfg)
+            while run.steps_done() < 2 and not run.done:
+                time.sleep(0.05)
+            os.kill(run.pids[1], signal.SIGSTOP)
+            helpers = [forkserver._forkserver._forkserver_pid,
+                       resource_tracker._resource_tracker._pid]
+            print(" ".join(map(str, run.pids + helpers)), flush=True)
+            time.sleep(120)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 4 and all(pids), pids  # 2 ranks, the fork server, the tracker
+        parent.kill()
+        parent.wait()
+        assert_all_gone(pids, within_s=10.0)
+    finally:
+        if parent.poll() is None:
+            parent.kill()

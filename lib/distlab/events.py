@@ -15,25 +15,54 @@ from distlab import wire
 
 
 class EventLog:
-    """Writer side, in a rank: `log.write("step", step=3, loss=1.2)`."""
+    """Writer side, in a rank: `log.write("step", step=3, loss=1.2)`.
+
+    Each event is one append (os.write) of one line. A write that fails (a full disk) costs
+    that event, not the run: the rank counts what it could not write and, at its next write
+    that succeeds (or at close), logs a "dropped" event saying how many and why, which the
+    caller reports as a warning. A line cut short by a full disk is ended by the next write's
+    leading newline, so the reader skips it and reads on."""
 
     def __init__(self, path: str, rank: int):
         self.path, self.rank = path, rank
-        self._f = open(path, "a", buffering=1, encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.last_step = -1
+        self.dropped, self._why = 0, ""  # events not written since the last "dropped" event
+        self._torn = False  # the last write stopped mid-line
 
     def write(self, kind: str, **fields) -> dict:
         event = {"kind": kind, "rank": self.rank, "time": time.time(), **fields}
         if kind == "step":
             self.last_step = fields.get("step", self.last_step)
-        line = json.dumps(event) + "\n"
-        self._f.write(line)
-        self._f.flush()
-        wire.note_own_write(len(line.encode()))  # a file write, not network traffic
+        if self.dropped:
+            self._report_dropped()
+        if not self._append(json.dumps(event) + "\n"):
+            self.dropped += 1
         return event
 
+    def _append(self, line: str) -> bool:
+        data = (b"\n" if self._torn else b"") + line.encode()
+        try:
+            n = os.write(self._fd, data)
+        except OSError as e:
+            self._why = f"{e.strerror} ({self.path})"
+            return False
+        wire.note_own_write(n)  # a file write, not network traffic
+        self._torn = n < len(data)
+        if self._torn:
+            self._why = f"a write cut short: the disk is full ({self.path})"
+        return not self._torn
+
+    def _report_dropped(self):
+        note = {"kind": "dropped", "rank": self.rank, "time": time.time(),
+                "events": self.dropped, "why": self._why}
+        if self._append(json.dumps(note) + "\n"):
+            self.dropped = 0
+
     def close(self):
-        self._f.close()
+        if self.dropped:
+            self._report_dropped()
+        os.close(self._fd)
 
 
 class LogTail:

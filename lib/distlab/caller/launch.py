@@ -267,6 +267,23 @@ def _die_with_parent() -> None:
             pass
 
 
+def _release_fork_server() -> None:
+    """A rank forked from the fork server holds a copy of the fd that keeps the server alive
+    (multiprocessing passes it to every child, so children may fork too). A rank that cannot
+    exit (stopped) would then keep the server, and through it itself, alive after the launcher
+    is killed. The ranks start no processes through it, so they let go of it: the server exits
+    with the launcher, and the kernel ends its ranks (PR_SET_PDEATHSIG)."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 def _stderr_to_file(path: str) -> None:
     """fd 2 into the run folder, where the caller reads it: a backend's abort message (gloo's
     "terminate called ..." before SIGABRT) and the stack a silent rank dumps on SIGUSR1
@@ -290,6 +307,7 @@ def _spawned_rank(rank: int, world: int, spec: dict, rendezvous: str, parent_pid
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
     _own_process_group()
     _die_with_parent()
+    _release_fork_server()
     _stderr_to_file(rank_stderr_path(spec["run_dir"], rank))
     # the launcher's environment now, as a spawned process gets it (the fork server's is that of
     # the first launch)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -110,6 +111,11 @@ class Run:
         for e in new:
             if 0 <= e.get("rank", -1) < self.world_size:
                 self._last_heard[e["rank"]] = now
+            if e.get("kind") == "dropped":  # distlab.events.EventLog: a full disk, survived
+                self.problems.append(f"rank {e['rank']} could not write {e['events']} event(s) "
+                                     f"to its log: {e['why']}; the run went on")
+            elif e.get("kind") == "warning":  # a rank's own (resume_from="auto" fell back)
+                self.problems.append(f"rank {e['rank']}: {e['message']}")
         for t in self._tails:
             self.problems += t.skipped
             t.skipped = []
@@ -195,7 +201,15 @@ class Run:
             return False
         self._read()  # its "done" may have landed since the loop's read
         done = {e["rank"] for e in self.history("done")}
-        return any(c == 0 and r not in done for r, c in enumerate(codes))
+        if not any(c == 0 and r not in done for r, c in enumerate(codes)):
+            return False
+        if disk_full(self.dir):  # "done" could not be written: a full disk, not a vanished rank
+            note = (f"the disk holding {self.dir} is full: a rank that exited with status 0 "
+                    "could not log that it finished")
+            if note not in self.problems:
+                self.problems.append(note)
+            return False
+        return True
 
     def _stalled(self) -> "RunError | None":
         """A training rank silent past its limit: stopped (SIGSTOP, a debugger), or running
@@ -270,6 +284,14 @@ class Run:
         import signal as _signal
         last = self.last_steps()
         # A rank killed by a signal (OOM killer, preemption) writes nothing; it is the cause.
+        server = _lost_fork_server()
+        if server and any(c not in (None, 0) for c in codes.values()):
+            # its ranks look "exited 255" (multiprocessing can no longer learn their status)
+            r = next(r for r, c in codes.items() if c not in (None, 0))
+            return RunError(r, f"the fork server the ranks were started from (pid {server}) is "
+                               "gone, and the kernel ends its ranks with it (PR_SET_PDEATHSIG); "
+                               f"rank {r} was the first to go. The next launch starts a new "
+                               "fork server", "", last.get(r, -1) + 1)
         for r, c in codes.items():
             if c is not None and c < 0:
                 name = _signal.Signals(-c).name
@@ -355,6 +377,7 @@ class Run:
             for p in self.processes:
                 p.join(5.0)
             self._end_groups()
+            self._note_non_finite_loss()
             self.status = status
             self.ended = time.time()
             self._remove_rendezvous()
@@ -369,6 +392,17 @@ class Run:
                                  f"ended {status}, but Run.load will not know it")
         finally:  # nothing may leave wait() hanging
             self._finished.set()
+
+    def _note_non_finite_loss(self):
+        """A run whose loss went NaN or inf still "succeeds": say so, once, as a warning."""
+        bad = [e for e in self.history("step") if isinstance(e.get("loss"), float)
+               and not math.isfinite(e["loss"])]
+        if bad:
+            first = min(bad, key=lambda e: (e["step"], e["rank"]))
+            self.problems.append(f"the loss was {first['loss']} at step {first['step']} on rank "
+                                 f"{first['rank']} ({len(bad)} step events in all): "
+                                 "RunConfig(detect_nan=True) names the step, the rank and the "
+                                 "module (or the input batch) where it was born")
 
     def _remove_rendezvous(self):
         try:
@@ -497,6 +531,23 @@ def process_state(pid: int) -> str:
             return f.read().rpartition(")")[2].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def _lost_fork_server() -> int | None:
+    """The pid of multiprocessing's fork server (distlab.caller.launch.rank_context) if this
+    process started one and it has died since (gone, or a zombie not yet reaped)."""
+    from multiprocessing import forkserver
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if pid and process_state(pid) in ("", "Z") else None
+
+
+def disk_full(path: str, slack: int = 64 * 1024) -> bool:
+    """Less than `slack` bytes free for this user on the filesystem holding `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < slack
 
 
 def _per_rank(last: dict) -> str:

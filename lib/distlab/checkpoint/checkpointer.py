@@ -4,10 +4,12 @@ what a rank's state is, its strategy says (Strategy.checkpoint_state / load_chec
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,34 @@ from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, C
                                       check_compatible, checkpoint_root, commit, read_meta,
                                       record, resolve, storage_writer, torch_load, verify,
                                       write_file)
+
+
+def no_space_left(e: BaseException) -> bool:
+    """Whether a full disk is behind `e`: an OSError with errno ENOSPC anywhere in its chain,
+    or among DCP's per-rank failures (CheckpointException.failures), whose own message may
+    not say it."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(x):
+            return True
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
+        todo.extend([x.__cause__, x.__context__])
+    return False
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 class Checkpointer:
@@ -79,6 +109,25 @@ class Checkpointer:
         steps_done = step + 1
         name = f"step_{steps_done:06d}"
         final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".{name}.tmp")
+        try:
+            self._write(step, reason, final, tmp)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, OSError) or no_space_left(e):  # this rank's write failed: the
+                shutil.rmtree(tmp, ignore_errors=True)  # partial save must not hold the disk
+            # (a peer that died mid-save leaves the temporary, as a killed job would: the next
+            # save's prune removes it, and a resume never reads it)
+            if no_space_left(e):
+                raise CheckpointError(
+                    f"no space left on device saving step {step}'s checkpoint under "
+                    f"{self.root} ({_free_bytes(self.root):,} bytes free): free some space or "
+                    "set checkpoint_dir to a larger disk; the partial save was removed") from e
+            raise
+        self.log.write("checkpoint", step=step, steps_done=steps_done, reason=reason,
+                       format=self.format, seconds=time.perf_counter() - t0,
+                       bytes=self._bytes, files=self._files, path=final)
+        return final
+
+    def _write(self, step: int, reason: str, final: str, tmp: str) -> None:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of this step
             os.makedirs(os.path.join(tmp, RNG_DIR))
@@ -100,11 +149,8 @@ class Checkpointer:
         if self.rank == 0:
             commit(tmp, final, self.root, self._meta(step, reason, gathered), self.cfg.keep_last)
         dist.barrier()  # nobody goes on before the checkpoint exists
-        self.log.write("checkpoint", step=step, steps_done=steps_done, reason=reason,
-                       format=self.format, seconds=time.perf_counter() - t0,
-                       bytes=sum(r["bytes"] for r in files.values()),
-                       files={rel: r["bytes"] for rel, r in files.items()}, path=final)
-        return final
+        self._bytes = sum(r["bytes"] for r in files.values())
+        self._files = {rel: r["bytes"] for rel, r in files.items()}
 
     @property
     def _kill_target(self) -> str:
@@ -149,14 +195,17 @@ class Checkpointer:
     def restore(self) -> int:
         """Load cfg.resume_from into this rank's model, optimizer, loss scaler and RNGs; return
         the steps it had done (where the loop starts). 0 when there is nothing to resume."""
-        path = resolve(self.cfg.resume_from, self.root)
+        t0 = time.perf_counter()
+        if self.cfg.resume_from == "auto":
+            path = self._newest_that_verifies()
+        else:
+            path = resolve(self.cfg.resume_from, self.root)
+            if path is not None:
+                self._check(path)
         if path is None:
             return 0
-        t0 = time.perf_counter()
         meta = read_meta(path)
-        check_compatible(meta, self.cfg, path)
         rng_file = self._rng_file(meta)
-        verify(path, meta, only=lambda rel, rec: self._reads(rel, rec, rng_file))
         if meta["format"] == "full":
             self._load_full(path)
         else:
@@ -168,6 +217,47 @@ class Checkpointer:
                        saved_world_size=meta["world_size"], saved_strategy=meta["strategy"],
                        rng_from=rng_file, seconds=time.perf_counter() - t0)
         return meta["steps_done"]
+
+    def _check(self, path: str) -> None:
+        """CheckpointError unless `path` is complete, fits this run, and the files this rank
+        reads are intact (sizes and CRC-32)."""
+        meta = read_meta(path)
+        check_compatible(meta, self.cfg, path)
+        rng_file = self._rng_file(meta)
+        verify(path, meta, only=lambda rel, rec: self._reads(rel, rec, rng_file))
+
+    def _newest_that_verifies(self) -> str | None:
+        """resume_from="auto": the newest checkpoint under root that every rank verified (each
+        checks the files it reads; the ranks compare, so all pick the same one). Newer ones that
+        fail are skipped with a warning; if none verifies, CheckpointError says why each failed.
+        None: no checkpoint yet (a fresh start)."""
+        from distlab.checkpoint.store import list_checkpoints
+        candidates = [p for _, p in reversed(list_checkpoints(self.root))]
+        mine = []
+        for path in candidates:
+            try:
+                self._check(path)
+                mine.append(None)
+            except CheckpointError as e:
+                mine.append(str(e))
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        skipped = []
+        for i, path in enumerate(candidates):
+            bad = [(r, problems[i]) for r, problems in enumerate(every) if problems[i]]
+            if not bad:
+                if skipped and self.rank == 0:
+                    message = (f"resume_from='auto' skipped {len(skipped)} newer checkpoint(s) "
+                               f"that do not verify and resumed {path}: " + "; ".join(skipped))
+                    self.log.write("warning", message=message)  # the caller's Run warns
+                    warnings.warn(message, RuntimeWarning)  # stderr: under torchrun, the terminal
+                return path
+            skipped.append(f"{os.path.basename(path)}: {bad[0][1]} (rank {bad[0][0]})")
+        if candidates:
+            raise CheckpointError(f"resume_from='auto': none of the {len(candidates)} "
+                                  f"checkpoint(s) under {self.root} verifies: "
+                                  + "; ".join(skipped))
+        return None
 
     def _rng_file(self, meta) -> str:
         """This rank's own RNG states; at another world size, those of rank r mod the old N."""

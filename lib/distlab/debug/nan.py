@@ -4,6 +4,10 @@ A NaN spreads: one poisoned weight makes its module's output NaN, then every lat
 the loss, and in backward every gradient. Looking at the loss tells you *that* it happened; to
 find *where*, `NanDetector` watches every module:
 
+* input: a pre-hook on the model checks the batch this rank feeds it, so a NaN that came in
+  with the data is named as the data ("(input)"), not blamed on the first module that read it.
+  Under data parallelism one rank's bad rows reach every rank's weights through the all-reduce;
+  the rank that raises is the one that read them.
 * forward: a forward hook on every module checks its output; modules finish their forward in
   execution order, so the first hook that sees a non-finite value names the module that made it
   (its inputs were still finite, or an earlier hook would have fired).
@@ -88,6 +92,7 @@ class NanDetector:
             warnings.filterwarnings(  # gets its hook on its outputs' gradients: as intended
                 "ignore", message="Full backward hook is firing when gradients are computed "
                 "with respect to module outputs")
+        self.handles.append(model.register_forward_pre_hook(self._input_hook, with_kwargs=True))
         for name, m in model.named_modules():
             if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
                 continue  # containers have no forward
@@ -95,6 +100,12 @@ class NanDetector:
             self.handles.append(m.register_forward_hook(self._forward_hook(name, m)))
             if check_backward:
                 self.handles.append(m.register_full_backward_hook(self._backward_hook(name, m)))
+
+    def _input_hook(self, module, args, kwargs):
+        for t in tensors_in((args, kwargs)):
+            if _bad(t):
+                self.report("forward", "(input)", f"the batch this rank fed the model: "
+                            f"{_describe(t)}")
 
     def _forward_hook(self, name, m):
         def hook(module, inputs, output):

@@ -27,7 +27,11 @@ fsyncs, renames the folder to `step_000006` (a rename within one filesystem is a
 fsyncs the parent. A crash before the rename leaves a temporary that `list_checkpoints`
 ignores; the previous checkpoint is untouched. (The ranks must share the filesystem, as a
 cluster's shared storage.) "latest" is not a pointer file: it is the highest complete step_*
-folder, found by scanning.
+folder, found by scanning. resume_from="auto" takes the newest one whose files every rank
+verified (sizes and CRC-32), with a warning naming the newer ones it skipped, so a damaged last
+checkpoint costs the steps since the one before, not the job (under torchrun --max-restarts,
+every restart would otherwise fail the same way). A save that fails in this rank's write (a
+full disk: a CheckpointError saying "no space left on device") removes its temporary.
 
 Saving: with checkpoint_every = k, after steps k-1, 2k-1, ... (0-based) and after the last
 step, so a finished run can be extended (resume with a larger `steps`); keep_last complete

@@ -152,7 +152,7 @@ class RunConfig:
     checkpoint_every: int = 0  # save every k steps and after the last one (0: off)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     checkpoint_dir: str = ""  # "": <run dir>/checkpoints
-    resume_from: str = ""  # a checkpoint, a checkpoints folder, or "auto" (the newest that verifies)
+    resume_from: str = ""  # a checkpoint, a folder of them, or "auto" (the newest that verifies)
 
     def __post_init__(self):
         self._check_types()

@@ -120,18 +120,10 @@ print("the grid:", "; ".join(f"{k} {', '.join(f'{v:.3g}' for v in vals)}"
 # torch, so the launch itself is a small part of a trial:
 
 # %%
-live = [t for s in studies.values() for t in s.trials]
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2]
-
-
-median_overhead = median([search.measured(t)["wall_s"] - search.measured(t)["train_s"]
-                          for t in live])
+cost = search.launch_overheads([t for s in studies.values() for t in s.trials])
+median_overhead = cost["overhead_s"]
 table(["trials", "median run wall s", "median steps s", "median launch + eval + teardown s"],
-      [[len(live), f"{median([search.measured(t)['wall_s'] for t in live]):.3f}",
-        f"{median([search.measured(t)['train_s'] for t in live]):.3f}",
+      [[cost["trials"], f"{cost['wall_s']:.3f}", f"{cost['train_s']:.3f}",
         f"{median_overhead:.3f}"]])
 
 # %% [markdown]
@@ -183,20 +175,8 @@ pruning = hp_search.pruning_comparison(prune_spec, N_PRUNE, seed=1, storage=STOR
 # the best trial kept means the same trial, with the same loss to the bit: a configuration
 # trains the same every time (seeded, one thread; tests/test_search.py checks it)
 figs.pruning_figure(pruning).show()
-spent = {k: hp_search.compute_spent(s) for k, s in pruning.items()}
 ref_best = pruning["unpruned"].best_trial
-prune_rows, prune_ok = [], []
-for name, study in pruning.items():
-    c, n_pruned = spent[name], sum(t.state == optuna.trial.TrialState.PRUNED
-                                   for t in study.trials)
-    kept = study.best_trial.number == ref_best.number and study.best_value == ref_best.value
-    saved = 1 - c["steps_run"] / spent["unpruned"]["steps_run"]
-    if name != "unpruned":
-        prune_ok.append(kept and saved > 0)
-    prune_rows.append([name, f"{n_pruned} of {len(study.trials)}", c["steps_run"],
-                 f"{saved:.0%}", f"{c['wall_s']:.1f}",
-                 f"{1 - c['wall_s'] / spent['unpruned']['wall_s']:.0%}",
-                 f"{study.best_value:.3f} (trial {study.best_trial.number})"])
+prune_rows, prune_ok = hp_search.pruning_rows(pruning)
 table(["study", "pruned", "steps run", "steps saved", "run seconds", "seconds saved",
        "best trial"], prune_rows)
 
@@ -253,11 +233,7 @@ arch = {m: arch_search.arch_search(m, arch_spec, N_ARCH, seed=0, max_trials=8 * 
                                    population=POPULATION, storage=STORAGE)
         for m in ("random", "nsga2")}
 figs.pareto_figure(arch).show()
-everything = [p for s in arch.values() for p in arch_search.points(s)]
-ref_point = (max(p[0] for p in everything) * 1.05, max(p[1] for p in everything) * 1.05)
-hv_all = arch_search.hypervolume(everything, ref_point)
-hv = {m: arch_search.hypervolume(arch_search.points(s), ref_point) / hv_all
-      for m, s in arch.items()}
+hv = arch_search.front_shares(arch)
 refused_total = sum(s.user_attrs["refused"] for s in arch.values())
 table(["method", "trials drawn", "refused before running", "runs", "run folders created",
        "share of the joint front's hypervolume"],
@@ -318,7 +294,7 @@ search_claims = [
           f"share of the joint front's hypervolume: NSGA-II {hv['nsga2']:.1%}, random "
           f"{hv['random']:.1%} ({N_ARCH} runs each)", hv["nsga2"] > hv["random"]),
     claim("a fork-server launch costs a trial well under a second", "distlab.caller.launch",
-          f"median launch + evaluation + teardown: {median_overhead:.3f} s over {len(live)} "
+          f"median launch + evaluation + teardown: {median_overhead:.3f} s over {cost['trials']} "
           f"trials; in one shared launch {per_trial_together:.3f} s per trial in all",
           median_overhead < 1.0),
     claim("workers share one study through its storage", "Optuna (RDB storage)",

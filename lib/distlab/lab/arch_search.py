@@ -159,3 +159,12 @@ def hypervolume(points: list[tuple[float, float]], ref: tuple[float, float]) -> 
 def points(study: optuna.Study) -> list[tuple[float, float]]:
     """(loss, parameters) of each completed trial."""
     return [tuple(t.values) for t in completed(study)]
+
+
+def front_shares(studies: dict) -> dict:
+    """Each study's share of the hypervolume of all studies' points together, with the
+    reference point 5% beyond the worst loss and the largest model any of them ran."""
+    everything = [p for s in studies.values() for p in points(s)]
+    ref = (max(p[0] for p in everything) * 1.05, max(p[1] for p in everything) * 1.05)
+    total = hypervolume(everything, ref)
+    return {m: hypervolume(points(s), ref) / total for m, s in studies.items()}

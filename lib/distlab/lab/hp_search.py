@@ -229,6 +229,27 @@ def compute_spent(study: optuna.Study) -> dict:
             for k in ("steps_run", "steps_planned", "rows_run", "wall_s", "train_s")}
 
 
+def pruning_rows(pruning: dict) -> tuple[list[list], list[bool]]:
+    """The pruning table, a row per study (pruned trials, steps run and saved, seconds and
+    seconds saved against the unpruned study, its best trial), and for each pruned study
+    whether it kept the unpruned study's best trial (the same trial, the same loss to the bit)
+    and still saved steps."""
+    spent = {k: compute_spent(s) for k, s in pruning.items()}
+    ref = pruning["unpruned"].best_trial
+    rows, ok = [], []
+    for name, study in pruning.items():
+        c = spent[name]
+        n_pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials)
+        kept = study.best_trial.number == ref.number and study.best_value == ref.value
+        saved = 1 - c["steps_run"] / spent["unpruned"]["steps_run"]
+        if name != "unpruned":
+            ok.append(kept and saved > 0)
+        rows.append([name, f"{n_pruned} of {len(study.trials)}", c["steps_run"], f"{saved:.0%}",
+                     f"{c['wall_s']:.1f}", f"{1 - c['wall_s'] / spent['unpruned']['wall_s']:.0%}",
+                     f"{study.best_value:.3f} (trial {study.best_trial.number})"])
+    return rows, ok
+
+
 def parallel_speedup(spec: HPSpec, params: list[dict], n_jobs: int = 2,
                      storage: str | None = None) -> dict:
     """The same trials (params, enqueued) by one worker and by n_jobs workers (threads of this

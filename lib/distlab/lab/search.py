@@ -44,6 +44,8 @@ other machines' intermediate values from the same database, so pruning works acr
 
 from __future__ import annotations
 
+import statistics
+
 import contextlib
 import math
 import os
@@ -358,3 +360,14 @@ def search_overhead_s(study: optuna.Study) -> float:
     gaps = [(t.datetime_complete - t.datetime_start).total_seconds() - measured(t)["wall_s"]
             for t in study.trials if t.datetime_complete and measured(t)]
     return sum(gaps) / len(gaps) if gaps else float("nan")
+
+
+def launch_overheads(trials) -> dict:
+    """Medians over `trials` (statistics.median_high: a trial's own figure, never an average of
+    two) of each run's wall time, its steps' time, and what a trial costs besides its steps:
+    launch, evaluation and teardown (wall - steps)."""
+    runs = [measured(t) for t in trials]
+    return {"trials": len(runs),
+            "wall_s": statistics.median_high(m["wall_s"] for m in runs),
+            "train_s": statistics.median_high(m["train_s"] for m in runs),
+            "overhead_s": statistics.median_high(m["wall_s"] - m["train_s"] for m in runs)}

@@ -10,7 +10,9 @@ the working directory). The config travels to the ranks as the string; each rank
 The two functions, each called with the RunConfig (or with no argument, if it takes none):
 
     make_model(cfg) -> nn.Module   forward(x, y) returns the mean loss over the rows of x, a
-                                   0-dim tensor (as distlab's GPT and nanoGPT's model do)
+                                   0-dim tensor (as distlab's GPT does), or a (logits, loss)
+                                   pair (nanoGPT's) or an output with .loss: the loop takes
+                                   the loss from it
     make_data(cfg)  -> an object   global_batch(step, batch) -> (x, y): the step's `batch` rows,
                                    the same in every process (draw them from a generator seeded
                                    with the step); optional loss_floor and loss_at_start (floats,
@@ -100,7 +102,42 @@ def build_model(cfg) -> nn.Module:
                          "nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"model={cfg.model!r}: the module has no trainable parameters")
+    _check_target_parameter(cfg, model)
+    if not getattr(model, "_distlab_loss_hook", False):  # a factory may return one model twice
+        model.register_forward_hook(_the_loss)
+        model._distlab_loss_hook = True
     return model
+
+
+# forward parameters that are not targets, where models put them second (HF, torchtitan, ...)
+_NOT_TARGETS = ("past_key_values", "attention_mask", "mask", "position_ids", "token_type_ids",
+                "cache", "kv_cache", "start_pos", "input_pos", "freqs_cis", "inputs_embeds")
+
+
+def _check_target_parameter(cfg, model: nn.Module) -> None:
+    """The loop calls model(x, y). A forward whose second parameter is something else (HF's
+    `past_key_values`) would take the targets for it and fail deep inside the model."""
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) >= 2 and params[1].name in _NOT_TARGETS:
+        raise ValueError(
+            f"model={cfg.model!r}: distlab calls forward(x, y) with the targets second, and "
+            f"{type(model).__name__}.forward's second parameter is {params[1].name!r} (it "
+            f"takes its targets by keyword, as Hugging Face models take labels=): have "
+            f"make_model return a small nn.Module whose forward(x, y) calls it and returns the "
+            f"mean loss (README, 'Use it on your model')")
+
+
+def _the_loss(module, args, output):
+    """What the loop needs from forward(x, y): the mean loss. nanoGPT returns (logits, loss),
+    Hugging Face an output with .loss; either is accepted and reduced to its loss."""
+    if torch.is_tensor(output):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)):
+        loss = next((t for t in output if torch.is_tensor(t) and t.dim() == 0
+                     and t.is_floating_point()), None)
+    return loss if loss is not None else output
 
 
 class FactoryData:
@@ -142,7 +179,9 @@ def check(cfg) -> None:
     if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point()):
         got = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         raise ValueError(f"model={cfg.model!r}: forward(x, y) must return the mean loss, a "
-                         f"0-dim float tensor; got {got}")
+                         f"0-dim float tensor (or a (logits, loss) pair, or an output with "
+                         f".loss); got {got}: compute the loss from the targets y in forward "
+                         f"and return it")
 
 
 def _check_tp_plan(cfg, model) -> None:

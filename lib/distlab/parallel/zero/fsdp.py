@@ -75,8 +75,9 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
     returns `module`. Then build distlab.ZeroOptimizer(module.parameters(), ...).
 
     units                  module types (a tuple of classes) or qualified names (a list; an
-                           item may be a list of names, one unit); None: find_units' cut. The
-                           parameters in no unit are the root unit
+                           item may be a list of names, one unit; a ModuleList or ModuleDict
+                           stands for its items); None: find_units' cut (the repeated blocks
+                           at any depth). The parameters in no unit are the root unit
     mp_policy              MixedPrecisionPolicy(param_dtype, reduce_dtype); None: no casts
     group                  a torch.distributed process group (default: the whole world)
     reshard_after_forward  free each unit after its forward (and gather it again for
@@ -116,24 +117,73 @@ def grad_shard(param: nn.Parameter) -> torch.Tensor:
 
 # -- the units' cut ----------------------------------------------------------------------------
 def find_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """The model cut into units gathered one at a time: every item of a top-level ModuleList
-    is a unit (a GPT block); the other top-level children that hold parameters are grouped
-    with their neighbours up to the next ModuleList ("tok_emb+pos_emb", "ln_f+head")."""
-    units, group = [], []
+    """The model cut into units gathered one at a time, the repeated blocks wherever they sit:
 
-    def close():
+    * every item of a ModuleList or ModuleDict of blocks, at any depth, is a unit
+      ("blocks.3", nanoGPT's "transformer.h.3", torchtitan's "layers.3");
+    * a container that is never called, a ModuleDict of different modules (nanoGPT's
+      `transformer`), or a module that holds blocks deeper down (HF's `transformer`), is
+      looked into, not made a unit (its pre-forward hook would never fire, or would gather
+      every block at once);
+    * the other modules that hold parameters are grouped with their neighbours up to the
+      next block ("tok_emb+pos_emb", "ln_f+head"), and groups that share a parameter (an
+      output head tied to the embedding) are one unit, so no unit frees a weight another
+      still needs."""
+    cut: list = []  # in forward order: ("block", name, module) or ("leaf", name, module)
+
+    def visit(prefix: str, m: nn.Module):
+        for name, child in m.named_children():
+            path = prefix + name
+            if _holds_blocks(child):
+                cut.extend(("block", f"{path}.{k}", b) for k, b in child.named_children()
+                           if any(True for _ in b.parameters()))
+            elif isinstance(child, nn.ModuleDict) or _has_blocks_inside(child):
+                visit(path + ".", child)
+            elif any(True for _ in child.parameters()):
+                cut.append(("leaf", path, child))
+
+    visit("", model)
+    units, group = [], []
+    for kind, name, m in cut + [("block", None, None)]:
+        if kind == "leaf":
+            group.append((name, m))
+            continue
         if group:
             units.append(("+".join(n for n, _ in group), [m for _, m in group]))
-            group.clear()
+            group = []
+        if name is not None:
+            units.append((name, [m]))
+    return _merge_tied(units)
 
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            close()
-            units += [(f"{name}.{i}", [m]) for i, m in enumerate(child)]
-        elif any(True for _ in child.parameters()):
-            group.append((name, child))
-    close()
-    return units
+
+def _holds_blocks(m: nn.Module) -> bool:
+    """A ModuleList, or a ModuleDict whose items are all of one type: repeated blocks."""
+    if isinstance(m, nn.ModuleList):
+        return True
+    items = list(m.children())
+    return isinstance(m, nn.ModuleDict) and len(items) > 1 and len({type(i) for i in items}) == 1
+
+
+def _has_blocks_inside(m: nn.Module) -> bool:
+    return any(_holds_blocks(sub) for sub in m.modules() if sub is not m)
+
+
+def _merge_tied(units: list) -> list:
+    """Join the non-block units that share a parameter (tied weights) into the first of them."""
+    owner: dict = {}  # id(param) -> index of the first unit that uses it
+    merged: list = []
+    for name, modules in units:
+        ids = {id(p) for m in modules for p in m.parameters()}
+        into = next((owner[i] for i in ids if i in owner), None)
+        if into is None:
+            merged.append((name, list(modules)))
+            into = len(merged) - 1
+        else:
+            first, mods = merged[into]
+            merged[into] = (f"{first}+{name}", mods + list(modules))
+        for i in ids:
+            owner.setdefault(i, into)
+    return merged
 
 
 def unit_specs(model: nn.Module, units) -> list[tuple[str, list[nn.Module]]]:
@@ -144,7 +194,7 @@ def unit_specs(model: nn.Module, units) -> list[tuple[str, list[nn.Module]]]:
                                      and all(isinstance(t, type) for t in units)):
         specs = _outermost(model, units)
     else:
-        specs = [_named(model, item) for item in units]
+        specs = [spec for item in units for spec in _named(model, item)]
     inside: dict = {}  # every module within a unit -> that unit's name
     for name, modules in specs:
         for m in modules:
@@ -171,12 +221,20 @@ def _outermost(model: nn.Module, types_) -> list:
     return found
 
 
-def _named(model: nn.Module, item) -> tuple:
+def _named(model: nn.Module, item) -> list[tuple]:
+    """A `units` item as (name, modules) specs. A ModuleList or ModuleDict named alone is never
+    called, so hooks on it would never gather: it stands for one unit per item."""
     names = [item] if isinstance(item, str) else list(item)
     try:
-        return "+".join(names), [model.get_submodule(n) for n in names]
+        modules = [model.get_submodule(n) for n in names]
     except AttributeError as e:
         raise ValueError(f"units: {e} (qualified names, as model.named_modules() gives them)")
+    if len(modules) == 1 and isinstance(modules[0], (nn.ModuleList, nn.ModuleDict)):
+        return [(f"{names[0]}.{k}", [m]) for k, m in modules[0].named_children()]
+    if any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in modules):
+        raise ValueError(f"units: {item!r} holds a ModuleList or ModuleDict, which is never "
+                         "called, so the unit would never be gathered: name the modules inside")
+    return [("+".join(names), modules)]
 
 
 def _refuse_sharded(module: nn.Module) -> None:

@@ -165,8 +165,9 @@ class ZeRO(Strategy):
         specs = ([("model", [model])] if self.stage == 1 else find_units(model))
         owned, self._groups = set(), []
         for name, modules in specs:
-            params = [p for m in modules for p in m.parameters()
-                      if p.requires_grad and id(p) not in owned]
+            # a weight two modules of the unit share (a head tied to the embedding) once
+            params = list({id(p): p for m in modules for p in m.parameters()
+                           if p.requires_grad and id(p) not in owned}.values())
             owned |= {id(p) for p in params}
             if params:  # one parameter group per unit: the optimizer flattens each
                 self._groups.append(({"params": params, "name": name}, modules))

@@ -96,3 +96,11 @@ class Shifted:
 
 def tokens():
     return Shifted()
+
+
+def nanogpt_one_unit(cfg):
+    """nanoGPT declaring its own units, as a model declares tp_plan: here all of it in one."""
+    model = nanogpt(cfg)
+    model.fsdp_units = [["transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"]
+                        + [f"transformer.h.{i}" for i in range(4)]]
+    return model

@@ -121,3 +121,23 @@ def test_a_forward_that_takes_something_else_second_is_refused_naming_it(tmp_pat
     with pytest.raises(ValueError, match="second parameter is 'past_key_values'"):
         launch(cfg)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_zero3_units_from_runconfig_or_from_the_model_and_the_default_saves_memory(tmp_path):
+    base = BASE.replace(strategy="zero3", world_size=2, runs_root=str(tmp_path))
+    runs = {"default": launch(base), "named": launch(base.replace(fsdp_units="transformer.h")),
+            "declared": launch(base.replace(model="real_shaped_models:nanogpt_one_unit"))}
+    for run in runs.values():
+        run.wait(timeout=120)
+    first = {k: r.history("step", rank=0)[0]["zero"] for k, r in runs.items()}
+    units = {k: [u[0] for u in e["units"]] for k, e in first.items()}
+    assert units["default"][1:] == [f"transformer.h.{i}" for i in range(4)]
+    assert units["named"] == [f"transformer.h.{i}" for i in range(4)] + ["root"]
+    assert units["declared"] == ["+".join(ONE_UNIT[0])]
+    peak = {k: e["gathered_peak_bytes"] for k, e in first.items()}
+    print(f"zero3 gathered parameters, peak per rank: {peak}")
+    assert peak["default"] < peak["declared"]
+    for k in ("named", "declared"):  # the cut changes what is gathered when, not the math
+        gap = max(abs(a - b) for a, b in zip(runs[k].losses(), runs["default"].losses()))
+        assert gap <= ATOL, (k, gap)

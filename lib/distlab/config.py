@@ -77,6 +77,9 @@ class RunConfig:
     # reduce_dtype ("": param_dtype); fp32 master shards
     param_dtype: str = "fp32"
     reduce_dtype: str = ""
+    # zero3's units, comma-separated module names (a ModuleList's name: each of its items);
+    # "": the model's own `fsdp_units` attribute if it has one, else the repeated blocks
+    fsdp_units: str = ""
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
     # model parallelism (distlab.parallel.tensor.tp / pipeline / mesh)
     tp: int = 1  # tensor-parallel degree

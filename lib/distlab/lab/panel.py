@@ -1038,6 +1038,8 @@ def _make_knobs(cfg: RunConfig) -> dict:
         "reduce_dtype": W.Dropdown(options=[("as param dtype", ""), *[(p, p) for p in PRECISIONS]],
                                    value=cfg.reduce_dtype, description="reduce dtype",
                                    style=style),
+        "fsdp_units": W.Text(value=cfg.fsdp_units, description="units",
+                             placeholder="module names; empty: the blocks", style=style),
         "dp_threads": W.Checkbox(value=cfg.dp_threads, description="replicas in threads",
                                  indent=False),
         "dp_gather": choice("dp_gather", DP_GATHERS, "replicas return"),

@@ -54,7 +54,7 @@ KNOBS = {
     "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp",), "topk_ratio": ("ddp",),
     "microbatches": ("pp", "pp-torch", "3d"), "schedule": ("pp", "pp-torch", "3d"),
     "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
-    "param_dtype": ("zero3",), "reduce_dtype": ("zero3",),
+    "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
 }
 
 

@@ -124,6 +124,15 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
+def units_of(cfg, model):
+    """zero3's units: RunConfig.fsdp_units (names), else the model's own declaration (an
+    `fsdp_units` attribute: what fully_shard's units takes, as tp_plan declares a TP plan),
+    else None: fully_shard's default cut, the repeated blocks."""
+    if cfg.fsdp_units:
+        return [n.strip() for n in cfg.fsdp_units.split(",") if n.strip()]
+    return getattr(model, "fsdp_units", None)
+
+
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     """RunConfig's param_dtype and reduce_dtype as fully_shard's policy (fp32: no cast)."""
     param = None if cfg.param_dtype == "fp32" else dtype_of(cfg.param_dtype)  # fp32: no cast
@@ -156,8 +165,8 @@ class ZeRO(Strategy):
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.model = model
         if self.stage == 3:
-            fully_shard(model, offload=self.offload_to_cpu, comm=self.comm,
-                        mp_policy=mixed_precision_policy(self.cfg))
+            fully_shard(model, units=units_of(self.cfg, model), offload=self.offload_to_cpu,
+                        comm=self.comm, mp_policy=mixed_precision_policy(self.cfg))
             self.fsdp = model._distlab_fsdp
             self._groups = [({"params": u.params, "name": u.name}, u.modules)
                             for u in self.fsdp.units]

@@ -141,3 +141,48 @@ def test_zero3_units_from_runconfig_or_from_the_model_and_the_default_saves_memo
     for k in ("named", "declared"):  # the cut changes what is gathered when, not the math
         gap = max(abs(a - b) for a, b in zip(runs[k].losses(), runs["default"].losses()))
         assert gap <= ATOL, (k, gap)
+
+
+def clip_with_the_torch_habit(rank, world, device, log, how):
+    """One step of the nanoGPT-shaped model with torch.nn.utils.clip_grad_norm_ at 0.5 (the
+    gradients' global norm is ~2.6 here, so it clips), under `how`; the norm it returned, the
+    parameters after the step, and what a call over a subset of the parameters says."""
+    torch.manual_seed(0)
+    model = R.NanoGPTLike()
+    if how == "fully_shard":
+        fully_shard(model)
+        opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=LR)
+    else:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(how[-1]), lr=LR)
+    x, y = R.Shifted().global_batch(0, ROWS)
+    part = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    model(x[part], y[part])[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    try:
+        torch.nn.utils.clip_grad_norm_(list(model.parameters())[:2], 0.5)
+        subset = "no error"
+    except ValueError as e:
+        subset = str(e)
+    opt.step()
+    return {"norm": norm.item(), "subset": subset,
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.slow
+def test_the_torch_clip_habit_clips_the_shards_by_the_global_norm():
+    torch.manual_seed(0)
+    model = R.NanoGPTLike()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = R.Shifted().global_batch(0, ROWS)
+    model(x, y)[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+    opt.step()
+    ref = model.state_dict()
+    assert norm > 0.5  # it does clip
+    for how in ("stage1", "stage2", "fully_shard"):
+        for r, out in enumerate(run_ranks(clip_with_the_torch_habit, 2, how, timeout_s=60)):
+            # before: stage 1 returned rank r's own unreduced norm, stage 2 and fully_shard 0.0
+            assert abs(out["norm"] - norm) <= ATOL * norm, (how, r, out["norm"], norm)
+            worst = max((out["state"][k] - ref[k]).abs().max().item() for k in ref)
+            assert worst <= ATOL, (how, r, worst)
+            assert "call opt.clip_grad_norm_(max_norm)" in out["subset"], (how, out["subset"])

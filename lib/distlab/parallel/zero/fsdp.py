@@ -305,7 +305,8 @@ class FullyShard(ShardedGradients):
         cut = self._assign(specs)
         claim([p for _, _, ps in cut for p in ps], "distlab.fully_shard (ZeRO-3)",
               "Build distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=...) "
-              "instead: it steps the shards (and build no other optimizer over them).")
+              "instead: it steps the shards (and build no other optimizer over them).",
+              grads=self)
         for name, modules, params in cut:
             units = self._flatten(name, modules, params, offload)
             (self.root.extend if not modules else self.chain.append)(units)

@@ -152,18 +152,62 @@ def make_unit(index: int, name: str, params: list, comm: Comm, modules=(),
 _GUARD = []  # the global step pre-hook's handle, once a parameter was claimed
 
 
-def claim(params, owner: str, fix: str) -> None:
-    """Mark `params` as sharded by `owner` (words naming it); any other optimizer's step() over
-    one of them raises, naming `fix`."""
+def claim(params, owner: str, fix: str, grads: "ShardedGradients") -> None:
+    """Mark `params` as sharded by `owner` (words naming it), whose gradient path is `grads`;
+    any other optimizer's step() over one of them raises, naming `fix`, and
+    torch.nn.utils.clip_grad_norm_ over them clips the shards by the global norm."""
     for p in params:
         if getattr(p, "_distlab_zero", None):
             raise ValueError(f"a parameter of shape {tuple(p.shape)} is already sharded by "
                              f"{p._distlab_zero[0]}: shard each parameter once (build one "
                              "ZeroOptimizer over all of them, with parameter groups if needed)")
     for p in params:
-        p._distlab_zero = (owner, fix)
+        p._distlab_zero = (owner, fix, grads)
     if not _GUARD:
         _GUARD.append(register_optimizer_step_pre_hook(_refuse_outside_step))
+        _route_torch_clip()
+
+
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+
+
+def _route_torch_clip() -> None:
+    """`torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` is the line nanoGPT, torchtitan
+    and the HF Trainer write. Over sharded parameters it would clip nothing (ZeRO-2/3: .grad is
+    None) or clip by one rank's unreduced norm (ZeRO-1). From the first sharded parameter on,
+    the name points to clip_grad_norm_ below: the same function for everything else, and for
+    distlab's shards the global norm (what it returns over torch's FSDP2 too)."""
+    import torch.nn.utils.clip_grad as module
+    torch.nn.utils.clip_grad_norm_ = module.clip_grad_norm_ = clip_grad_norm_
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None):
+    """torch.nn.utils.clip_grad_norm_, and over the parameters one ZeroOptimizer or one
+    fully_shard model shards: their gradient path's clip_grad_norm_ (the shards scaled by the
+    global L2 norm, which it returns; every rank calls it, as the torch habit has them do).
+    Anything it cannot do right (another norm, a subset of the shards, a mix with replicated
+    gradients) raises, naming the call that is right."""
+    params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    marks = [getattr(p, "_distlab_zero", None) for p in params]
+    if not any(marks):
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    grads = {id(m[2]): m[2] for m in marks if m}
+    path = next(iter(grads.values()))
+    sharded = {id(p) for u in path.units for p in u.params}
+    given = {id(p) for p, m in zip(params, marks) if m}
+    loose = [p for p, m in zip(params, marks) if not m and p.grad is not None]
+    if len(grads) > 1 or given != sharded or loose or float(norm_type) != 2.0:
+        owner = next(m for m in marks if m)[0]
+        raise ValueError(
+            f"torch.nn.utils.clip_grad_norm_ over parameters sharded by {owner}: "
+            "no rank holds their whole gradient, so it clips the L2 norm of all of them "
+            "together, and only that. Pass all of the model's parameters (and no others "
+            "with a gradient), or call opt.clip_grad_norm_(max_norm) on its ZeroOptimizer")
+    norm = path.clip_grad_norm_(float(max_norm))
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of the gradients is {norm.item()}: non-finite")
+    return norm
 
 
 def _refuse_outside_step(optimizer, args, kwargs):
@@ -498,9 +542,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p in trainable:
             kinds.setdefault((p.dtype, p.device), []).append(p)
         claim(trainable, f"a ZeRO-{self.stage} optimizer (distlab.ZeroOptimizer)",
-              "Step that ZeroOptimizer instead (it takes the optimizer class and its arguments, "
-              "and parameter groups for per-group settings), and build no other optimizer over "
-              "these parameters.")
+              grads=self.grads,
+              fix="Step that ZeroOptimizer instead (it takes the optimizer class and its "
+              "arguments, and parameter groups for per-group settings), and build no other "
+              "optimizer over these parameters.")
         name = g.get("name", f"group{len(self._group_units)}")
         units = []
         for (dtype, _), ps in kinds.items():

@@ -186,3 +186,22 @@ def test_the_torch_clip_habit_clips_the_shards_by_the_global_norm():
             worst = max((out["state"][k] - ref[k]).abs().max().item() for k in ref)
             assert worst <= ATOL, (how, r, worst)
             assert "call opt.clip_grad_norm_(max_norm)" in out["subset"], (how, out["subset"])
+
+
+def split_the_fused_projection(rank, world, device, log):
+    """ColwiseParallel on nanoGPT's fused c_attn: the warning each rank gets."""
+    import warnings
+
+    from distlab import ColwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallelize_module(R.NanoGPTLike(), {"transformer.h.0.c_attn": ColwiseParallel()})
+    return [str(w.message) for w in caught if "fused projection" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_a_column_split_of_a_fused_projection_is_warned_about():
+    # before: it "succeeded", and the model failed later in its own split of q, k, v
+    for said in run_ranks(split_the_fused_projection, 2, timeout_s=60):
+        assert len(said) == 1 and "'transformer.h.0.c_attn' (32 -> 96)" in said[0], said

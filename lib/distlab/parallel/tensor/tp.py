@@ -31,6 +31,7 @@ plan replaces modules from outside by name.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -271,6 +272,7 @@ class ColwiseParallel:
 
     def apply(self, name, module, state):
         _check_linear(self, name, module, "out_features", state.comm.world)
+        _warn_if_fused(name, module)
         state.sharded[name] = "colwise"
         return ColumnParallelLinear(module, state.comm, state.entry, self.input_layout)
 
@@ -346,8 +348,30 @@ class PrepareModuleInput:
         return y
 
 
+FUSED_NAMES = ("c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "gate_up_proj", "w13")
+
+
+def _warn_if_fused(name: str, module: nn.Linear) -> None:
+    """A column split of a fused projection (q|k|v side by side in one Linear) gives rank r the
+    r-th block of the concatenation: all of q on rank 0 and all of v on the last, not each
+    rank's heads of each, and the model's own split of the output then fails or, if the widths
+    happen to divide, computes something else."""
+    qkv_wide = module.out_features == 3 * module.in_features and "attn" in name.lower()
+    if qkv_wide or name.rsplit(".", 1)[-1].lower() in FUSED_NAMES:
+        warnings.warn(f"ColwiseParallel on '{name}' ({module.in_features} -> "
+                      f"{module.out_features}): this looks like a fused projection (q, k and v, "
+                      "or gate and up, side by side); a column split does not give each rank "
+                      "its share of each part. Split the layer into one Linear per part and "
+                      "name each in the plan", stacklevel=3)
+
+
 def _check_linear(style, name, module, dim, t):
     kind = type(style).__name__
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        raise TypeError(f"{kind} on '{name}': Hugging Face's Conv1D is a Linear with its "
+                        "weight transposed (in_features x out_features); distlab's styles "
+                        "split nn.Linear: build the model with nn.Linear layers (GPT-2's "
+                        "weights load transposed), or leave this layer out of the plan")
     if not isinstance(module, nn.Linear):
         raise TypeError(f"{kind} applies to nn.Linear; '{name}' is a {type(module).__name__}. "
                         f"Name its linear layers in the plan (norms and dropout: "

@@ -1,0 +1,66 @@
+"""Hugging Face's GPT-2 (Conv1D layers, lm_head tied to wte) and Llama (rotary embeddings,
+grouped KV heads), built from small configs with random weights, nothing downloaded, under
+distlab's public API on 2 ranks, against one process on the same global batch, with the HF
+Trainer's clipping line. Optional: skipped where transformers is not installed (distlab does
+not depend on it; `pip install transformers` runs it).
+
+Tolerance ATOL = 1e-5 as in tests/test_real_shapes.py: fp32, SGD lr 0.1, 3 steps; only the
+summation order differs (two 4-row means against one 8-row mean, equal token counts).
+"""
+
+import pytest
+import torch
+
+from distlab import DistributedDataParallel, ZeroOptimizer, fully_shard, run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+ATOL, LR, ROWS, T, VOCAB = 1e-5, 0.1, 8, 16, 64
+
+
+def build(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def train(model, opt, rank, world):
+    for step in range(3):
+        x = torch.randint(0, VOCAB, (ROWS, T), generator=torch.Generator().manual_seed(step))
+        x = x[rank * ROWS // world:(rank + 1) * ROWS // world]
+        model(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the HF Trainer's line
+        opt.step()
+        opt.zero_grad()
+
+
+def sharded(rank, world, device, log, kind, how):
+    model = build(kind)
+    if how == "ddp":
+        model = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    elif how == "fully_shard":
+        fully_shard(model)
+        opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=LR)
+    else:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(how[-1]), lr=LR)
+    train(model, opt, rank, world)
+    inner = model.module if how == "ddp" else model
+    return {k: v.clone() for k, v in inner.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_models_train_under_the_public_api_as_one_process(kind):
+    model = build(kind)
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
+    ref = model.state_dict()
+    for how in ("ddp", "zero1", "zero2", "fully_shard"):
+        for r, state in enumerate(run_ranks(sharded, 2, kind, how, timeout_s=120)):
+            worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
+            assert worst <= ATOL, (kind, how, r, worst)

@@ -62,7 +62,22 @@ def test_wait_shows_a_live_progress_line(capsys):
     assert any(s.startswith("step ") and "/4" in s for s in lines[:-1]) or \
         any(s.startswith("starting 1 rank") for s in lines[:-1]), lines
     from distlab.caller.run import Run
-    assert Run.load(run.dir).progress_line(2.0).startswith("done: 4 steps in 2.0 s")
+    # a finished run says how long it ran (4 steps of 0.4 s and more), not how long the
+    # caller waited (before: a run waited on after it ended said "in 0.0 s")
+    took = f"done: 4 steps in {run.ended - run.started:.1f} s"
+    assert Run.load(run.dir).progress_line(2.0).startswith(took) and run.ended - run.started > 1.6
     import distlab.lab  # noqa: F401 - turns progress on in a notebook's kernel, not here
     quiet = launch(run.cfg.replace(step_delay_s=0.0)).wait(timeout=120)
     assert quiet.status == "done" and capsys.readouterr().out == ""  # off by default
+
+
+def test_the_rate_counts_every_data_parallel_rank():
+    # before: rank 0's tokens over its step, a quarter of ddp x 4's rate (issue 25: 1,525 tokens/s
+    # shown against about 6,400)
+    from distlab.caller.run import Run
+    run = launch(RunConfig(strategy="ddp", world_size=2, steps=3, n_layer=1, n_embd=16,
+                           n_head=2, seq_len=8, global_batch=4, timeout_s=60)).wait(timeout=120)
+    last = run.history("step", rank=0)[-1]
+    shown = Run.load(run.dir).progress_line(1.0)
+    assert f"{2 * last['tokens'] / last['step_s']:,.0f} tokens/s" in shown, shown
+    assert last["tokens"] == 2 * 8  # rank 0 read 2 of the 4 rows of 8 tokens

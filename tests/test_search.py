@@ -210,3 +210,15 @@ def test_a_worker_process_adds_trials_to_the_same_study(root):
     back = optuna.load_study(study_name=study.study_name, storage=url)
     assert len(search.completed(back)) == 2
     assert all(search.measured(t)["steps_run"] == 2 for t in back.trials)  # 16 rows of 8
+
+
+def test_a_trial_prints_no_progress_line_in_a_notebook(monkeypatch, capsys):
+    # in a kernel wait() prints a progress line; a trial waits on a run that already finished,
+    # and 13 printed ~120 lines of "done: 40 steps in 0.0 s" (issue 25)
+    from distlab import RunConfig
+    from distlab.caller import run as run_module
+    monkeypatch.setattr(run_module, "SHOW_PROGRESS", True)
+    cfg = RunConfig(steps=2, n_layer=1, n_embd=16, n_head=2, seq_len=8, global_batch=4,
+                    timeout_s=60)
+    result = search.run_trial(cfg)
+    assert result.steps_run == 2 and capsys.readouterr().out == ""

@@ -446,9 +446,14 @@ class Run:
             return f"{verb} {self.world_size} rank(s)... {elapsed:.0f} s"
         k, n = len(steps), self.total_steps
         last = steps[-1]
-        rate = f"  {last['tokens'] / last['step_s']:,.0f} tokens/s" if last.get("step_s") else ""
-        if self.done:
-            return f"{self.status}: {k} steps in {elapsed:.1f} s{rate}".ljust(60)
+        # the whole run's rate: rank 0's tokens times the data-parallel ranks reading as many
+        # (tensor- and pipeline-parallel ranks read the same rows, so they add none)
+        dp = self.cfg.dp_degree if self.cfg is not None else 1
+        rate = (f"  {dp * last['tokens'] / last['step_s']:,.0f} tokens/s"
+                if last.get("step_s") else "")
+        if self.done:  # the run's own duration, not how long this wait() took
+            took = (self.ended or time.time()) - self.started
+            return f"{self.status}: {k} steps in {took:.1f} s{rate}".ljust(60)
         took = max(last["time"] - steps[0]["time"], 1e-9)
         eta = f"  ETA {(n - k) * took / max(k - 1, 1):.0f} s" if n and k > 1 else ""
         return f"step {k}{f'/{n}' if n else ''}{rate}{eta}  ({elapsed:.0f} s)".ljust(60)

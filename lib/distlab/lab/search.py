@@ -282,7 +282,7 @@ def run_trial(cfg: RunConfig, trial: optuna.Trial | None = None, report_rows: in
         if pruned_at is not None:
             run.stop()
         else:
-            run.wait()
+            run.wait(progress=False)  # it has finished: a progress line per trial is noise
     except BaseException:
         run.stop()
         raise

@@ -180,3 +180,14 @@ def test_the_explorer_runs_a_drill_and_shows_its_findings():
     names = [t.name for t in explorer.dashboard.fig.data]
     assert not has_hint(explorer.dashboard.fig)
     assert all(any(n.startswith(label) for n in names) for _, label, *_ in REFERENCE_LINES[:2])
+
+
+def test_a_rising_loss_is_not_reported_as_a_negative_share_of_the_way():
+    # 11 printed "learning ok: loss went -3207%" for the lr-too-high drill (issue 25)
+    from distlab.debug.diagnose import Trace, learning
+    diag = [{0: {"update_ratio": {"w": 0.5}}}] * 8
+    t = Trace(losses=[3.0, 5.0, 9.0, 20.0, 40.0, 60.0, 80.0, 99.0], ln_v=3.0, unigram=2.9,
+              floor=1.0, diag=diag)
+    f = learning(t)
+    assert "%" not in f.evidence and "loss rose from 3.000 to" in f.evidence, f.evidence
+    assert f.passed  # not the too-small-step symptom: no_divergence speaks for this run

@@ -206,3 +206,11 @@ def test_launch_checks_refuse_in_the_status_line_and_start_nothing(tmp_path):
     panel._on_run_click(None)
     shown = html.unescape(panel.status.value)
     assert not panel.runs and "not started" in shown and "is a file, not a folder" in shown
+
+
+def test_the_status_prints_as_words_not_html():
+    # 11 printed "&#x27;" for an apostrophe (issue 25): cells print status_text now
+    from distlab.lab.panel import status_text
+    import ipywidgets as widgets
+    w = widgets.HTML(html.escape("'lr too high': 1 finding(s)") + " <b>and more</b>")
+    assert status_text(w) == "'lr too high': 1 finding(s) and more"

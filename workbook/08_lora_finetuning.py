@@ -396,7 +396,7 @@ explorer
 
 # %%
 got = explorer.run(rank=8, targets="attn", lr=1e-2)
-print(explorer.status.value)
+print(explorer.status_text)
 assert got["trainable"] == lora_parameter_count(preset_shapes(c, "attn"), 8)
 assert got["task1"] < start1
 

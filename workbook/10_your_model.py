@@ -210,7 +210,7 @@ panel
 
 # %%
 panel.run().wait(timeout=300)  # the same as pressing Run, then waiting for it
-print(panel.status.value)
+print(panel.status_text)
 offered = panel.knobs["strategy"].options
 
 # %% [markdown]

@@ -221,7 +221,7 @@ explorer
 
 # %%
 widget_run = explorer.run(drill="zero_grad forgotten", wait=True)
-print(explorer.status.value)
+print(explorer.status_text)
 for f in explorer.findings():
     print(f)
 

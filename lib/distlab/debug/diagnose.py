@@ -162,9 +162,11 @@ def learning(t: Trace) -> Finding | None:
     progress = (t.losses[0] - end) / (t.losses[0] - t.floor)
     ratio = statistics.median(statistics.median(r.values()) for r in t.rank0("update_ratio"))
     flat = progress < 0.10 and ratio < HEALTHY_UPDATE_RATIO
-    return Finding("learning", not flat,
-                   f"loss went {progress:.0%} of the way from {t.losses[0]:.3f} to the floor "
-                   f"{t.floor:.3f}; median update/weight ratio {ratio:.1e}",
+    moved = (f"loss went {progress:.0%} of the way from {t.losses[0]:.3f} to the floor "
+             f"{t.floor:.3f}" if progress >= 0 else  # a percentage of a rise reads as nonsense
+             f"loss rose from {t.losses[0]:.3f} to {end:.3f}, away from the floor "
+             f"{t.floor:.3f} (not too small a step: see no_divergence)")
+    return Finding("learning", not flat, f"{moved}; median update/weight ratio {ratio:.1e}",
                    "learning rate too low")
 
 

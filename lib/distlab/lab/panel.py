@@ -28,6 +28,7 @@ import dataclasses
 import html
 import itertools
 import os
+import re
 import threading
 import time
 
@@ -135,6 +136,12 @@ def _stop_in_background(stop, say) -> None:
     threading.Thread(target=work, daemon=True).start()
 
 
+def status_text(widget) -> str:
+    """An HTML status widget's words as a reader sees them (tags dropped, entities decoded):
+    what a cell prints, where printing .value would show `&#x27;` for an apostrophe."""
+    return html.unescape(re.sub(r"<[^>]+>", "", widget.value))
+
+
 class ExplorerBusy(RuntimeError):
     """Run was asked for while the explorer's last run is still going."""
 
@@ -167,6 +174,11 @@ class Explorer:
     """
 
     TICK_S = 0.5  # the progress line's refresh: the run's events arrive every POLL_S at most
+
+    @property
+    def status_text(self) -> str:
+        """The status line's words, as printed text (lab.panel.status_text)."""
+        return status_text(self.status)
 
     def __init__(self):
         self.button = W.Button(description="Run", button_style="primary", icon="play")
@@ -714,6 +726,11 @@ class ControlPanel:
     batch the workers cannot split) is shown in the status line and Run is disabled until a knob
     changes; launch()'s own checks (distlab.caller.preflight) are shown there when Run is pressed.
     """
+
+    @property
+    def status_text(self) -> str:
+        """The status line's words, as printed text (lab.panel.status_text)."""
+        return status_text(self.status)
 
     def __init__(self, dashboard: LiveDashboard | None = None, extra_widgets: dict | None = None,
                  **defaults):

@@ -110,3 +110,13 @@ def test_pair_in_sync(stem):
             f"--- .py:\n{a.source}\n--- .ipynb:\n{b.source}")
         assert _tags(a) == _tags(b), (
             f"{where}: tags {_tags(a)} in the .py, {_tags(b)} in the .ipynb; {fix}")
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_ipynb_metadata_is_what_a_save_writes(stem):
+    """A notebook committed without language_info (10-13 were) gains lines at its first save,
+    and git shows it modified (issue 25)."""
+    meta = _read_ipynb(stem).metadata
+    assert meta.get("language_info", {}).get("name") == "python", (
+        f"workbook/{stem}.ipynb has no language_info.name: copy 00's notebook metadata")
+    assert meta.get("kernelspec", {}).get("name") == "python3", stem

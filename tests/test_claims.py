@@ -57,3 +57,18 @@ def test_dp_vs_ddp_row_is_the_measured_ratio():
     fast, slow = dp_vs_ddp_claim(0.02, 0.01, 4, 2), dp_vs_ddp_claim(0.01, 0.02, 4, 2)
     assert fast["holds"] is True and "2.00×" in fast["figure"]
     assert slow["holds"] is False and "0.50×" in slow["figure"]
+
+
+def test_a_claims_table_as_a_cells_last_line_shows_only_the_table(monkeypatch):
+    # 12 (now 13) showed the rows again, as a raw list of dicts, under its first claims table
+    # (issue 25): the table's function returned them, and a cell displays its last value
+    from IPython.core.interactiveshell import InteractiveShell
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: shown.append(a))
+    shell = InteractiveShell.instance()
+    try:
+        result = shell.run_cell("import distlab.lab.common as c\n"
+                                "c.claims_table([c.claim('x', 'y', 'z', True)])")
+    finally:
+        InteractiveShell.clear_instance()
+    assert result.success and result.result is None and len(shown) == 1

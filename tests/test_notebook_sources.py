@@ -120,3 +120,10 @@ def test_ipynb_metadata_is_what_a_save_writes(stem):
     assert meta.get("language_info", {}).get("name") == "python", (
         f"workbook/{stem}.ipynb has no language_info.name: copy 00's notebook metadata")
     assert meta.get("kernelspec", {}).get("name") == "python3", stem
+
+
+def test_start_here_names_every_notebook_that_comes_next():
+    """00's "Coming next" stopped at LoRA while five notebooks followed (issue 25)."""
+    text = _py("00_start_here").read_text()
+    missing = [s for s in STEMS if s != "00_start_here" and f"`{s}`" not in text]
+    assert not missing, f"00_start_here does not name {missing} in its 'Coming next'"

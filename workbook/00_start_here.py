@@ -27,8 +27,11 @@
 # This notebook shows how to launch a run, read the live dashboard, compare a run on one
 # process with the same run on four, find a run's files, and use the control panel.
 # Coming next: `01_collectives` (all-reduce from send/recv and the α-β cost model), then
-# data parallelism and DDP, ZeRO and FSDP, tensor and sequence parallelism, pipeline
-# schedules, mixed precision, activation checkpointing and LoRA.
+# `02_data_parallel` (DP, parameter servers, DDP), `03_memory_and_precision` (memory per rank,
+# mixed precision, activation checkpointing), `04_zero_and_fsdp`, `05_tensor_parallel`,
+# `06_pipeline_parallel`, `07_3d_parallelism`, `08_lora_finetuning`,
+# `09_checkpoints_and_faults`, `10_your_model`, `11_debugging`, `12_out_of_memory` and
+# `13_search_and_time` (hyper-parameter search and the time to train).
 
 # %% tags=["parameters"]
 import os

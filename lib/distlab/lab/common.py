@@ -172,8 +172,9 @@ def claims_markdown(rows: list[dict]) -> str:
                            for r in rows])
 
 
-def claims_table(rows: list[dict]) -> list[dict]:
-    """Show the claims table under the cell (and record it, see above); returns the rows."""
+def claims_table(rows: list[dict]) -> None:
+    """Show the claims table under the cell (and record it, see above). It returns nothing: as
+    a cell's last line, a returned list would be shown again, raw, under the table."""
     import json
     import os
 
@@ -185,4 +186,3 @@ def claims_table(rows: list[dict]) -> list[dict]:
         with open(path, "a", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps({"notebook": notebook, **r}) + "\n")
-    return rows

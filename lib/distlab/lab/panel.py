@@ -548,7 +548,7 @@ def _make_figure() -> go.FigureWidget:
     fig = make_subplots(
         rows=3, cols=1, row_heights=[0.44, 0.28, 0.28], vertical_spacing=0.125,
         subplot_titles=("loss per step (mean over ranks)",
-                        "memory per rank: bytes by category, and the peak in the step",
+                        "memory per rank: bytes by category (the step's peak: track_peak)",
                         "bytes sent per rank in one step"))
     fig = go.FigureWidget(fig)
     for (key, name), color in zip(MEMORY_CATEGORIES, MEMORY_COLORS):

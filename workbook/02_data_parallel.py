@@ -527,8 +527,8 @@ for d, s in shards.items():
 # Without `drop_last`, ranks get different numbers of rows, and a rank may get one batch
 # more than another. Then it runs one more step, whose gradient all-reduce waits for peers
 # that have stopped. PyTorch's DDP "hangs" here (the PyTorch tutorial on uneven inputs
-# and the `Join` context manager); with the default 30-minute timeout the job sits
-# silent. Here every collective has `timeout_s`, and the error says who ran out of data.
+# and the `Join` context manager); with torch's default timeout (30 minutes for gloo, 10 for
+# NCCL, the backend DDP uses on GPUs: `torch.distributed.constants`) the job sits silent. Here every collective has `timeout_s`, and the error says who ran out of data.
 #
 # A 9-row dataset on 2 ranks, 2 rows per rank per step, with a timeout of a few seconds:
 

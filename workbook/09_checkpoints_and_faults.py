@@ -368,7 +368,8 @@ the previous checkpoint verified and resumable (max |diff| = {torn_diff}).
 the caller {detect_s:.2f} s after the kill, naming rank {err.rank} and step {err.step};
 its peer, blocked in an all-reduce, got "connection reset" and was ended; no process was
 left. A *hung* rank (alive, never joining) is found only by the collective timeout
-(`RunConfig.timeout_s`, {BASE.timeout_s:g} s here; torch's default is 30 minutes).
+(`RunConfig.timeout_s`, {BASE.timeout_s:g} s here; torch's default is 30 minutes for gloo, 10
+for NCCL).
 ''')))
 
 # %% [markdown]

@@ -14,7 +14,7 @@ How a launch keeps processes safe from a notebook:
   sockets are bound to the loopback interface (GLOO_SOCKET_IFNAME, unless you set it), not to
   whatever the hostname resolves to.
 * Every collective has a timeout (RunConfig.timeout_s), so a rank waiting on a peer that never
-  comes raises instead of hanging for torch's default 30 minutes.
+  comes raises instead of hanging for torch's default (30 minutes for gloo, 10 for NCCL).
 * Each rank watches its parent and exits when the parent is gone, so killing the kernel leaves
   no rank behind, even one blocked inside a collective (or stopped: the kernel's
   PR_SET_PDEATHSIG). Each rank leads its own process group, and the run ends the group: what

@@ -27,13 +27,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
 import psutil
 import pytest
-from test_process_safety import TINY, assert_all_gone, wait_for_step
+from test_process_safety import TINY, assert_all_gone, kill_the_launcher, wait_for_step
 
 from distlab import RunConfig, RunError, launch
 from distlab.caller import run as run_module
@@ -318,13 +317,4 @@ def test_killing_the_launcher_while_a_rank_is_stopped_leaves_nothing(tmp_path):
             print(" ".join(map(str, run.pids + helpers)), flush=True)
             time.sleep(120)
     """))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 4 and all(pids), pids  # 2 ranks, the fork server, the tracker
-        parent.kill()
-        parent.wait()
-        assert_all_gone(pids, within_s=10.0)
-    finally:
-        if parent.poll() is None:
-            parent.kill()
+    kill_the_launcher(script, expect=4, settle_s=0.0, within_s=10.0)  # 2 ranks, 2 helpers

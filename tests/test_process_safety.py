@@ -134,15 +134,22 @@ def test_ranks_exit_when_the_launching_process_is_killed(tmp_path):
             print(" ".join(map(str, run.pids)) if not run.done else "failed", flush=True)
             time.sleep(120)
     """))
+    # rank 0 is blocked in the all-reduce of step 1 a second after the pids are printed
+    kill_the_launcher(script, expect=2, settle_s=1.0, within_s=5.0)
+
+
+def kill_the_launcher(script, expect: int, settle_s: float, within_s: float):
+    """Run `script`, which launches a run and prints the pids it watches on one line; SIGKILL
+    it `settle_s` later and assert that every printed pid is gone within `within_s`."""
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ})
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2
-        time.sleep(1.0)  # rank 0 is now blocked in the all-reduce of step 1
+        assert len(pids) == expect and all(pids), pids
+        time.sleep(settle_s)
         parent.kill()
         parent.wait()
-        assert_all_gone(pids, within_s=5.0)
+        assert_all_gone(pids, within_s=within_s)
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import optuna
@@ -222,3 +223,22 @@ def test_a_trial_prints_no_progress_line_in_a_notebook(monkeypatch, capsys):
                     timeout_s=60)
     result = search.run_trial(cfg)
     assert result.steps_run == 2 and capsys.readouterr().out == ""
+
+
+def test_trials_keep_to_their_own_folder_and_evict_no_notebook_run(monkeypatch, tmp_path):
+    # 12's (now 13's) ~90 search runs deleted every run of 00, 10 and 11 under the runs
+    # root's retention, the folder 00 printed included (issue 25)
+    from distlab import RunConfig, launch
+    monkeypatch.setenv("DISTLAB_RUNS", str(tmp_path))
+    monkeypatch.setenv("DISTLAB_KEEP_RUNS", "2")
+    cfg = RunConfig(steps=2, n_layer=1, n_embd=16, n_head=2, seq_len=8, global_batch=4,
+                    timeout_s=60)
+    notebook_run = launch(cfg).wait(timeout=120)
+    hour_ago = time.time() - 3600  # not busy: retention may take it (it keeps busy folders)
+    for where, _, files in os.walk(notebook_run.dir):
+        for f in files + [""]:
+            os.utime(os.path.join(where, f), (hour_ago, hour_ago))
+    for _ in range(3):
+        search.run_trial(cfg)
+    assert os.path.isdir(notebook_run.dir)  # before: the third trial's launch deleted it
+    assert len(os.listdir(tmp_path / search.TRIALS_FOLDER)) == 3

@@ -256,12 +256,18 @@ class StepFeed:
             t.close()
 
 
+TRIALS_FOLDER = "search-trials"  # under the runs root: where run_trial's runs go by default
+
+
 def run_trial(cfg: RunConfig, trial: optuna.Trial | None = None, report_rows: int = 0,
               prune: bool = False) -> TrialRun:
     """Launch `cfg` and follow it live: every report_rows rows, report the window's mean loss to
     `trial`; with prune=True stop the run as soon as trial.should_prune() says so. Returns
     what the run measured; the held-out loss needs cfg.eval_every (its last "eval" event)."""
     t0 = time.perf_counter()
+    if not cfg.runs_root:  # a study's many runs keep to a folder of their own, so the runs
+        # root's retention (the newest 100) never trades the notebooks' runs for trials
+        cfg = cfg.replace(runs_root=os.path.join(runs_root(), TRIALS_FOLDER))
     run = launch(cfg)
     feed = StepFeed(run)
     curve, pruned_at = [], None

@@ -43,11 +43,15 @@ def no_space_left(e: BaseException) -> bool:
     return False
 
 
+FULL_DISK_BYTES = 1 << 20  # a save that failed with less than this free failed for space
+
+
 def _free_bytes(path: str) -> int:
     try:
         return shutil.disk_usage(path).free
-    except OSError:
-        return 0
+    except OSError:  # the folder is gone (removed by a peer's cleanup): ask its parent
+        parent = os.path.dirname(path)
+        return _free_bytes(parent) if parent != path else 1 << 62
 
 
 class Checkpointer:
@@ -112,11 +116,13 @@ class Checkpointer:
         try:
             self._write(step, reason, final, tmp)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, OSError) or no_space_left(e):  # this rank's write failed: the
-                shutil.rmtree(tmp, ignore_errors=True)  # partial save must not hold the disk
+            # a full disk, said by errno or not (torch's zip writer reports "unexpected pos")
+            full = no_space_left(e) or _free_bytes(self.root) < FULL_DISK_BYTES
+            if isinstance(e, OSError) or full:  # this rank's write failed: the partial save
+                shutil.rmtree(tmp, ignore_errors=True)  # must not hold the disk
             # (a peer that died mid-save leaves the temporary, as a killed job would: the next
             # save's prune removes it, and a resume never reads it)
-            if no_space_left(e):
+            if full:
                 raise CheckpointError(
                     f"no space left on device saving step {step}'s checkpoint under "
                     f"{self.root} ({_free_bytes(self.root):,} bytes free): free some space or "

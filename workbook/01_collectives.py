@@ -61,8 +61,9 @@ from distlab.lab.collectives import (
     compare_allreduce,
     counted_ratios,
     fit_loopback,
-    listening_addresses,
     link_model_figure,
+    listening_addresses,
+    listens_everywhere,
     ratio_list,
     show_collectives,
     size_label,
@@ -112,7 +113,7 @@ print(f"server on 127.0.0.1:{server.port} (chosen by the OS); key written by the
 where = listening_addresses(server.port)  # '::' is every interface (IPv6, and IPv4 mapped)
 print(f"the kernel says the server listens on {where}: " + (
     "every interface, although the host given was 127.0.0.1"
-    if {"::", "0.0.0.0"} & set(where) else "loopback only, as asked"))
+    if listens_everywhere(where) else "loopback only, as asked"))
 assert server.port > 0 and server.get("rank3/addr") == b"127.0.0.1:whatever-port-rank-3-listens-on"
 del client, server  # closes the port
 

@@ -105,7 +105,7 @@ from distlab.lab.memory_and_precision import (
     sweep_figure,
 )
 from distlab.theory.estimate import autocast_weight_copy_bytes
-from distlab.lab.runs import launch_together, max_step_loss_diff
+from distlab.lab.runs import launch_together, max_step_loss_diff, median_step_change
 
 torch.set_num_threads(1)  # this kernel's own few computations: one thread, like each rank
 
@@ -651,7 +651,7 @@ print(f"fastest within the budget on this machine: {fastest['step']} "
 # accumulation alone reaches batch 32 as well: its losses equal the whole batch's
 whole = timed1["fp32"].losses()
 alone_diff = max_step_loss_diff(timed1["accumulation alone"].losses(), whole)
-step_change = sorted(abs(whole[i + 1] - whole[i]) for i in range(len(whole) - 1))[len(whole) // 2]
+step_change = median_step_change(whole)
 say(f"accumulation alone vs the whole batch: largest loss difference {alone_diff:.1e} over "
     f"{len(whole)} steps; the loss's median change per step {step_change:.1e}")
 assert alone_diff < ACCUM_TOL < step_change / 10

@@ -82,7 +82,7 @@ from distlab.theory.estimate import (
     zero_table,
 )
 from distlab.lab.common import claim, claims_table, say, table
-from distlab.lab.runs import launch_together, worst_param_diff
+from distlab.lab.runs import launch_together, median_step_change, worst_param_diff
 from distlab.lab.zero_and_fsdp import (
     WIRE_GLOO,
     MemoryExplorer,
@@ -93,7 +93,6 @@ from distlab.lab.zero_and_fsdp import (
     fmt_gb,
     global_norms,
     limit_label,
-    median_step_change,
     memory_by_rank,
     memory_figure,
     memory_rows,

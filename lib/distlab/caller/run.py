@@ -225,7 +225,7 @@ class Run:
                                                  f"(RunConfig.timeout_s + {SILENCE_GRACE_S:g} s)")
         return None
 
-    def _stuck_rank_error(self, r: int, what: str) -> "RunError":
+    def _stuck_rank_error(self, r: int, what: str, more: str = "") -> "RunError":
         last = self.last_steps().get(r, -1)
         state = process_state(self.pids[r])
         if state in ("T", "t"):
@@ -235,7 +235,7 @@ class Run:
         else:
             how = "it is alive and neither stepping nor failing; its stack below"
             stack = self._dump_stack(r)
-        return RunError(r, f"rank {r} {what}; {how}. Last step it logged: {last}", stack,
+        return RunError(r, f"rank {r} {what}; {how}. Last step it logged: {last}{more}", stack,
                         last + 1)
 
     def _dump_stack(self, r: int) -> str:
@@ -274,11 +274,10 @@ class Run:
             return None
         stopped = [r for r in live if process_state(self.pids[r]) in ("T", "t")]
         r = (stopped or sorted(live, key=lambda r: (last.get(r, -1), r)))[0]
-        err = self._stuck_rank_error(r, f"never joined the collective rank {w} waited for "
-                                        f"(it timed out after {self.cfg.timeout_s:g} s, "
-                                        f"RunConfig.timeout_s)")
-        err.message += f". Last step logged per rank: {_per_rank(last)}"
-        return RunError(err.rank, err.message, err.traceback, err.step)
+        return self._stuck_rank_error(r, f"never joined the collective rank {w} waited for "
+                                         f"(it timed out after {self.cfg.timeout_s:g} s, "
+                                         f"RunConfig.timeout_s)",
+                                      f". Last step logged per rank: {_per_rank(last)}")
 
     def _root_cause(self, codes: dict) -> RunError:
         import signal as _signal

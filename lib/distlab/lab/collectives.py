@@ -236,6 +236,13 @@ def listening_addresses(port: int) -> list[str]:
                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
 
 
+def listens_everywhere(addresses) -> bool:
+    """Whether any of the addresses is the unspecified one ('::' or its IPv4 twin): a socket
+    bound there accepts connections on every interface of the machine."""
+    import ipaddress
+    return any(ipaddress.ip_address(a).is_unspecified for a in addresses)
+
+
 def size_label(nbytes: int) -> str:
     """A tensor size as the notebook names it: "4 MiB", "256 KiB" (binary units)."""
     return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / KiB:g} KiB"

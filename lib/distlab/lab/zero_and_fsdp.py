@@ -85,12 +85,6 @@ def global_norms(run: Run, rank: int = 0) -> list[float]:
                                            key=lambda e: e["step"])]
 
 
-def median_step_change(losses: list[float]) -> float:
-    """The median |loss[t+1] - loss[t]|: how far the loss moves in one ordinary step, which a
-    tolerance on loss gaps must stay well below to catch a real divergence."""
-    return sorted(abs(losses[t + 1] - losses[t]) for t in range(len(losses) - 1))[len(losses) // 2]
-
-
 def comm_by_step(run: Run, rank: int) -> list[dict]:
     """One rank's {kind: bytes_sent} for every step, in step order."""
     return [{k: v["bytes_sent"] for k, v in comm(e).items()}

@@ -28,13 +28,14 @@ long each algorithm takes on a given link.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from distlab import gloo_exit, wire
+from distlab import gloo_exit, step_ledger, wire
 from distlab.units import tensor_bytes
 
 
@@ -68,6 +69,29 @@ _IN_FLIGHT: list = []
 def _busy() -> bool:
     _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()]
     return bool(_IN_FLIGHT)
+
+
+@contextlib.contextmanager
+def steps_explained(group):
+    """A collective that fails while the ranks are at different steps (distlab.step_ledger)
+    fails with that said first."""
+    try:
+        yield
+    except RuntimeError as e:
+        why = step_ledger.disagreement(group)
+        if why is None:
+            raise
+        raise RuntimeError(f"{why}.\n{e}") from e
+
+
+def _forget(work) -> None:
+    """A waited Work leaves _IN_FLIGHT now: it holds its tensors, and a result with an autograd
+    graph (tensor parallelism's g) would otherwise keep the graph, and through its saved-tensor
+    hooks the model, alive after the run (Works are invisible to Python's collector)."""
+    for i, w in enumerate(_IN_FLIGHT):
+        if w is work:
+            del _IN_FLIGHT[i]
+            return
 
 
 class Pending:
@@ -111,8 +135,10 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self.waited is None:
             t0 = time.perf_counter()
-            self.work.wait()
+            with steps_explained(self.comm.group):
+                self.work.wait()
             self.waited = time.perf_counter()
+            _forget(self.work)
             self.done = self.done if self.done is not None else self.waited
             self.comm._add(self.kind, 0, 0, self.waited - t0, calls=0)
         return self.result
@@ -157,7 +183,8 @@ class Comm:
         and the bytes the kernel saw written meanwhile if nothing else was in flight."""
         w0 = self._wire_start()
         t0 = time.perf_counter()
-        out = fn()
+        with steps_explained(self.group):
+            out = fn()
         seconds = time.perf_counter() - t0
         self._add(kind, sent, recv, seconds, wire_sent=self._wire_stop(kind, w0))
         return out

@@ -52,6 +52,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
     correct code without the feature does (NoLossScaling scales by 1, NoCheckpoints restores
     step 0, NoNanCheck checks nothing, Bugs with bug="none" changes nothing), so the loop
     below has no branch on a feature's being on."""
+    if cfg.processes != world:  # the batch split and the mesh were checked for world_size
+        raise ValueError(f"RunConfig(strategy={cfg.strategy!r}, world_size={cfg.world_size}) "
+                         f"runs in {cfg.processes} processes but this launch has {world}: set "
+                         f"world_size to match (launch(cfg) starts cfg.processes)")
     torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
     comm = Comm()
     model = build_model(cfg).to(device)

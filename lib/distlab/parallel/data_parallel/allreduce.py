@@ -68,10 +68,11 @@ def broadcast_buffers(comm, model, src: int = 0):
             comm.broadcast(b, src=src)
 
 
-def ranks_with_data(comm, has_data: bool) -> list[int]:
+def ranks_with_data(comm, has_data: bool, device=None) -> list[int]:
     """Join, each step: all-reduce a one-hot "I have data" vector. Every rank learns the same
-    list of ranks that still have a batch (empty: everyone is done)."""
-    flags = torch.zeros(comm.world)
+    list of ranks that still have a batch (empty: everyone is done). `device`: the model's
+    (NCCL all-reduces GPU tensors only)."""
+    flags = torch.zeros(comm.world, device=device)
     flags[comm.rank] = float(has_data)
     comm.all_reduce(flags)
     return [r for r in range(comm.world) if flags[r] > 0]
@@ -151,7 +152,9 @@ class AllReduceDP(ReplicatedDP):
         rows = read_batch(self, data, step)
         with explain_uneven_inputs(self):
             if self.cfg.join:
-                before, self.active = self.active, ranks_with_data(self.comm, rows is not None)
+                dev = next(self.model.parameters()).device
+                has_data = rows is not None
+                before, self.active = self.active, ranks_with_data(self.comm, has_data, dev)
                 if not self.active:  # no rank has data: the run ends
                     self._final_sync(before)
                     return None

@@ -68,6 +68,8 @@ from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.compression import TopK
 from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.parallel.weak_hooks import on_gradient_accumulated
+from distlab.step_ledger import StepCounter
 from distlab.units import MiB
 
 
@@ -192,6 +194,7 @@ class DistributedDataParallel(nn.Module):
         self._next = 0  # next bucket to launch (buckets launch in index order)
         self._t0 = self._t_end = 0.0
         self.timeline: dict = {}  # the last synchronising backward's (see the module's doc)
+        self._steps = StepCounter("DistributedDataParallel")  # a failing collective says so
         with torch.no_grad():  # every replica starts from rank 0's state
             for t in list(module.parameters()) + list(module.buffers()):
                 self.comm.broadcast(t.data, src=0)
@@ -200,7 +203,7 @@ class DistributedDataParallel(nn.Module):
                         for i, idx in enumerate(plan_buckets(params, bucket_mb * MiB))]
         for b in self.buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
+                on_gradient_accumulated(p, self._bucket_ready, b.index)  # weak: weak_hooks
         self._layout = self._param_layout()
         attach_comm(module, self.comm)  # distlab's SyncBatchNorm shares statistics over these
 
@@ -250,9 +253,13 @@ class DistributedDataParallel(nn.Module):
         if self._open:
             return
         self._open, self._next, self._t0 = True, 0, time.perf_counter()
+        self._steps.begin()
         for b in self.buckets:
             b.pending, b.handle, b.ready, b.start = len(b.params), None, None, None
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _bucket_ready(self, index: int, p: nn.Parameter):
+        self._grad_ready(self.buckets[index])
 
     def _grad_ready(self, bucket: Bucket):
         if not self._backward_syncs:

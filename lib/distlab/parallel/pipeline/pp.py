@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from distlab.comm import Comm
 from distlab.parallel.base import Strategy
+from distlab.step_ledger import StepCounter
 
 # The convention each textbook formula uses (see bubble_formula).
 FORMULA_CONVENTION = {"naive": "total", "gpipe": "total", "1f1b": "total",
@@ -193,7 +194,7 @@ def _header(t: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"a stage's output goes to the next stage as one tensor of at most "
                         f"{_MAX_DIMS} dims and a dtype in {_DTYPES}; got {t.dtype}, "
                         f"{t.dim()} dims")
-    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=t.device)  # NCCL: on the GPU
     h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
     h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return h
@@ -249,6 +250,10 @@ class PipelineSchedule:
         self.outputs: dict[int, tuple] = {}  # stage -> (shape, dtype) its header announced
         self.timed, self.delay, self.info = timed, op_delay_s, {}
         self._in_step = False
+        self._steps = StepCounter("PipelineSchedule")  # a failing send/recv says so
+        # where received activations land: the stages' device (NCCL sends only GPU tensors)
+        self.device = next((p.device for st in self.stages for p in st.parameters()),
+                           torch.device("cpu"))
         for c, st in enumerate(self.stages):
             st._distlab_pipeline = self
             st.register_forward_pre_hook(lambda mod, args, s=self.ids[c]: self._outside(s))
@@ -310,6 +315,7 @@ class PipelineSchedule:
             meta = (tuple(xs[0].shape), xs[0].dtype)
             self._same_shape(0, meta, "micro-batch input", self.inputs)
         self._in_step = True
+        self._steps.begin()
         try:
             return self._run(xs, ys, scale_loss or (lambda loss: loss))
         finally:
@@ -386,11 +392,12 @@ class PipelineSchedule:
     def _receive_activation(self, mb, s, c):
         t0 = time.perf_counter()
         if s not in self.inputs:  # first step: the shape header comes first
-            h = self.meta.recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64), self._peer(s - 1),
+            h = self.meta.recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device),
+                               self._peer(s - 1),
                                "pp_shapes", self._header_tag(s))
             self.inputs[s] = _from_header(h)
         shape, dtype = self.inputs[s]
-        inp = torch.empty(shape, dtype=dtype)
+        inp = torch.empty(shape, dtype=dtype, device=self.device)
         self.comm.recv(inp, self._peer(s - 1), "pp_recv_act", self._tag(mb, s, False))
         self._record("recv", mb, c, t0)
         return inp.requires_grad_() if inp.is_floating_point() else inp

@@ -42,6 +42,7 @@ from distlab.comm import Comm
 from distlab.modules import name_matches
 from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.base import Strategy
+from distlab.parallel.weak_hooks import on_gradient
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
          "reduce_scatter": "sp.reduce_scatter", "grads": "sp.grad_all_reduce",
@@ -57,7 +58,7 @@ def _all_reduce(comm, x):
 def _gather_seq(comm, x):
     """(B, T/t, d) on each rank -> (B, T, d), rank r's block at rows r·T/t."""
     x = x.contiguous()
-    out = torch.empty(comm.world * x.numel(), dtype=x.dtype)
+    out = torch.empty(comm.world * x.numel(), dtype=x.dtype, device=x.device)
     comm.all_gather_async(out, x.view(-1), kind=KINDS["all_gather"]).wait()
     B, Tl, d = x.shape
     return out.view(comm.world, B, Tl, d).transpose(0, 1).reshape(B, comm.world * Tl, d)
@@ -75,7 +76,7 @@ def _reduce_scatter_seq(comm, x):
     t = comm.world
     _check_seq(comm, T)
     blocks = x.reshape(B, t, T // t, d).transpose(0, 1).contiguous().view(-1)
-    out = torch.empty(B * (T // t) * d, dtype=x.dtype)
+    out = torch.empty(B * (T // t) * d, dtype=x.dtype, device=x.device)
     comm.reduce_scatter_async(out, blocks, kind=KINDS["reduce_scatter"]).wait()
     return out.view(B, T // t, d)
 
@@ -477,10 +478,11 @@ class _PartialGrads:
     def __init__(self, comm, params):
         self.comm, self.params = comm, list(params)
         self.arrived: dict[int, torch.Tensor] | None = None
-        for p in self.params:
-            p.register_hook(lambda g, p=p: self._arrive(p, g))
+        for i, p in enumerate(self.params):
+            on_gradient(p, self._arrive, i)  # weak: a hook holding p would never be freed
 
-    def _arrive(self, p, g):
+    def _arrive(self, i, g):
+        p = self.params[i]
         if self.arrived is None:
             self.arrived = {}
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -521,7 +523,7 @@ def full_state_dict(module: nn.Module) -> dict:
 
 def _gather_block(comm, x, dim):
     x = x.contiguous()
-    out = torch.empty(comm.world * x.numel(), dtype=x.dtype)
+    out = torch.empty(comm.world * x.numel(), dtype=x.dtype, device=x.device)
     comm.all_gather(out, x.view(-1))
     return torch.cat(list(out.view(comm.world, *x.shape)), dim=dim)
 
@@ -627,8 +629,9 @@ class TensorParallel(Strategy):
             sharded_ids.add(id(m.weight))
             if style == "colwise" and m.bias is not None:
                 sharded_ids.add(id(m.bias))
-        sq_sh = torch.zeros(1)
-        sq_rep = torch.zeros(1)
+        dev = next(model.parameters()).device  # the norm is all-reduced where the grads are
+        sq_sh = torch.zeros(1, device=dev)
+        sq_rep = torch.zeros(1, device=dev)
         for p in model.parameters():
             if p.grad is not None:
                 (sq_sh if id(p) in sharded_ids else sq_rep).add_(p.grad.pow(2).sum())

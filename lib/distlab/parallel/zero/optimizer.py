@@ -50,7 +50,6 @@ optimizer's step() over a marked parameter raise an error that says what to do.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +58,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distlab.comm import Comm, Pending
 from distlab.parallel.agree import agree
+from distlab.parallel.weak_hooks import on_gradient_accumulated
+from distlab.step_ledger import StepCounter
 from distlab.units import tensor_bytes
 
 
@@ -241,6 +242,9 @@ class ShardedGradients:
         self._inflight: list[Unit] = []  # stages 2/3: reduce-scatters in flight
         self._stale = False  # stage 1: the flat gradients hold the last step's reduction
         self.grad_bytes_live = self.grad_bytes_peak = 0  # stages 2/3: flat gradients alive
+        # steps begun, where each step's first collective starts: stage 1 its reduce, stage 2
+        # a synchronising backward (fully_shard counts its forwards); distlab.step_ledger
+        self._steps = StepCounter("ZeroOptimizer")
 
     def add_unit(self, name: str, params: list, master_on_cpu: bool = False) -> Unit:
         u = make_unit(len(self.units), name, params, self.comm, own_shard=self.stage == 3,
@@ -253,7 +257,7 @@ class ShardedGradients:
         else:
             u.grad_shard = torch.zeros_like(u.shard)  # the master's dtype (fp32 under bf16)
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, u, i))
+            on_gradient_accumulated(p, self._grad_ready_at, u.index, i)
         self.units.append(u)
         return u
 
@@ -272,6 +276,9 @@ class ShardedGradients:
             yield
         finally:
             self._sync = old
+
+    def _grad_ready_at(self, unit: int, i: int, p: nn.Parameter):
+        self._grad_ready(self.units[unit], i, p)  # by index: the hook holds no unit (weak_hooks)
 
     def _grad_ready(self, u: Unit, i: int, p: nn.Parameter):
         """Parameter i of unit u has its gradient (a hook, during backward)."""
@@ -302,6 +309,8 @@ class ShardedGradients:
         if self._bwd_open:
             return
         self._bwd_open = True
+        if self.stage == 2 and self._sync:
+            self._steps.begin()
         while self._inflight:  # the last backward's: its flat gradients are about to refill
             self._finish_reduce(self._inflight.pop(0))
         for u in self.units:
@@ -350,6 +359,7 @@ class ShardedGradients:
         if self.stage == 1:
             if self._stale:
                 return
+            self._steps.begin()
             for u in self.units:
                 for i, p in enumerate(u.params):  # a .grad that is not the view: copy it in
                     view = u.piece(u.grad_full, i)

@@ -21,6 +21,7 @@ from distlab import (
     ColwiseParallel,
     DistributedDataParallel,
     RowwiseParallel,
+    RunError,
     ZeroOptimizer,
     fully_shard,
     parallelize_module,
@@ -121,3 +122,47 @@ def test_every_rank_names_the_difference_and_the_ranks(launched, case):
 def test_ranks_built_alike_pass(launched):
     assert [out["all alike"]["error"] for out in launched] == [None] * WORLD
 
+
+
+# -- a step count mismatch ---------------------------------------------------------------------
+def one_more_step(rank, world, device, log, wrapper):
+    """Rank 1 runs one step more than rank 0 (the loop's end condition differs)."""
+    import torch.nn.functional as F
+
+    from distlab import PipelineSchedule
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    if wrapper == "PipelineSchedule":
+        torch.manual_seed(0)
+        stage = nn.Linear(8, 8) if rank == 0 else nn.Linear(8, 4)
+        sched = PipelineSchedule(stage, "1f1b", 2, F.mse_loss, n_stages=2)
+        step = lambda: sched.step(x if rank == 0 else None, y if rank == 1 else None)  # noqa
+    else:
+        model = mlp()
+        if wrapper == "DistributedDataParallel":
+            model = DistributedDataParallel(model)
+        elif wrapper == "ZeroOptimizer":
+            opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+        else:
+            fully_shard(model)
+        step = lambda: F.mse_loss(model(x), y).backward()  # noqa: E731
+    for _ in range(2 + rank):
+        step()
+        if wrapper == "ZeroOptimizer":
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("wrapper, owner", [
+    ("DistributedDataParallel", "DistributedDataParallel"), ("ZeroOptimizer", "ZeroOptimizer"),
+    ("fully_shard", "fully_shard"), ("PipelineSchedule", "PipelineSchedule")])
+def test_a_rank_that_runs_one_more_step_is_reported_as_a_step_mismatch(wrapper, owner):
+    """Before, gloo's bare 'Connection closed by peer' (or a timeout) named no cause; now the
+    failing collective says which step each rank began (distlab.step_ledger)."""
+    t0 = time.perf_counter()
+    with pytest.raises(RunError) as e:
+        run_ranks(one_more_step, 2, wrapper, timeout_s=2)
+    seconds = time.perf_counter() - t0
+    assert "ranks are at different steps" in str(e.value), str(e.value)[:2000]
+    assert f"rank 0 began {owner} step 2" in str(e.value)
+    assert f"rank 1 began {owner} step 3" in str(e.value)
+    assert seconds < 30, seconds

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distlab.comm import steps_explained
 from distlab.config import RunConfig
 from distlab.events import EventLog, rank_log_path, rank_stderr_path
 
@@ -220,8 +221,9 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         if spec.get("save_result"):
             torch.save(result, os.path.join(spec["run_dir"], f"result{rank}.pt"))
         # Leave together: a rank tearing down its connections while a peer still uses them
-        # can abort the peer.
-        dist.barrier()
+        # can abort the peer. A peer still in a step times this out: said as a step mismatch.
+        with steps_explained(None):
+            dist.barrier()
         dist.destroy_process_group()
         log.write("done", last_step=log.last_step)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the caller

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue as queue_mod
+import shutil
 import statistics
+import tempfile
 import time
 from datetime import timedelta
 
@@ -116,14 +118,14 @@ def pick_gpt(free_bytes: int, fraction: float = 0.55, n_embd: int = 2048, n_head
 PROBE_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send/recv")
 
 
-def _probe_rank(rank: int, world: int, backend: str, port: int, gpu: int, timeout_s: float,
+def _probe_rank(rank: int, world: int, backend: str, store_path: str, gpu: int, timeout_s: float,
                 results) -> None:
     import torch.distributed as dist
     try:
         torch.cuda.set_device(gpu)
         dev = torch.device("cuda", gpu)
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+        store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout)
     except Exception as e:  # noqa: BLE001 - reported, not raised
@@ -173,16 +175,16 @@ def probe_collectives(backend: str, world: int = 2, gpu: int = 0,
     on CUDA tensors. Returns {"init": ..., op: ...}, each "ok", "wrong result", the error torch
     raised (from rank 0, or the first rank that reported one), or "not reached (...)" when a
     rank died or the probe timed out. Needs CUDA."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
     if not torch.cuda.is_available():
         raise RuntimeError("probe_collectives needs a CUDA GPU")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    # A FileStore: no listening socket (a TCPStore server listens on every interface)
+    folder = tempfile.mkdtemp(prefix="distlab-probe-")
     procs = [ctx.Process(target=_probe_rank, daemon=True,
-                         args=(r, world, backend, store.port, gpu, timeout_s, results))
+                         args=(r, world, backend, os.path.join(folder, "store"), gpu,
+                               timeout_s, results))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -212,7 +214,7 @@ def probe_collectives(backend: str, world: int = 2, gpu: int = 0,
         else:
             bad = [got[r] for r in sorted(got) if got[r] != "ok"]
             out[op] = bad[0] if bad else "ok"
-    del store
+    shutil.rmtree(folder, ignore_errors=True)
     return out
 
 

@@ -56,6 +56,7 @@ from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.zero.optimizer import ShardedGradients, Unit, claim
+from distlab.step_ledger import StepCounter
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class FullyShard(ShardedGradients):
         super().__init__(3, comm)
         self.module, self.policy, self.reshard = module, policy, reshard_after_forward
         self.optimizer = None  # the ZeroOptimizer stepping the shards, once built
+        self._steps = StepCounter("fully_shard")  # training forwards; a failing collective says
         self.chain: list[list[Unit]] = []  # each spec's units (one per dtype), in spec order
         self.root: list[Unit] = []  # parameters in no unit: gathered all forward and backward
         self.place: dict = {}  # id(param) -> (unit, index in it)
@@ -483,6 +485,8 @@ class FullyShard(ShardedGradients):
                 "frozen, or moved to another dtype/device): its units no longer match them. "
                 "Change the module first, then call fully_shard")
         if not _in_backward():
+            if torch.is_grad_enabled():
+                self._steps.begin()  # a training forward: one step (distlab.step_ledger)
             self._current = None
             for u in self.root:
                 self._gather(u, "forward")

@@ -1,0 +1,62 @@
+"""Which step each rank has begun, kept in the process group's store, so that a collective that
+fails can say when the ranks disagree about the step count.
+
+A rank that runs one more step than its peers waits in a collective that nobody else joins:
+gloo then says only "Timed out waiting ... for recv" once the whole timeout has passed, or
+"Connection closed by peer" if the peer has already exited, and neither names the cause.
+Each wrapper (DistributedDataParallel, fully_shard, ZeroOptimizer, PipelineSchedule) writes
+"<wrapper> <step>" under this rank's key as each of its steps begins: one store write (25 µs
+with a FileStore on the 2-core CPU machine, measured; the store travels on the side, not through
+the collectives). When a collective of distlab.comm.Comm fails, the failing rank reads its
+group's entries (without waiting for a missing one) and, if they differ, the error starts with
+them: "ranks are at different steps: rank 0 began DistributedDataParallel step 3, rank 1 step 2".
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+PREFIX = "distlab/step/"
+
+
+def _store():
+    try:  # the default group's store: torch's own, not a public name (torch 2.6 to 2.13)
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+class StepCounter:
+    """One wrapper's step count on this rank; begin() counts a step and writes it down."""
+
+    def __init__(self, owner: str):
+        self.owner, self.step = owner, 0
+
+    def begin(self) -> None:
+        self.step += 1
+        store = _store()
+        if store is not None:
+            store.set(f"{PREFIX}{dist.get_rank()}", f"{self.owner} {self.step}")
+
+
+def disagreement(group=None) -> str | None:
+    """'ranks are at different steps: ...' when the group's ranks wrote different steps, else
+    None (all equal, or nothing written: a loop that uses none of the wrappers)."""
+    store = _store()
+    if store is None:
+        return None
+    seen = {}
+    try:
+        for r in dist.get_process_group_ranks(group or dist.group.WORLD):
+            key = f"{PREFIX}{r}"
+            if store.check([key]):  # get() would wait for a key that is never written
+                seen[r] = store.get(key).decode()
+    except (RuntimeError, ValueError):  # the store went with its host: no report, no new error
+        return None
+    if len(set(seen.values())) < 2:
+        return None
+    parts = [f"rank {r} began {v.rsplit(' ', 1)[0]} step {v.rsplit(' ', 1)[1]}"
+             for r, v in sorted(seen.items())]
+    return ("ranks are at different steps: " + ", ".join(parts) + ". Every rank must run the "
+            "same number of steps (split the data evenly, e.g. DistributedSampler with "
+            "drop_last=True, and end the loop on the same condition on every rank)")

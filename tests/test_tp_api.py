@@ -234,6 +234,11 @@ def guard_rails():
     out["rowwise without colwise"] = _error(lambda: rowwise_alone(torch.randn(2, 6)))
     sp = parallelize_module(Tiny(), plan("tiny", sp=True))
     out["sequence not divisible"] = _error(lambda: sp(torch.randn(2, 3, 5)))
+    early = MLP()
+    opt = torch.optim.SGD(early.parameters(), lr=0.1)  # before parallelize_module: stale
+    parallelize_module(early, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    out["optimizer built before"] = _error(opt.step)
+    out["optimizer built after"] = _error(torch.optim.SGD(early.parameters(), lr=0.1).step)
     return out
 
 
@@ -308,6 +313,10 @@ def test_guard_rails_say_what_to_do(launched):
     assert "put ColwiseParallel on the linear layer that feeds it" in \
         m["rowwise without colwise"]
     assert "length 3 is not divisible by 2" in m["sequence not divisible"]
+    # before the check this trained nothing, silently (losses = the untrained model's)
+    assert "named 'fc1.weight'" in m["optimizer built before"]
+    assert "Build the optimizer after parallelize_module" in m["optimizer built before"]
+    assert m["optimizer built after"] == "no error"
 
 
 def test_exported():

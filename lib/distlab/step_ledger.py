@@ -30,13 +30,17 @@ class StepCounter:
     """One wrapper's step count on this rank; begin() counts a step and writes it down."""
 
     def __init__(self, owner: str):
-        self.owner, self.step = owner, 0
+        self.owner, self.step, self.off = owner, 0, False
 
     def begin(self) -> None:
         self.step += 1
-        store = _store()
-        if store is not None:
+        store = None if self.off else _store()
+        if store is None:
+            return
+        try:
             store.set(f"{PREFIX}{dist.get_rank()}", f"{self.owner} {self.step}")
+        except RuntimeError:  # a FileStore on a full disk: the ledger stops, not the run
+            self.off = True
 
 
 def disagreement(group=None) -> str | None:

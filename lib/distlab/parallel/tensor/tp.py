@@ -37,6 +37,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distlab.comm import Comm
 from distlab.modules import name_matches
@@ -428,15 +429,45 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
         with torch.no_grad():  # every rank splits the same weights: rank 0's
             for t in list(module.parameters()) + list(module.buffers()):
                 state.comm.broadcast(t.data, src=0)
+    before = dict(module.named_parameters())
     for name, style in targets:
         new = style.apply(name, module.get_submodule(name) if name else module, state)
         if name:
             parent, _, child = name.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, child, new)
+    _retire(before, {id(p) for p in module.parameters()})
     if state.partial_params:
         state.partial_grads = _PartialGrads(state.comm, state.partial_params)
     module._distlab_tp = state
     return module
+
+
+_RETIRED_HOOK = []  # the global optimizer step pre-hook's handle, once a layer was replaced
+
+
+def _retire(before: dict, live: set) -> None:
+    """Parameters the replaced layers held are no longer the model's: an optimizer built over
+    them (before parallelize_module) would step them and never the model (measured before
+    this check: the losses equalled the untrained model's to 4 digits). Mark them, and refuse
+    such an optimizer's step()."""
+    for name, p in before.items():
+        if id(p) not in live:
+            p._distlab_replaced = name
+    if not _RETIRED_HOOK:
+        _RETIRED_HOOK.append(register_optimizer_step_pre_hook(_refuse_retired))
+
+
+def _refuse_retired(optimizer, args, kwargs):
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = getattr(p, "_distlab_replaced", None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() over a parameter (shape "
+                    f"{tuple(p.shape)}) named {name!r}, which distlab.parallelize_module "
+                    "replaced by its tensor-parallel shard: this optimizer was built before "
+                    "parallelize_module and would never update the model. Build the optimizer "
+                    "after parallelize_module, over model.parameters()")
 
 
 def _describe(style) -> str:

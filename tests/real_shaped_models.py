@@ -6,6 +6,10 @@ NanoGPTLike     nanoGPT's layout: `transformer` an nn.ModuleDict (wte, wpe, drop
                 (`c_attn`), an lm_head tied to wte, forward(idx, targets) -> (logits, loss)
 TitanLike       torchtitan's Llama layout: `layers` an nn.ModuleDict of blocks keyed "0", "1"...
 HFLike          a forward(input_ids, past_key_values=None, labels=None), as Hugging Face's
+GPT2Like        Hugging Face GPT-2's Conv1D layers (a Linear whose weight is stored in x out)
+LlamaLike       Hugging Face Llama's separate q/k/v/o and gate/up/down projections, attention
+                that reshapes by head_dim (so a rank's share of the heads just works), and
+                the model's own tensor-parallel plan in Hugging Face's strings
 """
 
 import torch
@@ -69,6 +73,97 @@ class TitanLike(nn.Module):
 class HFLike(NanoGPTLike):
     def forward(self, input_ids, past_key_values=None, labels=None):
         return super().forward(input_ids, labels)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D as GPT-2 uses it: y = x @ W + b, W stored (nx, nf); nf = out."""
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return y.view(*x.shape[:-1], self.nf)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, d=WIDTH):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * d, d), Conv1D(d, 4 * d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GPT2Like(nn.Module):
+    def __init__(self, layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.h = nn.ModuleList(nn.ModuleDict(dict(ln=nn.LayerNorm(WIDTH), mlp=GPT2MLP()))
+                               for _ in range(layers))
+        self.ln_f = nn.LayerNorm(WIDTH)
+
+    def forward(self, input_ids, labels):
+        x = self.wte(input_ids)
+        for block in self.h:
+            x = x + block.mlp(block.ln(x))
+        logits = self.ln_f(x) @ self.wte.weight.t()  # tied head, as GPT-2's
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d=WIDTH, heads=HEADS):
+        super().__init__()
+        self.head_dim = d // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        shape = (B, L, -1, self.head_dim)  # -1: the heads this rank holds
+        q, k, v = (p(x).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj,
+                                                                 self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d=WIDTH):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d,
+                                                                                bias=False)
+        self.down_proj = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLike(nn.Module):
+    # the shape of transformers' LlamaModel.base_model_tp_plan: module patterns -> strings
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise"}
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            input_layernorm=nn.LayerNorm(WIDTH), self_attn=LlamaAttention(),
+            post_attention_layernorm=nn.LayerNorm(WIDTH), mlp=LlamaMLP()))
+            for _ in range(layers))
+        self.norm, self.lm_head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels):
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm_head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def nanogpt(cfg):

@@ -1,7 +1,9 @@
 """Hugging Face's GPT-2 (Conv1D layers, lm_head tied to wte) and Llama (rotary embeddings,
 grouped KV heads), built from small configs with random weights, nothing downloaded, under
 distlab's public API on 2 ranks, against one process on the same global batch, with the HF
-Trainer's clipping line. Optional: skipped where transformers is not installed (distlab does
+Trainer's clipping line: DistributedDataParallel, ZeroOptimizer stages 1 and 2, fully_shard,
+and parallelize_module with the model's own plan (Llama's config.base_model_tp_plan; GPT-2's
+Conv1D MLP layers). Optional: skipped where transformers is not installed (distlab does
 not depend on it; `pip install transformers` runs it).
 
 Tolerance ATOL = 1e-5 as in tests/test_real_shapes.py: fp32, SGD lr 0.1, 3 steps; only the
@@ -64,3 +66,28 @@ def test_hf_models_train_under_the_public_api_as_one_process(kind):
         for r, state in enumerate(run_ranks(sharded, 2, kind, how, timeout_s=120)):
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
             assert worst <= ATOL, (kind, how, r, worst)
+
+
+def tensor_parallel(rank, world, device, log, kind):
+    """The model's own plan (Llama: config.base_model_tp_plan, strings relative to the base
+    model) or GPT-2's MLP Conv1D layers; every rank feeds the whole batch under TP."""
+    from distlab import parallelize_module
+    from distlab.parallel.tensor.tp import full_state_dict
+    model = build(kind)
+    base, plan = ((model.transformer, {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"})
+                  if kind == "gpt2" else (model.model, model.config.base_model_tp_plan))
+    parallelize_module(base, plan)
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
+    return {k: v.clone() for k, v in full_state_dict(base).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_models_train_tensor_parallel_with_their_own_plan_as_one_process(kind):
+    model = build(kind)
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
+    ref = (model.transformer if kind == "gpt2" else model.model).state_dict()
+    for r, state in enumerate(run_ranks(tensor_parallel, 2, kind, timeout_s=120)):
+        assert state.keys() == ref.keys(), (kind, r)
+        worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
+        assert worst <= ATOL, (kind, r, worst)

@@ -205,3 +205,56 @@ def test_a_column_split_of_a_fused_projection_is_warned_about():
     # before: it "succeeded", and the model failed later in its own split of q, k, v
     for said in run_ranks(split_the_fused_projection, 2, timeout_s=60):
         assert len(said) == 1 and "'transformer.h.0.c_attn' (32 -> 96)" in said[0], said
+
+
+# -- TP on Hugging Face's layers and plans -----------------------------------------------------
+GPT2_PLAN = {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}  # Conv1D layers
+
+
+def tp_against_one_process(rank, world, device, log, which):
+    """Train the model tensor-parallel and, on the same rank, unsharded (the one-process
+    reference: every rank feeds the whole batch under TP); return the largest differences."""
+    from distlab import parallelize_module
+    from distlab.parallel.tensor.tp import full_state_dict
+    make, plan = ((R.GPT2Like, GPT2_PLAN) if which == "gpt2"
+                  else (R.LlamaLike, R.LlamaLike.base_model_tp_plan))
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    model = parallelize_module(make(), plan)
+    data = R.Shifted()
+    losses, norms = {"tp": [], "ref": []}, {"tp": [], "ref": []}
+    for m, key in ((model, "tp"), (ref, "ref")):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        for step in range(3):
+            loss = m(*data.global_batch(step, 8))
+            loss.backward()
+            norms[key].append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+            opt.step()
+            opt.zero_grad()
+            losses[key].append(loss.item())
+    whole, want = full_state_dict(model), ref.state_dict()
+    return {"loss": max(abs(a - b) for a, b in zip(losses["tp"], losses["ref"])),
+            "norm": max(abs(a - b) / b for a, b in zip(norms["tp"], norms["ref"])),
+            "clipped": min(norms["ref"]) > 0.5,
+            "param": max((whole[k] - want[k]).abs().max().item() for k in want),
+            "shapes": {k: tuple(v.shape) for k, v in whole.items()} ==
+                      {k: tuple(v.shape) for k, v in want.items()},
+            "local c_fc": tuple(model.h[0].mlp.c_fc.weight.shape) if which == "gpt2" else None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_tp_takes_conv1d_layers_and_hugging_face_string_plans(which):
+    """GPT-2's Conv1D layers split as the Linear they are (before: refused), LlamaLike's own
+    base_model_tp_plan of strings ("colwise", "rowwise") taken as is (before: refused as not a
+    distlab style), and torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5), the HF
+    Trainer's line, clipping by the global norm (before: by each rank's local norm). Tolerance 1e-5: fp32, the row split sums its partial products in another
+    order than one matmul does (differences of order 1e-7 per step, 3 steps)."""
+    for r, out in enumerate(run_ranks(tp_against_one_process, 2, which, timeout_s=60)):
+        assert out["loss"] <= 1e-5 and out["param"] <= 1e-5, (which, r, out)
+        # torch's clip habit: the global norm (before, each rank's local one: rank-dependent)
+        assert out["clipped"] and out["norm"] <= 1e-5, (which, r, out)
+        assert out["shapes"], (which, r, "full_state_dict layout differs from the model's")
+        if which == "gpt2":  # Conv1D (nx=32, nf=128): rank's Linear block is (64, 32)
+            assert out["local c_fc"] == (64, 32), out

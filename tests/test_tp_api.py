@@ -227,7 +227,9 @@ def guard_rails():
            "two styles": _error(lambda: parallelize_module(
                Tiny(), {"blocks.*.attn.q": ColwiseParallel(),
                         "blocks.0.attn.*": ColwiseParallel()})),
-           "torch style": _error(lambda: parallelize_module(MLP(), {"fc1": "colwise"}))}
+           "torch style": _error(lambda: parallelize_module(MLP(), {"fc1": 3})),
+           "unknown HF style": _error(lambda: parallelize_module(
+               MLP(), {"fc1": "colwise_rep"}))}
     model = parallelize_module(MLP(), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     out["twice"] = _error(lambda: parallelize_module(model, {"pre": ColwiseParallel()}))
     rowwise_alone = parallelize_module(MLP(), {"fc2": RowwiseParallel()})
@@ -309,6 +311,7 @@ def test_guard_rails_say_what_to_do(launched):
     assert "out_features=3 is not divisible by the group's 2 ranks" in m["not divisible"]
     assert "matches plan entries" in m["two styles"]
     assert "not a distlab style" in m["torch style"]
+    assert "of Hugging Face's style names distlab takes 'colwise'" in m["unknown HF style"]
     assert "already tensor-parallel" in m["twice"] and "call it once" in m["twice"]
     assert "put ColwiseParallel on the linear layer that feeds it" in \
         m["rowwise without colwise"]

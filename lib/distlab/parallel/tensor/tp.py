@@ -44,6 +44,7 @@ from distlab.modules import name_matches
 from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.base import Strategy
 from distlab.parallel.weak_hooks import on_gradient
+from distlab.parallel.zero.optimizer import route_torch_clip
 
 KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
          "reduce_scatter": "sp.reduce_scatter", "grads": "sp.grad_all_reduce",
@@ -273,6 +274,7 @@ class ColwiseParallel:
         self.input_layout = _layout(input_layout, "input_layout")
 
     def apply(self, name, module, state):
+        module = _as_linear(name, module, state)
         _check_linear(self, name, module, "out_features", state.comm.world)
         _warn_if_fused(name, module)
         state.sharded[name] = "colwise"
@@ -288,6 +290,7 @@ class RowwiseParallel:
         self.output_layout = _layout(output_layout, "output_layout")
 
     def apply(self, name, module, state):
+        module = _as_linear(name, module, state)
         _check_linear(self, name, module, "in_features", state.comm.world)
         state.sharded[name] = "rowwise"
         new = RowParallelLinear(module, state.comm, self.output_layout, name)
@@ -367,13 +370,29 @@ def _warn_if_fused(name: str, module: nn.Linear) -> None:
                       "name each in the plan", stacklevel=3)
 
 
+def _is_conv1d(module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): y = x @ W + b with W stored (in, out), nf = out."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _as_linear(name: str, module, state):
+    """A Conv1D as the nn.Linear it is (weight transposed); split like any Linear, and its
+    whole weight handed back in Conv1D's layout by full_state_dict (state.transposed)."""
+    if not _is_conv1d(module):
+        return module
+    n_in, n_out = module.weight.shape
+    linear = nn.Linear(n_in, n_out, bias=module.bias is not None,
+                       device=module.weight.device, dtype=module.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(module.weight.t())
+        if module.bias is not None:
+            linear.bias.copy_(module.bias)
+    state.transposed.add(name)
+    return linear
+
+
 def _check_linear(style, name, module, dim, t):
     kind = type(style).__name__
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        raise TypeError(f"{kind} on '{name}': Hugging Face's Conv1D is a Linear with its "
-                        "weight transposed (in_features x out_features); distlab's styles "
-                        "split nn.Linear: build the model with nn.Linear layers (GPT-2's "
-                        "weights load transposed), or leave this layer out of the plan")
     if not isinstance(module, nn.Linear):
         raise TypeError(f"{kind} applies to nn.Linear; '{name}' is a {type(module).__name__}. "
                         f"Name its linear layers in the plan (norms and dropout: "
@@ -385,6 +404,40 @@ def _check_linear(style, name, module, dim, t):
 
 
 # -- parallelize_module --------------------------------------------------------------------------
+def sharded_ids(module: nn.Module, sharded: dict) -> set[int]:
+    """ids of the parameters split across the ranks: the sharded layers' weights, and the
+    column-parallel ones' biases (a row-parallel bias is replicated)."""
+    ids = set()
+    for name, style in sharded.items():
+        try:
+            m = module.get_submodule(name)
+        except AttributeError:  # a pipeline stage that does not hold this layer (3d)
+            continue
+        ids.add(id(m.weight))
+        if style == "colwise" and m.bias is not None:
+            ids.add(id(m.bias))
+    return ids
+
+
+def clip_by_global_norm(comm, params: list, sharded: set, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so their global L2 norm is at most max_norm; return that norm.
+    Squares of the sharded gradients are summed across the ranks (one all-reduce of one
+    number), the replicated ones (identical on every rank once backward returned) counted
+    once; torch.nn.utils.clip_grad_norm_'s coefficient max_norm / (norm + 1e-6), at most 1.
+    Every rank of the group calls it with the same parameters."""
+    grads = [(p.grad, id(p) in sharded) for p in params if p.grad is not None]
+    dev = grads[0][0].device if grads else torch.device("cpu")  # NCCL: reduced on the GPU
+    sq_sh, sq_rep = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    for g, split in grads:
+        (sq_sh if split else sq_rep).add_(g.float().pow(2).sum())
+    comm.all_reduce_async(sq_sh, kind=KINDS["norm"]).wait()
+    norm = (sq_sh + sq_rep).sqrt()[0]
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g, _ in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
+
+
 class TensorParallelState:
     """What parallelize_module did to a module (kept as module._distlab_tp): the group's
     Comm, the sharded layers by name ("colwise"/"rowwise"), and the replicated parameters
@@ -393,8 +446,23 @@ class TensorParallelState:
     def __init__(self, comm):
         self.comm, self.entry = comm, _RegionEntry(comm)
         self.sharded: dict[str, str] = {}
+        self.transposed: set[str] = set()  # Conv1D layers: their whole weight is (in, out)
         self.partial_params: list[nn.Parameter] = []
         self.partial_grads = None
+        self.split: set[int] = set()  # ids of the parameters split across the ranks
+
+    def clip_grad_norm_(self, params, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ over this module's parameters: the global norm (each
+        rank holds 1/t of the split layers' gradients, so a local norm would differ by rank
+        and clip each rank's shard by another factor)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"torch.nn.utils.clip_grad_norm_ with norm_type={norm_type} over "
+                             "a tensor-parallel module: distlab computes the global L2 norm "
+                             "only (norm_type=2)")
+        norm = clip_by_global_norm(self.comm, params, self.split, float(max_norm))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is {norm.item()}: non-finite")
+        return norm
 
 
 def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> nn.Module:
@@ -439,6 +507,10 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
     if state.partial_params:
         state.partial_grads = _PartialGrads(state.comm, state.partial_params)
     module._distlab_tp = state
+    state.split = sharded_ids(module, state.sharded)
+    for p in module.parameters():  # torch's clip habit reaches state.clip_grad_norm_
+        p._distlab_tp_clip = state
+    route_torch_clip()
     return module
 
 
@@ -470,6 +542,23 @@ def _refuse_retired(optimizer, args, kwargs):
                     "after parallelize_module, over model.parameters()")
 
 
+# Hugging Face's tensor-parallel plans (a model's `base_model_tp_plan`) name styles by string;
+# the ones with a distlab equivalent, relative to the base model as theirs are.
+HF_STYLES = {"colwise": lambda: ColwiseParallel(), "rowwise": lambda: RowwiseParallel(),
+             "sequence_parallel": lambda: SequenceParallel()}
+
+
+def _from_string(pattern: str, style):
+    if not isinstance(style, str):
+        return style
+    if style not in HF_STYLES:
+        raise ValueError(f"plan[{pattern!r}] = {style!r}: of Hugging Face's style names distlab "
+                         f"takes {', '.join(map(repr, HF_STYLES))}; for the others (gathered, "
+                         "replicated or packed outputs) name a distlab style or leave the layer "
+                         "out of the plan")
+    return HF_STYLES[style]()
+
+
 def _describe(style) -> str:
     """A style as every rank can compare it: its class and settings (no object address)."""
     settings = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(style).items()))
@@ -481,6 +570,7 @@ def _match(module, plan) -> list[tuple[str, object]]:
     names = [n for n, _ in module.named_modules() if n]
     out, owner = [], {}
     for pattern, style in plan.items():
+        style = _from_string(pattern, style)
         if not hasattr(style, "apply"):
             raise TypeError(f"plan[{pattern!r}] is a {type(style).__name__}, not a distlab style: "
                             f"use distlab.ColwiseParallel(), RowwiseParallel(), "
@@ -547,8 +637,10 @@ def full_state_dict(module: nn.Module) -> dict:
         for pname, p in m.named_parameters():
             if style == "rowwise" and pname == "bias":
                 continue  # replicated
-            sd[f"{name}.{pname}"] = _gather_block(state.comm, p.detach(),
-                                                 0 if style == "colwise" else -1)
+            whole = _gather_block(state.comm, p.detach(), 0 if style == "colwise" else -1)
+            if name in state.transposed and pname == "weight":
+                whole = whole.t().contiguous()  # back to Conv1D's (in, out)
+            sd[f"{name}.{pname}"] = whole
     return sd
 
 
@@ -654,26 +746,8 @@ class TensorParallel(Strategy):
     def clip_gradients(self, model, max_norm: float) -> float:
         """Global norm: squares of the sharded gradients summed across ranks, the replicated
         ones (identical on every rank once backward returned) counted once."""
-        sharded_ids = set()
-        for name, style in self.sharded.items():
-            m = model.get_submodule(name)
-            sharded_ids.add(id(m.weight))
-            if style == "colwise" and m.bias is not None:
-                sharded_ids.add(id(m.bias))
-        dev = next(model.parameters()).device  # the norm is all-reduced where the grads are
-        sq_sh = torch.zeros(1, device=dev)
-        sq_rep = torch.zeros(1, device=dev)
-        for p in model.parameters():
-            if p.grad is not None:
-                (sq_sh if id(p) in sharded_ids else sq_rep).add_(p.grad.pow(2).sum())
-        self.comm.all_reduce_async(sq_sh, kind=KINDS["norm"]).wait()
-        norm = float((sq_sh + sq_rep).sqrt())
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        sharded = sharded_ids(model, self.sharded)
+        return float(clip_by_global_norm(self.comm, list(model.parameters()), sharded, max_norm))
 
     def full_state_dict(self, model) -> dict:
         """The unsharded weights under the names `single` uses (a collective: every rank)."""

@@ -166,13 +166,13 @@ def claim(params, owner: str, fix: str, grads: "ShardedGradients") -> None:
         p._distlab_zero = (owner, fix, grads)
     if not _GUARD:
         _GUARD.append(register_optimizer_step_pre_hook(_refuse_outside_step))
-        _route_torch_clip()
+        route_torch_clip()
 
 
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 
 
-def _route_torch_clip() -> None:
+def route_torch_clip() -> None:
     """`torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` is the line nanoGPT, torchtitan
     and the HF Trainer write. Over sharded parameters it would clip nothing (ZeRO-2/3: .grad is
     None) or clip by one rank's unreduced norm (ZeRO-1). From the first sharded parameter on,
@@ -186,10 +186,18 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                     foreach=None):
     """torch.nn.utils.clip_grad_norm_, and over the parameters one ZeroOptimizer or one
     fully_shard model shards: their gradient path's clip_grad_norm_ (the shards scaled by the
-    global L2 norm, which it returns; every rank calls it, as the torch habit has them do).
+    global L2 norm, which it returns; every rank calls it, as the torch habit has them do);
+    over a parallelize_module model's, its state's clip_grad_norm_ (the same global norm).
     Anything it cannot do right (another norm, a subset of the shards, a mix with replicated
     gradients) raises, naming the call that is right."""
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    tp = {id(s): s for p in params if (s := getattr(p, "_distlab_tp_clip", None)) is not None}
+    if tp:  # a tensor-parallel module's (distlab.parallelize_module): its global norm
+        if len(tp) > 1 or any(getattr(p, "_distlab_zero", None) for p in params):
+            raise ValueError("torch.nn.utils.clip_grad_norm_ over parameters of several "
+                             "distlab shardings at once: clip each one's parameters apart")
+        return next(iter(tp.values())).clip_grad_norm_(params, max_norm, norm_type,
+                                                       error_if_nonfinite)
     marks = [getattr(p, "_distlab_zero", None) for p in params]
     if not any(marks):
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)

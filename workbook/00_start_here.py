@@ -32,6 +32,8 @@
 # `06_pipeline_parallel`, `07_3d_parallelism`, `08_lora_finetuning`,
 # `09_checkpoints_and_faults`, `10_your_model`, `11_debugging`, `12_out_of_memory` and
 # `13_search_and_time` (hyper-parameter search and the time to train).
+# The [interview index](../docs/interview_index.md) lists the interview questions the workbook
+# answers, each with the section that answers it and what its runs measured.
 
 # %% tags=["parameters"]
 import os

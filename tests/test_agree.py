@@ -166,3 +166,41 @@ def test_a_rank_that_runs_one_more_step_is_reported_as_a_step_mismatch(wrapper, 
     assert f"rank 0 began {owner} step 2" in str(e.value)
     assert f"rank 1 began {owner} step 3" in str(e.value)
     assert seconds < 30, seconds
+
+
+def rows_per_rank(rank, world, device, log, uneven):
+    """DDP over 3 steps; rank r feeds 4 + 2r rows when uneven (a random split, a last batch)."""
+    import warnings
+
+    import torch.nn.functional as F
+    model = DistributedDataParallel(mlp())
+    rows = 4 + 2 * rank if uneven else 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            F.mse_loss(model(torch.randn(rows, 8)), torch.randn(rows, 4)).backward()
+    return [str(w.message) for w in caught if "different numbers of rows" in str(w.message)]
+
+
+def test_ranks_that_feed_different_rows_to_ddp_are_told_once():
+    """Before: silent (each rank's mean weighs the same, whatever its rows). Now every rank
+    warns once, naming the rows; equal rows say nothing."""
+    said = run_ranks(rows_per_rank, 2, True, timeout_s=30)
+    assert [len(s) for s in said] == [1, 1], said
+    assert "rank 0 4, rank 1 6" in said[0][0] and "rank 1 6, rank 0 4" in said[1][0], said
+    assert "DistributedSampler with drop_last=True" in said[0][0]
+    assert run_ranks(rows_per_rank, 2, False, timeout_s=30) == [[], []]
+
+
+def uneven_rows_unwatched(rank, world, device, log):
+    import torch.nn.functional as F
+    model = DistributedDataParallel(mlp())
+    rows = 4 + 2 * rank
+    F.mse_loss(model(torch.randn(rows, 8)), torch.randn(rows, 4)).backward()
+
+
+def test_a_ranks_warning_reaches_the_caller():
+    """distlab's warnings in a rank become the Run's problems: the caller is warned too, not
+    only the rank's stderr file."""
+    with pytest.warns(RuntimeWarning, match="rank 1: ranks fed different numbers of rows"):
+        run_ranks(uneven_rows_unwatched, 2, timeout_s=30)

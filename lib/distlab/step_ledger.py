@@ -42,6 +42,42 @@ class StepCounter:
         except RuntimeError:  # a FileStore on a full disk: the ledger stops, not the run
             self.off = True
 
+    def note_rows(self, rows: int) -> None:
+        """This rank's rows in the step begun (a data-parallel wrapper's batch)."""
+        store = None if self.off else _store()
+        if store is not None:
+            try:
+                store.set(f"{PREFIX}rows/{dist.get_rank()}", f"{self.step} {rows}")
+            except RuntimeError:
+                self.off = True
+
+    def uneven_rows(self, group, rows: int) -> str | None:
+        """The peers that wrote another row count for this same step, in words, else None.
+        Called once this step's collectives completed: every peer has written this step's
+        count by then (or a later step's, which is skipped)."""
+        store = None if self.off else _store()
+        if store is None:
+            return None
+        other = {}
+        try:
+            for r in dist.get_process_group_ranks(group or dist.group.WORLD):
+                key = f"{PREFIX}rows/{r}"
+                if r != dist.get_rank() and store.check([key]):
+                    step, n = map(int, store.get(key).decode().split())
+                    if step == self.step and n != rows:
+                        other[r] = n
+        except (RuntimeError, ValueError):
+            return None
+        if not other:
+            return None
+        theirs = ", ".join(f"rank {r} {n}" for r, n in sorted(other.items()))
+        return (f"ranks fed different numbers of rows in {self.owner} step {self.step}: rank "
+                f"{dist.get_rank()} {rows}, {theirs}. Data parallelism averages the ranks' "
+                "gradients with equal weight (torch's DDP too), so a row on a rank with fewer "
+                "weighs more and the result is not the gradient of the global batch's mean "
+                "loss. Give every rank the same number of rows (DistributedSampler with "
+                "drop_last=True), or scale each rank's loss by its rows x world / total rows")
+
 
 def disagreement(group=None) -> str | None:
     """'ranks are at different steps: ...' when the group's ranks wrote different steps, else

@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
@@ -197,6 +198,7 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
     init: {"file": path} to join the launcher's FileStore, or {"env": True} under torchrun.
     """
     log = EventLog(rank_log_path(spec["run_dir"], rank), rank)
+    forward_warnings(log)
     try:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -235,6 +237,22 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
             print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         os._exit(1)  # skip interpreter teardown: peers may be wedged in a collective with us
     log.close()
+
+
+DISTLAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def forward_warnings(log) -> None:
+    """distlab's own warnings in a rank (uneven rows under DDP, a checkpoint skipped on resume)
+    also become "warning" events, which the caller's Run reports; others stay on stderr."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(DISTLAB_DIR + os.sep):
+            log.write("warning", message=str(message))
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def init_under_torchrun_agent_store(backend: str, rank: int, world: int, timeout: timedelta):

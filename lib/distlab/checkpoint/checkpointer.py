@@ -255,8 +255,9 @@ class Checkpointer:
                 if skipped and self.rank == 0:
                     message = (f"resume_from='auto' skipped {len(skipped)} newer checkpoint(s) "
                                f"that do not verify and resumed {path}: " + "; ".join(skipped))
-                    self.log.write("warning", message=message)  # the caller's Run warns
-                    warnings.warn(message, RuntimeWarning)  # stderr: under torchrun, the terminal
+                    # stderr (under torchrun, the terminal); a launched rank also forwards it to
+                    # the caller's Run (distlab.caller.launch.forward_warnings)
+                    warnings.warn(message, RuntimeWarning)
                 return path
             skipped.append(f"{os.path.basename(path)}: {bad[0][1]} (rank {bad[0][0]})")
         if candidates:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +196,8 @@ class DistributedDataParallel(nn.Module):
         self._t0 = self._t_end = 0.0
         self.timeline: dict = {}  # the last synchronising backward's (see the module's doc)
         self._steps = StepCounter("DistributedDataParallel")  # a failing collective says so
+        self._rows: int | None = 0  # rows this step's forwards took (None: not a batch)
+        self._rows_said = False  # uneven rows are said once
         with torch.no_grad():  # every replica starts from rank 0's state
             for t in list(module.parameters()) + list(module.buffers()):
                 self.comm.broadcast(t.data, src=0)
@@ -225,6 +228,8 @@ class DistributedDataParallel(nn.Module):
         self._open = False  # a backward that raised midway never finished; start afresh
         output = self.module(*args, **kwargs)
         grad = torch.is_grad_enabled()
+        if grad:
+            self._count_rows(args, kwargs)
         # torch's rule: the next forward broadcasts buffers if this one will synchronise
         self._buffers_due = grad and self._sync
         if grad:
@@ -254,6 +259,8 @@ class DistributedDataParallel(nn.Module):
             return
         self._open, self._next, self._t0 = True, 0, time.perf_counter()
         self._steps.begin()
+        if self._rows is not None and not self._rows_said:
+            self._steps.note_rows(self._rows)
         for b in self.buckets:
             b.pending, b.handle, b.ready, b.start = len(b.params), None, None, None
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -313,6 +320,26 @@ class DistributedDataParallel(nn.Module):
                                               else 0) for b in self.buckets))
         self.timeline = self._make_timeline()
         self._open = False
+        self._say_uneven_rows()
+
+    def _count_rows(self, args, kwargs):
+        """The batch's rows: dim 0 of the first tensor input (summed over no_sync forwards)."""
+        first = next((t for t in list(args) + list(kwargs.values())
+                      if torch.is_tensor(t) and t.dim() > 0), None)
+        if first is None or self._rows is None:
+            self._rows = None
+        else:
+            self._rows += first.shape[0]
+
+    def _say_uneven_rows(self):
+        """Once per run: peers that fed another number of rows this step (distlab.step_ledger;
+        before, silent: the average of unequal means is not the global mean gradient)."""
+        if self._rows is not None and not self._rows_said:
+            said = self._steps.uneven_rows(self.comm.group, self._rows)
+            if said is not None:
+                self._rows_said = True
+                warnings.warn(said, stacklevel=2)
+        self._rows = 0 if self._rows is not None else None
 
     def _make_timeline(self) -> dict:
         t0 = self._t0

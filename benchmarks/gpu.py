@@ -120,7 +120,7 @@ def main() -> int:
     ok_speed = speedup >= TARGET_SPEEDUP
     ok_mfu = bf16_mfu is not None and bf16_mfu >= TARGET_MFU
     print(f"\nbf16 / fp32 step-time speed-up: {speedup:.2f}x (target: at least "
-          f"{TARGET_SPEEDUP:g}x on an H100): {'met' if ok_speed else 'NOT met'}")
+          f"{TARGET_SPEEDUP:g}x on an H100 or H200): {'met' if ok_speed else 'NOT met'}")
     print(f"bf16 MFU: {f'{bf16_mfu:.1%}' if bf16_mfu is not None else 'n/a'} (target: at "
           f"least {TARGET_MFU:.0%}): {'met' if ok_mfu else 'NOT met'}")
     return 0 if ok_speed and ok_mfu else 1

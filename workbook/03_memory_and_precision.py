@@ -95,6 +95,7 @@ from distlab.lab.memory_and_precision import (
     median_step_s,
     memory_over_steps_figure,
     recipe_configs,
+    recorded_gpu_speedup,
     recipe_figure,
     recipe_rows,
     replay_figure,
@@ -775,9 +776,11 @@ assert not claims[8]["holds"]  # clipping did not stop the overflow (asserted ab
 # runs the matmuls on tensor cores, and `torch.cuda.max_memory_allocated` is the allocator's
 # own peak, to set beside the estimator's model states plus activations. The cell below
 # measures both with a small GPT (`distlab.studies.gpu.time_training`: the library's model, AdamW and
-# autocast) when a CUDA GPU is present; otherwise it says so and shows no figure.
-# `benchmarks/gpu.py` is the full-size version (a GPT that fills the GPU, FLOP/s and MFU), and
-# `tests/gpu` checks every CUDA path; see the README for the command.
+# autocast) when a CUDA GPU is present. Without one it says so, measures nothing, and shows
+# instead what `benchmarks/gpu.py` printed the last time it ran on a GPU, as recorded in the
+# repository (`benchmarks/results/`, with the machine, date and commit): a figure measured
+# elsewhere, not by this run. `benchmarks/gpu.py` is the full-size version (a GPT that fills
+# the GPU, FLOP/s and MFU), and `tests/gpu` checks every CUDA path; see the README.
 
 # %%
 if torch.cuda.is_available():
@@ -793,4 +796,11 @@ if torch.cuda.is_available():
     print(f"{torch.cuda.get_device_name()}: bf16 / fp32 step time "
           f"{gpu_rows['fp32']['step_s'] / gpu_rows['bf16']['step_s']:.2f}x faster")
 else:
-    print("no CUDA GPU here: these figures were not measured")
+    print("no CUDA GPU here: nothing above or below was measured on a GPU by this run")
+    rec = recorded_gpu_speedup()
+    if rec is None:
+        print("and no GPU measurement is recorded in this copy (benchmarks/results/)")
+    else:
+        print(f"Recorded in {rec['file']}, measured elsewhere, not here:")
+        print("  " + "\n  ".join(rec["header"][1:3] + rec["setup"]))
+        print(f"  bf16 / fp32 step-time speed-up {rec['speedup']}x, bf16 MFU {rec['mfu']}%")

@@ -17,7 +17,10 @@ gradients in this process to show what a run does inside.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
+import re
 import statistics
 
 import plotly.graph_objects as go
@@ -377,3 +380,25 @@ def clipping_after_overflow(scale: float = 2.0**24, max_norm: float = 1.0, seed:
     out["norm"] = float(norm)
     out["finite_after_clip"] = sum(int(torch.isfinite(t).sum()) for t in grads)
     return out
+
+
+# -- GPU figures recorded in the repository (benchmarks/results) ---------------------------------
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "results")
+
+
+def recorded_gpu_speedup(folder: str = RESULTS) -> dict | None:
+    """The newest benchmarks/results/gpu-*.txt (benchmarks/gpu.py's output, as printed on a GPU,
+    with its date, commit and machine in its header): {"file", "header", "setup" (its first
+    two lines: the GPU and torch, the GPT it trained), "speedup", "mfu"}.
+    None where the folder has none (an installed package has no benchmarks folder)."""
+    files = sorted(glob.glob(os.path.join(folder, "gpu-*.txt")))
+    if not files:
+        return None
+    text = open(files[-1]).read()
+    speedup = re.search(r"bf16 / fp32 step-time speed-up: ([\d.]+)x", text)
+    mfu = re.search(r"bf16 MFU: ([\d.]+)%", text)
+    header = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    body = [line for line in text.split("## benchmarks/gpu.py", 1)[-1].splitlines() if line]
+    return {"file": os.path.relpath(files[-1], os.path.join(folder, "..", "..")),
+            "header": header, "setup": body[:2], "speedup": float(speedup.group(1)) if speedup else None,
+            "mfu": float(mfu.group(1)) if mfu else None}

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distlab import step_ledger
 from distlab.comm import steps_explained
 from distlab.config import RunConfig
 from distlab.events import EventLog, rank_log_path, rank_stderr_path
@@ -211,6 +212,7 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         device = choose_device(spec["device"], local_rank, local_world, spec["backend"])
         timeout = timedelta(seconds=spec["timeout_s"])
         if "file" in init:
+            step_ledger.watch_disk(os.path.dirname(os.path.abspath(init["file"])))
             store = dist.FileStore(init["file"], world)
             store.set_timeout(timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,

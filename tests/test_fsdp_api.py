@@ -223,6 +223,10 @@ def guard_rails(rank, world):
         [{"params": [lin.weight]}, {"params": [lin.bias], "lr": 0.2}], torch.optim.SGD, lr=0.1))
     out["grad_shard of a plain parameter"] = _error(
         lambda: distlab.grad_shard(nn.Linear(2, 2).weight))
+    hand = fully_shard(nn.Linear(6, 3))  # backward reduced, then a whole .grad set by hand:
+    _forward(hand).backward()            # before, grad_shard added it a second time
+    hand.weight.grad = torch.ones(3, 6)
+    out["grad set by hand after the reduce"] = _error(lambda: distlab.grad_shard(hand.weight))
     return out
 
 
@@ -339,6 +343,7 @@ def test_guard_rails_say_what_to_do(launched):
         "no such unit": ("ValueError: units:", "qualified names"),
         "group splits a unit": ("ValueError", "a group holds whole units"),
         "grad_shard of a plain parameter": ("ValueError", "its gradient is .grad"),
+        "grad set by hand after the reduce": ("RuntimeError: unit", "a second time"),
     }
     assert msgs.keys() == expect.keys()
     for case, (start, says) in expect.items():

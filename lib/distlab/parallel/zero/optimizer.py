@@ -388,7 +388,17 @@ class ShardedGradients:
                 self._finish_reduce(self._inflight.pop(0))
 
     def _take_loose_grads(self, u: Unit):
-        """Stages 2/3: a .grad that no hook moved (set by hand) joins the flat gradient."""
+        """Stages 2/3: a .grad that no hook moved (set by hand) joins the flat gradient. Not
+        after this step's gradient was reduced into the shard: a whole gradient set by hand
+        then (FSDP2's habit of writing p.grad) would be averaged and added a second time."""
+        if u.reduced and any(p.grad is not None for p in u.params):
+            i = next(i for i, p in enumerate(u.params) if p.grad is not None)
+            raise RuntimeError(
+                f"unit {u.name!r}: parameter {i} (shape {tuple(u.params[i].shape)}) has a "
+                ".grad set by hand after this step's gradient was reduced into the shards; "
+                "reducing it would add it to the mean gradient a second time. Read the reduced "
+                "gradient with distlab.grad_shard(p) (or the optimizer's gradient_shards()), "
+                "or call zero_grad() first if the hand-set .grad is meant to replace it")
         for i, p in enumerate(u.params):
             if p.grad is not None:
                 if u.grad_full is None:

@@ -1,0 +1,196 @@
+"""Simulated nodes on one Linux machine: a network namespace per node, each joined to a switch
+(a bridge in a namespace of its own) by a veth link whose rate is limited (tc's tbf), with
+addresses from the loopback range only.
+
+    with Cluster(nodes=2, link_mbit=100) as cluster:
+        proc = cluster.start(0, [sys.executable, "train.py"])   # inside node 0's namespace
+        cluster.address(1)                                       # "127.100.0.2"
+
+Inside a node, processes talk over that node's own address at full speed (the kernel delivers
+it locally); between nodes, every byte crosses two links limited to `link_mbit` (the node's
+uplink, then the switch's port to the other node). The kernel here has tbf but no netem, so a
+link has a rate and no added delay.
+
+Loopback-range addresses leave a namespace only with route_localnet=1 and without the local
+route for all of 127.0.0.0/8 (which would keep 127.100.0.2 on the node's own loopback): each
+node keeps 127.0.0.1 on its loopback and routes 127.100.0.0/24 over its link.
+
+Needs root (network namespaces and tc); without it, Cluster raises ClusterUnavailable, saying
+so: the caller decides what to run instead, and says so too. Everything it makes is named
+distlab-<pid>-<n>-...; down() removes it (the `with` block's end, an error inside it, the
+interpreter's exit), and clean_leftovers() (`python -m distlab.caller.cluster --clean`) removes
+what a process that died without cleaning up left (namespaces whose creating pid is gone).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+
+SUBNET = "127.100.0"  # node i has SUBNET.(i+1); never a private or public address
+PREFIX = "distlab-"
+_counter = itertools.count()
+_LIVE: list["Cluster"] = []  # clusters not yet down (removed at the interpreter's exit)
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot make simulated nodes (not root, or no `ip`/`tc`)."""
+
+
+def _ip(*args, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+    return done
+
+
+def available() -> str | None:
+    """None when simulated nodes can be made here, else why not (in words)."""
+    if sys.platform != "linux":
+        return "simulated nodes need Linux network namespaces"
+    if os.geteuid() != 0:
+        return ("simulated nodes need root (network namespaces, veth links and tc); "
+                "run as root, or train on this machine's loopback without a slow link")
+    for tool in ("ip", "tc"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            return f"simulated nodes need the `{tool}` command (iproute2)"
+    return None
+
+
+class Cluster:
+    """`nodes` namespaces on a switch, each link limited to `link_mbit` Mbit/s each way."""
+
+    def __init__(self, nodes: int = 2, link_mbit: float = 100.0):
+        if not isinstance(nodes, int) or not 2 <= nodes <= 32:
+            raise ValueError(f"nodes={nodes!r}: a cluster has 2 to 32 nodes")
+        if not link_mbit > 0:
+            raise ValueError(f"link_mbit={link_mbit!r} must be > 0 (Mbit/s)")
+        why = available()
+        if why is not None:
+            raise ClusterUnavailable(why)
+        self.nodes, self.link_mbit = nodes, float(link_mbit)
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self.made: list[str] = []  # namespaces, in the order made (removed in reverse)
+        self.procs: list[subprocess.Popen] = []
+
+    # -- names -----------------------------------------------------------------------------
+    def namespace(self, node: int) -> str:
+        return f"{self.tag}-node{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def interface(self, node: int) -> str:
+        """The node's end of its link (what GLOO_SOCKET_IFNAME names inside it)."""
+        return f"n{node}"
+
+    # -- making and removing -----------------------------------------------------------------
+    def up(self) -> "Cluster":
+        _LIVE.append(self)
+        try:
+            switch = self._namespace(f"{self.tag}-switch")
+            _ip("ip", "link", "add", "br0", "type", "bridge", ns=switch)
+            _ip("ip", "link", "set", "br0", "up", ns=switch)
+            for i in range(self.nodes):
+                self._node(i, switch)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _namespace(self, name: str) -> str:
+        _ip("ip", "netns", "add", name)
+        self.made.append(name)
+        _ip("ip", "link", "set", "lo", "up", ns=name)
+        return name
+
+    def _node(self, i: int, switch: str) -> None:
+        ns, dev, port = self._namespace(self.namespace(i)), self.interface(i), f"s{i}"
+        _ip("ip", "link", "add", dev, "type", "veth", "peer", "name", port, ns=switch)
+        _ip("ip", "link", "set", dev, "netns", ns, ns=switch)
+        _ip("ip", "link", "set", port, "master", "br0", "up", ns=switch)
+        for key in ("all", "default", "lo"):  # 127.x may leave the node only with this
+            _ip("sysctl", "-qw", f"net.ipv4.conf.{key}.route_localnet=1", ns=ns)
+        # 127.0.0.1 stays local (its own route); the rest of 127/8 no longer is, so the
+        # subnet's connected route sends it over the link
+        _ip("ip", "route", "del", "local", "127.0.0.0/8", "dev", "lo", "table", "local", ns=ns)
+        _ip("ip", "addr", "add", f"{self.address(i)}/24", "dev", dev, ns=ns)
+        _ip("ip", "link", "set", dev, "up", ns=ns)
+        _ip("sysctl", "-qw", f"net.ipv4.conf.{dev}.route_localnet=1", ns=ns)
+        for where, link in ((ns, dev), (switch, port)):  # both directions of the link
+            _ip("tc", "qdisc", "add", "dev", link, "root", "tbf", "rate",
+                f"{self.link_mbit}mbit", "burst", "64kb", "latency", "400ms", ns=where)
+
+    def down(self) -> None:
+        """End the processes started in the nodes, then remove every namespace made (their
+        links go with them). Safe to call twice."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        self.procs.clear()
+        for name in reversed(self.made):
+            _ip("ip", "netns", "del", name, check=False)
+        self.made.clear()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def __enter__(self) -> "Cluster":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # -- running -----------------------------------------------------------------------------
+    def start(self, node: int, argv: list[str], env: dict | None = None,
+              **popen) -> subprocess.Popen:
+        """A process inside `node`'s namespace (ended by down() if still running)."""
+        if not self.made:
+            raise RuntimeError("the cluster is not up: use `with Cluster(...) as c:`")
+        if not 0 <= node < self.nodes:
+            raise ValueError(f"node {node}: this cluster has nodes 0 to {self.nodes - 1}")
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node)] + list(argv),
+                                env={**os.environ, **(env or {})}, **popen)
+        self.procs.append(proc)
+        return proc
+
+    def link_bytes(self, node: int) -> dict:
+        """Bytes the node's link carried (its interface's own counters): {"sent", "received"}."""
+        out = _ip("ip", "-s", "-j", "link", "show", self.interface(node),
+                  ns=self.namespace(node)).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"sent": stats["tx"]["bytes"], "received": stats["rx"]["bytes"]}
+
+
+@atexit.register
+def _down_all() -> None:
+    for cluster in list(_LIVE):
+        cluster.down()
+
+
+def clean_leftovers() -> list[str]:
+    """Remove the namespaces of clusters whose creating process is gone (a killed kernel);
+    returns their names. Namespaces of live processes are left alone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    removed = []
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        m = re.fullmatch(rf"{PREFIX}(\d+)-\d+-(switch|node\d+)", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _ip("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--clean"]:
+        gone = clean_leftovers()
+        print(f"removed {len(gone)} namespace(s) left by ended processes"
+              + (": " + ", ".join(gone) if gone else ""))
+    else:
+        print("usage: python -m distlab.caller.cluster --clean")

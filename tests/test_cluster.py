@@ -1,0 +1,108 @@
+"""Simulated nodes (distlab.caller.cluster): the link between nodes is throttled and the
+node's own address is not, the interfaces count the bytes, and nothing the cluster made is
+left: after the `with` block, after an error inside it, and after its creator was killed
+(clean_leftovers). Root only (network namespaces); skipped, saying so, elsewhere."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from distlab.caller import cluster as C
+
+pytestmark = pytest.mark.skipif(C.available() is not None,
+                                reason=f"simulated nodes unavailable: {C.available()}")
+
+SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], 5001)); s.listen(1); print("ready", flush=True)
+    c, _ = s.accept(); n = 0
+    while True:
+        b = c.recv(1 << 16)
+        if not b: break
+        n += len(b)
+    c.sendall(b"k"); print(n, flush=True)
+""")
+CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    c = socket.create_connection((sys.argv[1], 5001), timeout=60)
+    data = b"x" * int(sys.argv[2]); t = time.perf_counter()
+    c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(1)
+    print(time.perf_counter() - t, flush=True)
+""")
+PAYLOAD = 2 << 20
+
+
+def ours() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines()
+            if line.startswith(f"{C.PREFIX}{os.getpid()}-")}
+
+
+def mbit_per_s(cluster, src, dst) -> float:
+    """Send PAYLOAD bytes from node src to node dst's address; Mbit/s as the sender timed it
+    (from the first byte to the receiver's acknowledgement: no process start-up in it)."""
+    server = cluster.start(dst, [sys.executable, "-c", SERVER, cluster.address(dst)],
+                           stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "ready"
+    client = cluster.start(src, [sys.executable, "-c", CLIENT, cluster.address(dst),
+                                 str(PAYLOAD)], stdout=subprocess.PIPE, text=True)
+    seconds = float(client.communicate(timeout=60)[0])
+    assert int(server.communicate(timeout=60)[0]) == PAYLOAD
+    return PAYLOAD * 8 / seconds / 1e6
+
+
+def test_the_link_between_nodes_is_throttled_and_a_nodes_own_address_is_not():
+    with C.Cluster(nodes=2, link_mbit=20) as cluster:
+        across = mbit_per_s(cluster, 0, 1)
+        inside = mbit_per_s(cluster, 1, 1)
+        sent, got = cluster.link_bytes(0)["sent"], cluster.link_bytes(1)["received"]
+    print(f"\n20 Mbit/s link: across {across:.1f} Mbit/s, inside node 1 {inside:.0f} Mbit/s; "
+          f"node 0's link sent {sent:,} bytes, node 1's received {got:,} (payload {PAYLOAD:,})")
+    # tbf lets a burst (64 KB) through at once: 2 MiB at 20 Mbit/s stays within 10% of it
+    assert across <= 1.1 * 20, across
+    assert inside > 5 * 20, inside  # the node's own address never touches the link
+    # the payload crossed node 0's link and node 1's, plus headers; inside traffic did not
+    assert PAYLOAD <= sent < 1.2 * PAYLOAD and PAYLOAD <= got < 1.2 * PAYLOAD, (sent, got)
+    assert not ours()
+
+
+def test_nothing_is_left_after_an_error_inside_the_block():
+    with pytest.raises(ZeroDivisionError):
+        with C.Cluster(nodes=3, link_mbit=100) as cluster:
+            sleeper = cluster.start(2, [sys.executable, "-c", "import time; time.sleep(60)"])
+            assert len(ours()) == 4  # a switch and three nodes
+            1 / 0
+    assert not ours() and sleeper.poll() is not None
+
+
+def test_what_a_killed_creator_left_is_cleaned_up():
+    script = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
+              "from distlab.caller.cluster import Cluster;"
+              "c = Cluster(2, 100).up(); print(c.tag, flush=True); time.sleep(60)")
+    lib = os.path.dirname(os.path.dirname(C.__file__))
+    creator = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(lib)],
+                               stdout=subprocess.PIPE, text=True)
+    tag = creator.stdout.readline().strip()
+    creator.kill()  # SIGKILL: no atexit, no finally
+    creator.wait()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert listed.count(tag) == 3, listed  # left behind
+    removed = C.clean_leftovers()
+    assert sorted(removed) == sorted(f"{tag}-{n}" for n in ("switch", "node0", "node1"))
+    assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                     text=True).stdout
+
+
+def test_settings_and_permissions_are_checked_before_anything_is_made(monkeypatch):
+    with pytest.raises(ValueError, match="2 to 32 nodes"):
+        C.Cluster(nodes=1)
+    with pytest.raises(ValueError, match="link_mbit=0"):
+        C.Cluster(nodes=2, link_mbit=0)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(C.ClusterUnavailable, match="need root"):
+        C.Cluster(nodes=2)
+    assert not ours()

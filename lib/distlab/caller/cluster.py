@@ -160,6 +160,24 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def torchrun(self, nproc_per_node: int, argv: list[str], port: int = 29400,
+                 env: dict | None = None, **popen) -> list[subprocess.Popen]:
+        """One torchrun agent per node, as on a real cluster: c10d rendezvous at node 0's
+        address, each agent on its node's address, gloo on its node's link; argv follows
+        torchrun's options (a script, or "-m", "distlab", ...). Returns the agents."""
+        if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node={nproc_per_node!r} must be an int >= 1")
+        agents = []
+        for i in range(self.nodes):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes),
+                   "--nproc-per-node", str(nproc_per_node),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}",
+                   "--rdzv-id", self.tag, "--local-addr", self.address(i)] + list(argv)
+            node_env = {"GLOO_SOCKET_IFNAME": self.interface(i), "OMP_NUM_THREADS": "1",
+                        **(env or {})}
+            agents.append(self.start(i, cmd, env=node_env, **popen))
+        return agents
+
     def link_bytes(self, node: int) -> dict:
         """Bytes the node's link carried (its interface's own counters): {"sent", "received"}."""
         out = _ip("ip", "-s", "-j", "link", "show", self.interface(node),

@@ -36,6 +36,15 @@ CLIENT = textwrap.dedent("""
 PAYLOAD = 2 << 20
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie (a dead process its new parent has not reaped yet)."""
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def ours() -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listed.splitlines()
@@ -141,4 +150,39 @@ def test_torchrun_agents_one_per_node_train_as_one_process(tmp_path):
           f"node 0's link sent {link:,} bytes; rank 0 wrote {wrote:,} in its steps")
     # the setup (broadcast of the weights: about one step's bytes), rendezvous and headers
     assert wrote <= link <= 1.2 * wrote * (ARGS["steps"] + 1) / ARGS["steps"] + 65536
+    assert not ours()
+
+
+def test_a_node_that_dies_mid_run_ends_the_run_and_leaves_no_process(tmp_path):
+    """Node 1 fails at step 3 (every process in it SIGKILLed): node 0's rank fails in its next
+    collective and its agent exits non-zero. Killing only a torchrun agent leaves its rank
+    running on (an orphan, no child of ours): down() ends it too, found by `ip netns pids`."""
+    import time
+
+    from distlab.caller.run import Run
+    run_dir = tmp_path / "run"
+    argv = ["-m", "distlab", "--run-dir", str(run_dir), "--log-every", "0", "--timeout-s", "10"]
+    for k, v in {**ARGS, "steps": 500}.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    with C.Cluster(nodes=2, link_mbit=100) as cluster:
+        agents = cluster.torchrun(1, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if run_dir.exists() and len(Run.load(str(run_dir)).history("step", rank=0)) >= 3:
+                break
+            time.sleep(0.2)
+        agents[1].kill()  # the agent alone: its rank is orphaned and trains on
+        agents[1].wait()
+        orphans = C.processes_in(cluster.namespace(1))
+        everything = orphans + C.processes_in(cluster.namespace(0))
+        cluster.kill_node(1)
+        t0 = time.monotonic()
+        agents[0].wait(timeout=60)
+        seconds = time.monotonic() - t0
+    print(f"\n{len(orphans)} process(es) left in node 1 by its killed agent; node 0's agent "
+          f"exited {agents[0].returncode} {seconds:.1f} s after node 1 failed")
+    assert orphans and agents[0].returncode != 0
+    assert seconds < 10 + 30  # its collective timeout, and the agent's own shutdown
+    assert not [p for p in everything if alive(p)], everything
     assert not ours()

@@ -29,8 +29,10 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 SUBNET = "127.100.0"  # node i has SUBNET.(i+1); never a private or public address
 PREFIX = "distlab-"
@@ -128,12 +130,15 @@ class Cluster:
                 f"{self.link_mbit}mbit", "burst", "64kb", "latency", "400ms", ns=where)
 
     def down(self) -> None:
-        """End the processes started in the nodes, then remove every namespace made (their
-        links go with them). Safe to call twice."""
+        """End every process inside the nodes (those started here and their children, such as
+        the ranks of a torchrun agent that was killed), then remove every namespace made
+        (their links go with them). Safe to call twice."""
+        for name in self.made:
+            _end_processes_in(name)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(timeout=10)
+            p.wait(timeout=10)
         self.procs.clear()
         for name in reversed(self.made):
             _ip("ip", "netns", "del", name, check=False)
@@ -178,12 +183,36 @@ class Cluster:
             agents.append(self.start(i, cmd, env=node_env, **popen))
         return agents
 
+    def kill_node(self, node: int) -> None:
+        """The node fails: every process inside it is killed (SIGKILL), its agent and ranks
+        alike; its namespace and link stay (down() removes them)."""
+        _end_processes_in(self.namespace(node))
+
     def link_bytes(self, node: int) -> dict:
         """Bytes the node's link carried (its interface's own counters): {"sent", "received"}."""
         out = _ip("ip", "-s", "-j", "link", "show", self.interface(node),
                   ns=self.namespace(node)).stdout
         stats = json.loads(out)[0]["stats64"]
         return {"sent": stats["tx"]["bytes"], "received": stats["rx"]["bytes"]}
+
+
+def processes_in(namespace: str) -> list[int]:
+    """Ids of the processes inside a namespace (`ip netns pids`)."""
+    out = _ip("ip", "netns", "pids", namespace, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def _end_processes_in(namespace: str) -> None:
+    """SIGKILL what runs inside a namespace this module made (every process there was started
+    by it, or by one it started), and wait until none is left (at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while (pids := processes_in(namespace)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 @atexit.register
@@ -200,6 +229,7 @@ def clean_leftovers() -> list[str]:
     for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
         m = re.fullmatch(rf"{PREFIX}(\d+)-\d+-(switch|node\d+)", name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _end_processes_in(name)
             _ip("ip", "netns", "del", name, check=False)
             removed.append(name)
     return removed

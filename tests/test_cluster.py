@@ -186,3 +186,20 @@ def test_a_node_that_dies_mid_run_ends_the_run_and_leaves_no_process(tmp_path):
     assert seconds < 10 + 30  # its collective timeout, and the agent's own shutdown
     assert not [p for p in everything if alive(p)], everything
     assert not ours()
+
+
+def test_the_readme_cluster_snippet_runs(tmp_path, monkeypatch, capfd):
+    """The README's snippet as written, on a smaller model and fewer steps (2 nodes x 2 ranks
+    on 2 cores): it trains and prints node 0's link counters."""
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Several nodes on one machine", 1)[1]
+    code = block.split("```python", 1)[1].split("```", 1)[0]
+    assert '"--steps", "20"' in code, "the README's cluster snippet changed"
+    code = code.replace('"--steps", "20"', '"--steps", "3", "--n-layer", "2", "--n-embd", "32",'
+                        ' "--n-head", "2", "--seq-len", "16", "--global-batch", "8"')
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capfd.readouterr().out  # the agents write to the same file descriptor
+    assert "'sent':" in out and "done: 3 steps" in out, out[-2000:]
+    assert not ours()

@@ -58,7 +58,8 @@ def _runtime() -> dict[str, pathlib.Path]:
 # the same in words ("May import: ...").
 LAYERS = [
     ("foundation", ["distlab.units", "distlab.modules", "distlab.wire", "distlab.gloo_exit",
-                    "distlab.step_ledger", "distlab.comm", "distlab.memory", "distlab.events", "distlab.step_event"]),
+                    "distlab.step_ledger", "distlab.comm", "distlab.memory", "distlab.events",
+                    "distlab.step_event"]),
     ("data", ["distlab.data"]),
     ("models", ["distlab.models"]),
     ("parallel", ["distlab.parallel"]),

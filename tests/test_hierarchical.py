@@ -1,0 +1,32 @@
+"""Hierarchical all-reduce (distlab.parallel.data_parallel.hierarchical) equals the sum, and
+only its middle step (the one that would cross the slow link between nodes) moves bytes
+across nodes: 2(n-1)/n x S/g per rank, against the flat ring's 2(N-1)/N x S. Four ranks as
+2 nodes x 2 on this machine's loopback (tests/test_cluster.py has the real two-tier link)."""
+
+import torch
+
+from distlab import run_ranks
+from distlab.parallel.data_parallel.hierarchical import hierarchical_all_reduce, node_groups
+
+
+def reduce_both_ways(rank, world, device, log, numel):
+    intra, inter = node_groups(2)
+    t = torch.arange(numel, dtype=torch.float64) * (rank + 1)
+    hierarchical_all_reduce(t, intra, inter)
+    return {"t": t, "inter": inter.snapshot(), "intra": intra.snapshot(),
+            "groups": (intra.world, inter.world)}
+
+
+def test_the_sum_and_the_bytes_across_nodes():
+    for numel in (1000, 1001):  # a length the node's 2 ranks do not divide: padded
+        out = run_ranks(reduce_both_ways, 4, numel, timeout_s=60)
+        want = torch.arange(numel, dtype=torch.float64) * (1 + 2 + 3 + 4)
+        for r in out:
+            assert r["groups"] == (2, 2)
+            assert torch.equal(r["t"], want), numel  # small integers: exact in float64
+            S = 8 * (-(-numel // 2) * 2)  # padded bytes
+            # the ring of 2 nodes on this rank's block S/2: 2(n-1)/n x S/2 = S/2 sent
+            assert r["inter"]["all_reduce.ring"]["bytes_sent"] == S / 2
+            # inside the node: reduce-scatter and all-gather, (g-1)/g x S each
+            assert r["intra"]["reduce_scatter"]["bytes_sent"] == S / 2
+            assert r["intra"]["all_gather"]["bytes_sent"] == S / 2

@@ -30,3 +30,21 @@ def test_the_sum_and_the_bytes_across_nodes():
             # inside the node: reduce-scatter and all-gather, (g-1)/g x S each
             assert r["intra"]["reduce_scatter"]["bytes_sent"] == S / 2
             assert r["intra"]["all_gather"]["bytes_sent"] == S / 2
+
+
+def two_tier_measure(rank, world, device, log):
+    import os
+
+    from distlab.studies.two_tier import measure
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it: 2 nodes of 2
+    return measure(0.25, 1)
+
+
+def test_the_two_tier_study_times_every_algorithm_and_reads_the_link():
+    """benchmarks/two_tier.py's rank side, on loopback: each algorithm timed, the interface's
+    counter read (here lo: it carries every rank's bytes, so at least the flat ring's)."""
+    res = run_ranks(two_tier_measure, 4, timeout_s=60)[0]
+    S = 0.25 * 2**20
+    for name in ("flat ring", "hierarchical", "backend"):
+        assert res[name]["seconds"] > 0, res
+    assert res["flat ring"]["link_sent"] >= 4 * 2 * 3 / 4 * S, res  # 4 ranks' ring bytes

@@ -1,0 +1,70 @@
+"""Flat ring against hierarchical all-reduce (and the backend's) across a slow link, in
+simulated nodes on this machine (distlab.caller.cluster: root only).
+
+    .venv/bin/python benchmarks/two_tier.py [--nodes 2] [--ranks 2] [--mbit 100] [--mib 16]
+
+Starts one torchrun agent per node running distlab.studies.two_tier, which times each
+algorithm on a --mib all-reduce (median of 3, barrier to barrier) and reads node 0's link
+counter. Prints seconds and link bytes per algorithm, the bytes the formula predicts on node
+0's link (flat ring: 2(N-1)/N x S per ring edge that leaves the node, one per node; hierarchical:
+2(n-1)/n x S for the node's g ranks together), and the target:
+
+    hierarchical at least 1.3x faster than the flat ring (the link bytes predict 1.5x at 2 x 2)
+
+Exit status 0 when met, 1 when missed, 0 with a line saying why where simulated nodes cannot be
+made (not root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from distlab.caller.cluster import Cluster, available
+
+TARGET = 1.3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2, help="ranks per node")
+    ap.add_argument("--mbit", type=float, default=100.0)
+    ap.add_argument("--mib", type=float, default=16.0)
+    args = ap.parse_args()
+    why = available()
+    if why is not None:
+        print(f"no simulated nodes here: {why}")
+        return 0
+    with Cluster(args.nodes, args.mbit) as cluster:
+        agents = cluster.torchrun(args.ranks, ["-m", "distlab.studies.two_tier",
+                                               "--mib", str(args.mib)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = [a.communicate(timeout=600) for a in agents]
+    if any(a.returncode for a in agents):
+        print("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs), file=sys.stderr)
+        return 1
+    res = json.loads(next(line for o, _ in outs for line in o.splitlines()
+                          if line.startswith("{")))
+    S, N, n, g = args.mib * 2**20, args.nodes * args.ranks, args.nodes, args.ranks
+    predicted = {"flat ring": 2 * (N - 1) / N * S, "hierarchical": 2 * (n - 1) / n * S,
+                 "backend": None}
+    print(f"{n} nodes x {g} ranks, {args.mbit:g} Mbit/s links, all-reduce of {args.mib:g} MiB")
+    print(f"{'algorithm':<14}{'seconds':>9}{'link MiB sent':>15}{'formula MiB':>13}")
+    for name in ("flat ring", "hierarchical", "backend"):
+        r, p = res[name], predicted[name]
+        link = "n/a" if r["link_sent"] is None else f"{r['link_sent'] / 2**20:.2f}"
+        print(f"{name:<14}{r['seconds']:>9.3f}{link:>15}"
+              f"{'-' if p is None else f'{p / 2**20:.2f}':>13}")
+    speedup = res["flat ring"]["seconds"] / res["hierarchical"]["seconds"]
+    ok = speedup >= TARGET
+    print(f"hierarchical / flat ring speed-up {speedup:.2f}x (target at least {TARGET}x; the "
+          f"formula's bytes predict {predicted['flat ring'] / predicted['hierarchical']:.2f}x): "
+          f"{'met' if ok else 'NOT met'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

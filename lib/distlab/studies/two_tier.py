@@ -1,0 +1,74 @@
+"""All-reduce across a slow link between nodes: the flat ring written here, the hierarchical
+all-reduce (distlab.parallel.data_parallel.hierarchical) and the backend's own, timed in the
+ranks of a torchrun job and with the bytes each put on this node's link, read from the link's
+own counter (/sys/class/net/<GLOO_SOCKET_IFNAME>/statistics). benchmarks/two_tier.py runs it
+in simulated nodes (distlab.caller.cluster):
+
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m distlab.studies.two_tier --mib 16
+
+Rank 0 prints one JSON line: per algorithm, the median seconds and the link's bytes sent per
+all-reduce (node 0's link: every rank of node 0 writes through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab.comm import Comm
+from distlab.parallel.data_parallel.hierarchical import hierarchical_all_reduce, node_groups
+
+
+def _link_sent(dev: str) -> int | None:
+    try:
+        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def measure(mib: float, repeats: int) -> dict:
+    world, g = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    flat, (intra, inter) = Comm(), node_groups(g)
+    dev = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    t = torch.ones(int(mib * 2**20) // 4)
+    algorithms = {"flat ring": lambda: flat.ring_all_reduce(t),
+                  "hierarchical": lambda: hierarchical_all_reduce(t, intra, inter),
+                  "backend": lambda: flat.all_reduce(t)}
+    out = {"world": world, "ranks_per_node": g, "mib": mib, "interface": dev}
+    for name, run in algorithms.items():
+        seconds, link = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            b0, t0 = _link_sent(dev), time.perf_counter()
+            run()
+            dist.barrier()  # every rank done: the slowest rank's time is the all-reduce's
+            seconds.append(time.perf_counter() - t0)
+            b1 = _link_sent(dev)
+            link.append(None if b0 is None else b1 - b0)
+        out[name] = {"seconds": statistics.median(seconds),
+                     "link_sent": None if None in link else statistics.median(link)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=float, default=16.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    result = measure(args.mib, args.repeats)
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -74,19 +74,13 @@ class StepCounter:
         """The peers that wrote another row count for this same step, in words, else None.
         Called once this step's collectives completed: every peer has written this step's
         count by then (or a later step's, which is skipped)."""
-        store = None if self.off else _store()
-        if store is None:
+        if self.off:
             return None
         other = {}
-        try:
-            for r in dist.get_process_group_ranks(group or dist.group.WORLD):
-                key = f"{PREFIX}rows/{r}"
-                if r != dist.get_rank() and store.check([key]):
-                    step, n = map(int, store.get(key).decode().split())
-                    if step == self.step and n != rows:
-                        other[r] = n
-        except (RuntimeError, ValueError):
-            return None
+        for r, entry in _entries(f"{PREFIX}rows/", group).items():
+            step, n = map(int, entry.split())
+            if r != dist.get_rank() and step == self.step and n != rows:
+                other[r] = n
         if not other:
             return None
         theirs = ", ".join(f"rank {r} {n}" for r, n in sorted(other.items()))
@@ -98,20 +92,27 @@ class StepCounter:
                 "drop_last=True), or scale each rank's loss by its rows x world / total rows")
 
 
-def disagreement(group=None) -> str | None:
-    """'ranks are at different steps: ...' when the group's ranks wrote different steps, else
-    None (all equal, or nothing written: a loop that uses none of the wrappers)."""
+def _entries(prefix: str, group) -> dict[int, str]:
+    """{rank: entry} of the group's ranks that wrote `prefix`<rank>; {} when there is no store
+    or it went with its host (no report, and no new error on top of the one being reported)."""
     store = _store()
     if store is None:
-        return None
+        return {}
     seen = {}
     try:
         for r in dist.get_process_group_ranks(group or dist.group.WORLD):
-            key = f"{PREFIX}{r}"
+            key = f"{prefix}{r}"
             if store.check([key]):  # get() would wait for a key that is never written
                 seen[r] = store.get(key).decode()
-    except (RuntimeError, ValueError):  # the store went with its host: no report, no new error
-        return None
+    except (RuntimeError, ValueError):
+        return {}
+    return seen
+
+
+def disagreement(group=None) -> str | None:
+    """'ranks are at different steps: ...' when the group's ranks wrote different steps, else
+    None (all equal, or nothing written: a loop that uses none of the wrappers)."""
+    seen = _entries(PREFIX, group)
     if len(set(seen.values())) < 2:
         return None
     parts = [f"rank {r} began {v.rsplit(' ', 1)[0]} step {v.rsplit(' ', 1)[1]}"

@@ -18,8 +18,9 @@ import shutil
 
 import torch.distributed as dist
 
+from distlab.units import FULL_DISK_BYTES
+
 PREFIX = "distlab/step/"
-ROOM_BYTES = 1 << 20  # a FileStore's disk with less free than this: the ledger stays silent
 _disk = {"folder": None}  # where the launcher's FileStore lives (watch_disk)
 
 
@@ -35,7 +36,7 @@ def _store():
     folder = _disk["folder"]
     if folder is not None:
         try:
-            if shutil.disk_usage(folder).free < ROOM_BYTES:
+            if shutil.disk_usage(folder).free < FULL_DISK_BYTES:
                 return None
         except OSError:
             return None

@@ -12,6 +12,9 @@ import torch
 
 KiB = 2**10
 MiB = 2**20
+# a disk with less free than this counts as full: a save that failed then failed for space,
+# and the step ledger stays off a FileStore there
+FULL_DISK_BYTES = MiB
 GiB = 2**30
 MB = 1e6  # decimal megabyte
 GB = 1e9  # decimal gigabyte: the papers' unit

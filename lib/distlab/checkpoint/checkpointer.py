@@ -20,6 +20,7 @@ from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, C
                                       check_compatible, checkpoint_root, commit, read_meta,
                                       record, resolve, storage_writer, torch_load, verify,
                                       write_file)
+from distlab.units import FULL_DISK_BYTES
 
 
 def no_space_left(e: BaseException) -> bool:
@@ -43,7 +44,6 @@ def no_space_left(e: BaseException) -> bool:
     return False
 
 
-FULL_DISK_BYTES = 1 << 20  # a save that failed with less than this free failed for space
 
 
 def _free_bytes(path: str) -> int:

@@ -7,8 +7,11 @@ forward to backward, reshard_after_forward=False). On 2 ranks, AdamW and SGD
 the plain optimizer on the same global batch and against torch's FSDP2
 (torch.distributed.fsdp.fully_shard) on the same per-rank rows; under a bf16
 MixedPrecisionPolicy (reduce in fp32, and in bf16) against FSDP2 under the same policy. Also:
-each rank's per-parameter gradient pieces (distlab.grad_shard) against one process's gradient,
-the bytes a bf16 all-gather moves, and the guard rails.
+each rank's per-parameter gradient pieces (distlab.grad_shard) and whole gradients
+(distlab.full_grad) against one process's gradient; a plain torch optimizer built over
+model.parameters() after fully_shard (bound to the shards: bit-identical to ZeroOptimizer),
+with and without zero_grad() between steps; the bytes a bf16 all-gather moves, and the guard
+rails.
 
 Launches: one of 2 ranks runs every case in turn; torchrun runs the README's snippet. The
 single-process reference runs in this process.
@@ -95,8 +98,10 @@ def make(name, seed=0):
     return MODELS[name]()
 
 
-def train(name, model, opt, rank, world, steps=STEPS):
-    """`steps` steps on this rank's rows, the lr halved before the 4th; the loss in fp32."""
+def train(name, model, opt, rank, world, steps=STEPS, zero_every=1):
+    """`steps` steps on this rank's rows, the lr halved before the 4th; the loss in fp32;
+    zero_grad() after every `zero_every`-th step (else the gradients accumulate, torch's
+    semantics)."""
     for step in range(steps):
         x, y = (rows(t, rank, world) for t in batch(name, step))
         loss_of(name, model(x).float(), y).backward()
@@ -104,7 +109,8 @@ def train(name, model, opt, rank, world, steps=STEPS):
             for g in opt.param_groups:
                 g["lr"] *= 0.5
         opt.step()
-        opt.zero_grad()
+        if (step + 1) % zero_every == 0:
+            opt.zero_grad()
     return full_state(model)
 
 
@@ -117,13 +123,15 @@ def full_state(model):
 _single_cache: dict = {}
 
 
-def single(name, opt_name):
+def single(name, opt_name, zero_every=1):
     """One process on the whole global batch, the plain optimizer: the reference."""
-    if (name, opt_name) not in _single_cache:
+    key = name, opt_name, zero_every
+    if key not in _single_cache:
         cls, kw = OPTIMIZERS[opt_name]
         model = make(name)
-        _single_cache[name, opt_name] = train(name, model, cls(model.parameters(), **kw), 0, 1)
-    return _single_cache[name, opt_name]
+        _single_cache[key] = train(name, model, cls(model.parameters(), **kw), 0, 1,
+                                   zero_every=zero_every)
+    return _single_cache[key]
 
 
 # -- rank functions (spawned processes import them from here) --------------------------------
@@ -136,6 +144,13 @@ def ours(name, units, opt_name, precision, rank, world):
     model = shard(make(name), units, policy_of(precision))
     opt = ZeroOptimizer(model.parameters(), cls, **kw)
     return train(name, model, opt, rank, world)
+
+
+def plain(name, opt_name, rank, world, zero_every=1):
+    """FSDP2's habit: a torch optimizer built over model.parameters() after fully_shard."""
+    cls, kw = OPTIMIZERS[opt_name]
+    model = shard(make(name), "default")
+    return train(name, model, cls(model.parameters(), **kw), rank, world, zero_every=zero_every)
 
 
 def torchs(name, opt_name, precision, rank, world, mesh):
@@ -162,6 +177,7 @@ def grad_pieces(name, units, rank, world):
     loss_of(name, model(x), y).backward()
     state = model._distlab_fsdp
     return {"pieces": {n: distlab.grad_shard(p).clone() for n, p in model.named_parameters()},
+            "full": {n: distlab.full_grad(p) for n, p in model.named_parameters()},
             "shard": sum(u.shard.numel() for u in state.units),
             "padded": sum(u.padded for u in state.units),
             "grads": [n for n, p in model.named_parameters() if p.grad is not None],
@@ -182,7 +198,7 @@ def gather_bytes(precision, rank, world):
 def _error(fn) -> str:
     try:
         fn()
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -194,13 +210,15 @@ def _forward(model):
 def guard_rails(rank, world):
     """The errors a misuse gets, as text."""
     out = {}
-    model = fully_shard(nn.Linear(6, 3))
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # the torch habit
+    model = nn.Linear(6, 3)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)  # built before sharding
+    fully_shard(model)
     _forward(model).backward()
-    out["outside optimizer"] = _error(plain.step)
+    out["optimizer built before"] = _error(early.step)
+    out["not elementwise"] = _error(lambda: torch.optim.LBFGS(model.parameters()))
     out["stage 2 over sharded"] = _error(
         lambda: ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.1))
-    ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # after sharding: it steps the shards
     out["second optimizer"] = _error(
         lambda: ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
     out["wrapped twice"] = _error(lambda: fully_shard(model))
@@ -240,6 +258,8 @@ def two_ranks(rank, world, device, log):
     for name in MODELS:
         for opt_name in OPTIMIZERS:
             out[name, "torch", opt_name] = torchs(name, opt_name, None, rank, world, mesh)
+            out[name, "plain", opt_name] = plain(name, opt_name, rank, world)
+    out["blocks", "plain", "sgd", "accumulating"] = plain("blocks", "sgd", rank, world, 2)
     for precision in BF16:
         for name in ("blocks", "tied", "root params"):
             out[name, precision] = ours(name, "default", "adamw", precision, rank, world)
@@ -282,6 +302,31 @@ def test_equal_to_torch_fsdp2(launched, name, opt_name):
         assert worst <= ATOL
 
 
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("name", MODELS)
+def test_a_torch_optimizer_built_after_sharding_steps_the_shards(launched, name, opt_name):
+    """torch.optim.SGD / AdamW over model.parameters() after fully_shard (FSDP2's habit) is
+    bound to the units' shards: the same arithmetic as ZeroOptimizer (bit-identical), and one
+    process within ATOL."""
+    for r, res in enumerate(launched):
+        got = res[name, "plain", opt_name]
+        worst = max_diff(got, single(name, opt_name))
+        print(f"{name}, {opt_name} built after fully_shard, rank {r}: vs one process "
+              f"{worst:.1e}")
+        assert worst <= ATOL
+        for k, t in res[name, "default", opt_name].items():
+            assert torch.equal(got[k], t), k
+
+
+def test_a_torch_optimizer_accumulates_without_zero_grad(launched):
+    """zero_grad() after every second step: the steps between add two backwards' gradients,
+    as torch's optimizers do. Zeroing every step instead would differ by ~1e-2."""
+    ref, every = single("blocks", "sgd", zero_every=2), single("blocks", "sgd")
+    assert max_diff(ref, every) > 100 * ATOL  # the two loops do train differently
+    for res in launched:
+        assert max_diff(res["blocks", "plain", "sgd", "accumulating"], ref) <= ATOL
+
+
 @pytest.mark.parametrize("precision", BF16)
 @pytest.mark.parametrize("name", ["blocks", "tied", "root params"])
 def test_bf16_policy_equal_to_torch_fsdp2(launched, name, precision):
@@ -315,22 +360,28 @@ def test_gradient_pieces_concatenate_to_one_process_gradient(launched, name, uni
         assert got["grads"] == []  # .grad is None: the gradient lives in the shards
         if units.startswith("by type"):  # 3 blocks + the root; resharded blocks gather twice
             assert got["gathers"] == got["units"] + (0 if units.endswith("kept") else 3)
-    worst = 0.0
+    worst = worst_full = 0.0
     for n, p in model.named_parameters():
         whole = torch.cat([res["grad pieces", name, units]["pieces"][n] for res in launched])
         assert whole.shape == (p.numel(),), n
         worst = max(worst, (whole.double() - p.grad.reshape(-1).double()).abs().max().item())
-    print(f"{name} ({units} units): gradient pieces vs one process {worst:.1e}")
-    assert worst <= ATOL
+        for res in launched:  # distlab.full_grad: the whole gradient on every rank
+            full = res["grad pieces", name, units]["full"][n]
+            assert full.shape == p.shape, n
+            worst_full = max(worst_full, (full.double() - p.grad.double()).abs().max().item())
+    print(f"{name} ({units} units): gradient pieces vs one process {worst:.1e}, full_grad "
+          f"{worst_full:.1e}")
+    assert worst <= ATOL and worst_full <= ATOL
 
 
 def test_guard_rails_say_what_to_do(launched):
     msgs = launched[0]["guard rails"]
     expect = {
-        "outside optimizer": ("RuntimeError: SGD.step() over a parameter",
-                              "Build distlab.ZeroOptimizer(model.parameters()"),
+        "optimizer built before": ("RuntimeError: SGD.step() over a parameter",
+                                   "Build the optimizer after fully_shard"),
+        "not elementwise": ("TypeError: LBFGS over a model", "only an elementwise optimizer"),
         "stage 2 over sharded": ("ValueError: stage=2", "leave stage out"),
-        "second optimizer": ("ValueError", "already have a ZeroOptimizer: step that one"),
+        "second optimizer": ("ValueError", "already have an optimizer (SGD): step that one"),
         "wrapped twice": ("ValueError", "already sharded by distlab.fully_shard: call it once"),
         "cast after": ("RuntimeError", "Move or cast the module first, then call fully_shard"),
         "load after": ("RuntimeError", "Load the state dict before calling fully_shard"),

@@ -1,8 +1,9 @@
 """Hugging Face's GPT-2 (Conv1D layers, lm_head tied to wte) and Llama (rotary embeddings,
 grouped KV heads), built from small configs with random weights, nothing downloaded, under
 distlab's public API on 2 ranks, against one process on the same global batch, with the HF
-Trainer's clipping line: DistributedDataParallel, ZeroOptimizer stages 1 and 2, fully_shard,
-and parallelize_module with the model's own plan (Llama's config.base_model_tp_plan; GPT-2's
+Trainer's clipping line: DistributedDataParallel, ZeroOptimizer stages 1 and 2, fully_shard
+(with ZeroOptimizer, and with torch.optim.SGD built after it as FSDP2 users do), and
+parallelize_module with the model's own plan (Llama's config.base_model_tp_plan; GPT-2's
 Conv1D MLP layers). Optional: skipped where transformers is not installed (distlab does
 not depend on it; `pip install transformers` runs it).
 
@@ -49,6 +50,9 @@ def sharded(rank, world, device, log, kind, how):
     elif how == "fully_shard":
         fully_shard(model)
         opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=LR)
+    elif how == "fully_shard, torch.optim.SGD":  # FSDP2's habit: a plain optimizer after it
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
     else:
         opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(how[-1]), lr=LR)
     train(model, opt, rank, world)
@@ -62,7 +66,7 @@ def test_hf_models_train_under_the_public_api_as_one_process(kind):
     model = build(kind)
     train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
     ref = model.state_dict()
-    for how in ("ddp", "zero1", "zero2", "fully_shard"):
+    for how in ("ddp", "zero1", "zero2", "fully_shard", "fully_shard, torch.optim.SGD"):
         for r, state in enumerate(run_ranks(sharded, 2, kind, how, timeout_s=120)):
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
             assert worst <= ATOL, (kind, how, r, worst)

@@ -12,14 +12,14 @@ from distlab.caller.launch import launch, run_ranks
 from distlab.caller.run import Run, RunError, RunStopped
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
-from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, fully_shard, grad_shard
+from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, full_grad, fully_shard, grad_shard
 from distlab.parallel.tensor.tp import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                         SequenceParallel, full_state_dict, parallelize_module)
 from distlab.parallel.pipeline.pp import PipelineSchedule
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "RunStopped", "resume",
            "CheckpointError", "DistributedDataParallel", "ZeroOptimizer", "fully_shard",
-           "MixedPrecisionPolicy", "grad_shard", "parallelize_module", "ColwiseParallel",
-           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
+           "MixedPrecisionPolicy", "grad_shard", "full_grad", "parallelize_module",
+           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
            "PipelineSchedule"]
 __version__ = "0.1.0"

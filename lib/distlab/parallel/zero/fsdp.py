@@ -31,10 +31,12 @@ param_dtype (floating inputs of the root and each unit are cast to it, as FSDP2'
 cast_forward_inputs). Gradients are reduce-scattered in reduce_dtype (default param_dtype),
 then added to the shard's fp32 gradient.
 
-**The optimizer** is distlab.ZeroOptimizer over `model.parameters()`: it steps the units'
-shards. Any other optimizer's step() over them raises (optimizer.py's guard rail): their .grad
-is None (gradients live in the shards), so it would move nothing. `grad_shard(p)` is this
-rank's piece of p's mean gradient (a view of the unit's gradient shard).
+**The optimizer**, built after fully_shard over `model.parameters()`: distlab.ZeroOptimizer,
+or any elementwise torch optimizer (torch.optim.AdamW, SGD, ...: distlab.parallel.zero.bound
+binds it to the units' shards at construction). Either steps the shards; an optimizer built
+before fully_shard raises at step() (optimizer.py's guard rail): its parameters' .grad is None
+(gradients live in the shards), so it would move nothing. `grad_shard(p)` is this rank's piece
+of p's mean gradient (a view of the unit's gradient shard), `full_grad(p)` the whole of it.
 
 **State dict.** `model.state_dict()` (every rank calls it) all-gathers each unit's shards:
 full tensors in the shards' dtype (fp32 under a bf16 policy), as FSDP2's full state dict.
@@ -55,6 +57,7 @@ from distlab.modules import tensors_in
 from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.parallel.zero import bound
 from distlab.parallel.zero.optimizer import ShardedGradients, Unit, claim
 from distlab.step_ledger import StepCounter
 
@@ -114,6 +117,21 @@ def grad_shard(param: nn.Parameter) -> torch.Tensor:
     state.reduce_gradients()
     u, i = state.place[id(param)]
     return u.shard_piece(u.grad_shard, i, state.rank)
+
+
+def full_grad(param: nn.Parameter) -> torch.Tensor:
+    """`param`'s whole mean gradient, shaped like it, on every rank (FSDP2's
+    p.grad.full_tensor()): its unit's gradient shards all-gathered. A collective: every rank
+    calls it. A copy: changing it changes nothing."""
+    state = getattr(param, "_distlab_fsdp", None)
+    if state is None:
+        raise ValueError("full_grad: this parameter is not sharded by distlab.fully_shard "
+                         "(its gradient is .grad)")
+    state.reduce_gradients()
+    u, i = state.place[id(param)]
+    whole = u.grad_shard.new_empty(u.padded)
+    state.comm.all_gather(whole, u.grad_shard)
+    return u.piece(whole, i).view(param.shape).clone()
 
 
 # -- the units' cut ----------------------------------------------------------------------------
@@ -306,9 +324,10 @@ class FullyShard(ShardedGradients):
         self.peak = {"params": 0}
         cut = self._assign(specs)
         claim([p for _, _, ps in cut for p in ps], "distlab.fully_shard (ZeRO-3)",
-              "Build distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=...) "
-              "instead: it steps the shards (and build no other optimizer over them).",
-              grads=self)
+              "Build the optimizer after fully_shard (torch.optim.AdamW(model.parameters(), "
+              "lr=...) or distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, "
+              "lr=...)): it then steps the shards.", grads=self)
+        bound.install()  # torch optimizers built from now on step the shards
         for name, modules, params in cut:
             units = self._flatten(name, modules, params, offload)
             (self.root.extend if not modules else self.chain.append)(units)
@@ -408,8 +427,9 @@ class FullyShard(ShardedGradients):
     def adopt(self, optimizer, params: list) -> list[Unit]:
         """The units a ZeroOptimizer's parameter group steps: whole units, one optimizer."""
         if self.optimizer is not None and self.optimizer is not optimizer:
-            raise ValueError("these parameters already have a ZeroOptimizer: step that one (one "
-                             "optimizer per fully_shard model)")
+            raise ValueError(f"these parameters already have an optimizer "
+                             f"({type(self.optimizer).__name__}): step that one (one optimizer "
+                             "per fully_shard model)")
         ids = {id(p) for p in params}
         units = [u for u in self.units if any(id(p) in ids for p in u.params)]
         for u in units:
@@ -531,6 +551,11 @@ class FullyShard(ShardedGradients):
         self._each(self._next(k, -1), self._prefetch, "backward")
 
     # -- ShardedGradients' gradient path, freeing as it goes ---------------------------------
+    def _open_backward(self):
+        if not self._bwd_open:
+            bound.forget_zeroed(self)  # a plain torch optimizer's zero_grad() since its step
+        super()._open_backward()
+
     def _unit_backward_done(self, u: Unit):
         self._free(u)  # its last gradient is in: its parameters are not needed
         super()._unit_backward_done(u)

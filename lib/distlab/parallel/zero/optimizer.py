@@ -431,13 +431,18 @@ class ShardedGradients:
                 u.grad_full.zero_()
                 self._attach_views(u)
             else:
-                if u.grad_full is not None:  # local gradients of a no_sync backward
-                    self._track_grads(-tensor_bytes(u.grad_full))
-                u.grad_full, u.reduced = None, False
-                u.grad_shard.zero_()
-                for p in u.params:
-                    p.grad = None
+                self.zero_unit_grad(u)
         self._stale = False
+
+    def zero_unit_grad(self, u: Unit, drop_loose: bool = True) -> None:
+        """Stages 2/3: unit u's gradient back to zero (its shard, and any local gradients);
+        drop_loose: also each parameter's .grad (False inside a backward: a hook is reading it)."""
+        if u.grad_full is not None:  # local gradients of a no_sync backward
+            self._track_grads(-tensor_bytes(u.grad_full))
+        u.grad_full, u.reduced = None, False
+        u.grad_shard.zero_()
+        for p in u.params if drop_loose else []:
+            p.grad = None
 
 
 # -- the optimizer -----------------------------------------------------------------------------

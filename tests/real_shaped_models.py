@@ -6,7 +6,8 @@ NanoGPTLike     nanoGPT's layout: `transformer` an nn.ModuleDict (wte, wpe, drop
                 (`c_attn`), an lm_head tied to wte, forward(idx, targets) -> (logits, loss)
 TitanLike       torchtitan's Llama layout: `layers` an nn.ModuleDict of blocks keyed "0", "1"...
 HFLike          a forward(input_ids, past_key_values=None, labels=None), as Hugging Face's
-GPT2Like        Hugging Face GPT-2's Conv1D layers (a Linear whose weight is stored in x out)
+GPT2Like        Hugging Face GPT-2's Conv1D layers (a Linear whose weight is stored in x out),
+                its fused q|k|v `c_attn` split by `split_size` into heads of `head_dim`
 LlamaLike       Hugging Face Llama's separate q/k/v/o and gate/up/down projections, attention
                 that reshapes by head_dim (so a rank's share of the heads just works), and
                 the model's own tensor-parallel plan in Hugging Face's strings
@@ -97,17 +98,33 @@ class GPT2MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
+class GPT2Attention(nn.Module):
+    """GPT-2's: one fused Conv1D for q|k|v, split by `split_size`, heads by `head_dim`."""
+    def __init__(self, d=WIDTH, heads=HEADS):
+        super().__init__()
+        self.split_size, self.head_dim = d, d // heads
+        self.c_attn, self.c_proj = Conv1D(3 * d, d), Conv1D(d, d)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).split(self.split_size, dim=2)
+        q, k, v = (t.view(*t.shape[:-1], -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
 class GPT2Like(nn.Module):
     def __init__(self, layers=2):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.h = nn.ModuleList(nn.ModuleDict(dict(ln=nn.LayerNorm(WIDTH), mlp=GPT2MLP()))
-                               for _ in range(layers))
+        self.h = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(WIDTH), attn=GPT2Attention(), ln=nn.LayerNorm(WIDTH),
+            mlp=GPT2MLP())) for _ in range(layers))
         self.ln_f = nn.LayerNorm(WIDTH)
 
     def forward(self, input_ids, labels):
         x = self.wte(input_ids)
         for block in self.h:
+            x = x + block.attn(block.ln_1(x))
             x = x + block.mlp(block.ln(x))
         logits = self.ln_f(x) @ self.wte.weight.t()  # tied head, as GPT-2's
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())

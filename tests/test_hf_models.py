@@ -74,13 +74,20 @@ def test_hf_models_train_under_the_public_api_as_one_process(kind):
 
 def tensor_parallel(rank, world, device, log, kind):
     """The model's own plan (Llama: config.base_model_tp_plan, strings relative to the base
-    model) or GPT-2's MLP Conv1D layers; every rank feeds the whole batch under TP."""
-    from distlab import parallelize_module
+    model) or GPT-2's Conv1D layers, its fused q|k|v c_attn split part by part (GPT-2 then
+    splits the output by attn.split_size, set to this rank's width); every rank feeds the
+    whole batch under TP."""
+    from distlab import ColwiseParallel, parallelize_module
     from distlab.parallel.tensor.tp import full_state_dict
     model = build(kind)
-    base, plan = ((model.transformer, {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"})
-                  if kind == "gpt2" else (model.model, model.config.base_model_tp_plan))
+    gpt2_plan = {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise",
+                 "h.*.attn.c_attn": ColwiseParallel(parts=3), "h.*.attn.c_proj": "rowwise"}
+    base, plan = ((model.transformer, gpt2_plan) if kind == "gpt2"
+                  else (model.model, model.config.base_model_tp_plan))
     parallelize_module(base, plan)
+    if kind == "gpt2":
+        for block in base.h:
+            block.attn.split_size //= world
     train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
     return {k: v.clone() for k, v in full_state_dict(base).items()}
 

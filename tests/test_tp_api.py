@@ -229,7 +229,12 @@ def guard_rails():
                         "blocks.0.attn.*": ColwiseParallel()})),
            "torch style": _error(lambda: parallelize_module(MLP(), {"fc1": 3})),
            "unknown HF style": _error(lambda: parallelize_module(
-               MLP(), {"fc1": "colwise_rep"}))}
+               MLP(), {"fc1": "colwise_rep"})),
+           "one part": _error(lambda: ColwiseParallel(parts=1)),
+           "parts do not add up": _error(lambda: parallelize_module(
+               MLP(), {"fc1": ColwiseParallel(parts=(8, 6))})),
+           "a part not divisible": _error(lambda: parallelize_module(
+               MLP(), {"fc1": ColwiseParallel(parts=(9, 7))}))}
     model = parallelize_module(MLP(), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     out["twice"] = _error(lambda: parallelize_module(model, {"pre": ColwiseParallel()}))
     rowwise_alone = parallelize_module(MLP(), {"fc2": RowwiseParallel()})
@@ -312,6 +317,9 @@ def test_guard_rails_say_what_to_do(launched):
     assert "matches plan entries" in m["two styles"]
     assert "not a distlab style" in m["torch style"]
     assert "of Hugging Face's style names distlab takes 'colwise'" in m["unknown HF style"]
+    assert m["one part"].startswith("ValueError: parts=1: the number of equal parts")
+    assert "add up to 14, not its out_features=16" in m["parts do not add up"]
+    assert "each width must be divisible by 2" in m["a part not divisible"]
     assert "already tensor-parallel" in m["twice"] and "call it once" in m["twice"]
     assert "put ColwiseParallel on the linear layer that feeds it" in \
         m["rowwise without colwise"]

@@ -206,12 +206,16 @@ class ColumnParallelLinear(nn.Module):
     Each rank needs the whole X: the region's entry operator (f, or g_sp when the input is
     sequence-sharded) provides it, shared by the layers reading the same input. Rank r owns
     b_r. Stored like nn.Linear: weight is (out/t, in), rows r·out/t ... (r+1)·out/t.
-    For q, k, v the column blocks are whole heads: out/t = (n_head/t)·head_dim."""
+    For q, k, v the column blocks are whole heads: out/t = (n_head/t)·head_dim.
 
-    def __init__(self, linear: nn.Linear, comm, entry: _RegionEntry, input_layout="replicate"):
+    A fused projection (parts: the widths of q, k and v side by side in one Linear, as
+    Megatron's and GPT-2's) is split part by part: rank r keeps block r of each part, side by
+    side ([q_r | k_r | v_r]), so its output splits into its heads of each."""
+
+    def __init__(self, linear: nn.Linear, comm, entry: _RegionEntry, input_layout="replicate",
+                 parts: tuple[int, ...] | None = None):
         super().__init__()
-        n = linear.out_features // comm.world
-        rows = slice(comm.rank * n, (comm.rank + 1) * n)
+        rows = fused_rows(parts or (linear.out_features,), comm.rank, comm.world)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = (nn.Parameter(linear.bias.detach()[rows].clone())
                      if linear.bias is not None else None)
@@ -220,6 +224,16 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         op = GatherSeq if self.input_layout == "sequence" else F_Copy
         return F.linear(self.entry(x, op), self.weight, self.bias)
+
+
+def fused_rows(parts: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
+    """The output features rank `rank` keeps of parts side by side: block `rank` of each."""
+    rows, start = [], 0
+    for width in parts:
+        n = width // world
+        rows.append(torch.arange(start + rank * n, start + (rank + 1) * n))
+        start += width
+    return torch.cat(rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -268,17 +282,52 @@ def _layout(value, what):
 class ColwiseParallel:
     """nn.Linear split by output features: rank r keeps out_features/t of them, its output is
     its block of the last dim. input_layout: "replicate" (Megatron's f enters the region) or
-    "sequence" (the input is a sequence shard from SequenceParallel: all-gathered first)."""
+    "sequence" (the input is a sequence shard from SequenceParallel: all-gathered first).
 
-    def __init__(self, input_layout: str = "replicate"):
+    parts: a fused projection, several outputs side by side in one Linear: an int (that many
+    equal parts: 3 for q|k|v) or the parts' widths (grouped KV heads: (q, k, v) widths). Rank r
+    keeps block r of each part, so its output is [q_r | k_r | v_r], each 1/t as wide: the
+    model's own split of it must then use the local widths (GPT-2: attn.split_size =
+    n_embd // t; Megatron's attention does the same with its local head count)."""
+
+    def __init__(self, input_layout: str = "replicate", parts: int | tuple | None = None):
         self.input_layout = _layout(input_layout, "input_layout")
+        if parts is not None and not (isinstance(parts, int) and parts >= 2 or (
+                isinstance(parts, (tuple, list)) and len(parts) >= 2
+                and all(isinstance(w, int) and w > 0 for w in parts))):
+            raise ValueError(f"parts={parts!r}: the number of equal parts (an int >= 2) or "
+                             "their widths (a tuple of two or more positive ints)")
+        self.parts = tuple(parts) if isinstance(parts, (tuple, list)) else parts
 
     def apply(self, name, module, state):
         module = _as_linear(name, module, state)
-        _check_linear(self, name, module, "out_features", state.comm.world)
-        _warn_if_fused(name, module)
+        t = state.comm.world
+        if self.parts is None:
+            _check_linear(self, name, module, "out_features", t)
+            _warn_if_fused(name, module)
+            widths = None
+        else:
+            _check_linear(self, name, module, "out_features", 1)
+            widths = _part_widths(name, module.out_features, self.parts, t)
+            state.fused[name] = widths
         state.sharded[name] = "colwise"
-        return ColumnParallelLinear(module, state.comm, state.entry, self.input_layout)
+        return ColumnParallelLinear(module, state.comm, state.entry, self.input_layout, widths)
+
+
+def _part_widths(name: str, out_features: int, parts, t: int) -> tuple[int, ...]:
+    if isinstance(parts, int):
+        if out_features % parts:
+            raise ValueError(f"ColwiseParallel(parts={parts}) on '{name}': out_features="
+                             f"{out_features} is not {parts} equal parts; give the widths")
+        parts = (out_features // parts,) * parts
+    if sum(parts) != out_features:
+        raise ValueError(f"ColwiseParallel(parts={parts}) on '{name}': the widths add up to "
+                         f"{sum(parts)}, not its out_features={out_features}")
+    if any(w % t for w in parts):
+        raise ValueError(f"ColwiseParallel(parts={parts}) on '{name}': each part is cut into "
+                         f"{t} equal blocks, so each width must be divisible by {t} "
+                         "(attention: heads, and KV heads, divisible by the ranks)")
+    return tuple(parts)
 
 
 class RowwiseParallel:
@@ -366,8 +415,9 @@ def _warn_if_fused(name: str, module: nn.Linear) -> None:
         warnings.warn(f"ColwiseParallel on '{name}' ({module.in_features} -> "
                       f"{module.out_features}): this looks like a fused projection (q, k and v, "
                       "or gate and up, side by side); a column split does not give each rank "
-                      "its share of each part. Split the layer into one Linear per part and "
-                      "name each in the plan", stacklevel=3)
+                      "its share of each part. Use ColwiseParallel(parts=3) (or the parts' "
+                      "widths), which does, and make the model split its output by the local "
+                      "widths", stacklevel=3)
 
 
 def _is_conv1d(module) -> bool:
@@ -447,6 +497,7 @@ class TensorParallelState:
         self.comm, self.entry = comm, _RegionEntry(comm)
         self.sharded: dict[str, str] = {}
         self.transposed: set[str] = set()  # Conv1D layers: their whole weight is (in, out)
+        self.fused: dict[str, tuple] = {}  # fused column-parallel layers: their parts' widths
         self.partial_params: list[nn.Parameter] = []
         self.partial_grads = None
         self.split: set[int] = set()  # ids of the parameters split across the ranks
@@ -638,6 +689,10 @@ def full_state_dict(module: nn.Module) -> dict:
             if style == "rowwise" and pname == "bias":
                 continue  # replicated
             whole = _gather_block(state.comm, p.detach(), 0 if style == "colwise" else -1)
+            if name in state.fused:  # rank-major [q_0 k_0 v_0 | q_1 ...] back to [q | k | v]
+                order = torch.cat([fused_rows(state.fused[name], r, state.comm.world)
+                                   for r in range(state.comm.world)])
+                whole = torch.empty_like(whole).index_copy_(0, order.to(whole.device), whole)
             if name in state.transposed and pname == "weight":
                 whole = whole.t().contiguous()  # back to Conv1D's (in, out)
             sd[f"{name}.{pname}"] = whole

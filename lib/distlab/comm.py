@@ -147,7 +147,7 @@ class Pending:
 class Comm:
     """Instrumented collectives for one rank of a process group."""
 
-    MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
     def __init__(self, group=None, name: str = ""):
         self.group, self.name = group, name  # name: the mesh group ("tp", "dp", "pp")
@@ -294,6 +294,23 @@ class Comm:
             out.div_(n)
         return out
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None, kind: str = "all_to_all"):
+        """Block i of `t` (dim 0; in_splits[i] rows, or equal blocks) goes to rank i; `out`
+        gets rank i's block for this rank at block i (out_splits[i] rows). The payload to and
+        from the other ranks is booked, exact: |t| - own block sent, |out| - own block
+        received; with equal blocks (N-1)/N of the buffer (the single form,
+        all_to_all_single, which gloo has run since 2020; the list form only since 2026)."""
+        row = t[0].numel() * t.element_size() if t.dim() and len(t) else 0
+        orow = out[0].numel() * out.element_size() if out.dim() and len(out) else 0
+        n, me = self.world, self.rank
+        own_in = in_splits[me] if in_splits is not None else len(t) // n
+        own_out = out_splits[me] if out_splits is not None else len(out) // n
+        self._call(kind, (len(t) - own_in) * row, (len(out) - own_out) * orow,
+                   lambda: dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits,
+                                                  group=self.group))
+        return out
+
     def barrier(self):
         self._call("barrier", 0, 0, lambda: dist.barrier(group=self.group))
 
@@ -316,6 +333,15 @@ class Comm:
         _IN_FLIGHT.append(work)
         self._unmeasured(kind)
         self._add(kind, tensor_bytes(t), 0, 0.0)
+        return work
+
+    def irecv(self, t: torch.Tensor, src: int, kind: str = "recv", tag: int = 0):
+        """Start receiving into `t` from group rank `src`; wait() on the handle before reading
+        `t`. Books the bytes now."""
+        work = dist.irecv(t, src=self._global(src), group=self.group, tag=tag)
+        _IN_FLIGHT.append(work)
+        self._unmeasured(kind)
+        self._add(kind, 0, tensor_bytes(t), 0.0)
         return work
 
     def _exchange(self, send_t, dst, recv_t, src):

@@ -16,10 +16,11 @@ from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, full_grad, fully_sh
 from distlab.parallel.tensor.tp import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                         SequenceParallel, full_state_dict, parallelize_module)
 from distlab.parallel.pipeline.pp import PipelineSchedule
+from distlab.parallel.context.api import ContextParallel
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "RunStopped", "resume",
            "CheckpointError", "DistributedDataParallel", "ZeroOptimizer", "fully_shard",
            "MixedPrecisionPolicy", "grad_shard", "full_grad", "parallelize_module",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
-           "PipelineSchedule"]
+           "PipelineSchedule", "ContextParallel"]
 __version__ = "0.1.0"

@@ -88,6 +88,11 @@ class RunConfig:
     microbatches: int = 1  # pipeline micro-batches per step
     schedule: str = "gpipe"  # naive | gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # interleaved: model chunks per pipeline rank
+    # context parallelism (distlab.parallel.context): ranks per replica that split each
+    # sequence (0: all), which tokens each holds, and how attention crosses the split
+    cp_ranks: int = 0
+    cp_layout: str = "zigzag"  # zigzag (balanced causal work) | contiguous
+    cp_attention: str = "ring"  # ring (K/V around the ring) | ulysses (all-to-all to heads)
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
     dp_threads: bool = True  # dp: replicas in threads (False: one after another, to time the GIL)
     dp_gather: str = "logits"  # dp: replicas return logits (loss on replica 0), or their "loss"
@@ -173,6 +178,8 @@ class RunConfig:
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dp_gather", self.dp_gather, DP_GATHERS)
+        _choice("cp_layout", self.cp_layout, ("zigzag", "contiguous"))
+        _choice("cp_attention", self.cp_attention, ("ring", "ulysses"))
         _choice("param_dtype", self.param_dtype, PRECISIONS)
         _choice("reduce_dtype", self.reduce_dtype, ("",) + PRECISIONS)
         self._check_knobs()

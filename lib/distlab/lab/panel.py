@@ -1067,4 +1067,7 @@ def _make_knobs(cfg: RunConfig) -> dict:
                           step=0.01),
         "backup_workers": num(W.BoundedIntText, "backup_workers", "backup workers", min=0,
                               max=64),
+        "cp_ranks": num(W.BoundedIntText, "cp_ranks", "cp ranks (0: all)", min=0, max=1024),
+        "cp_layout": choice("cp_layout", ("zigzag", "contiguous"), "sequence split"),
+        "cp_attention": choice("cp_attention", ("ring", "ulysses"), "attention"),
     }

@@ -32,9 +32,13 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """`attend(q, k, v)`, causal attention over (B, heads, T, head_dim): PyTorch's kernel, or
+    what a strategy puts there (context parallelism: attention across the ranks' tokens)."""
+
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.n_head = c.n_head
+        self.attend = _causal_attention
         self.q = nn.Linear(c.n_embd, c.n_embd)
         self.k = nn.Linear(c.n_embd, c.n_embd)
         self.v = nn.Linear(c.n_embd, c.n_embd)
@@ -45,8 +49,12 @@ class CausalSelfAttention(nn.Module):
         # view(B, T, heads, head_dim): a rank holding a slice of the columns holds whole heads
         q, k, v = (p(x).view(B, T, -1, x.shape[-1] // self.n_head).transpose(1, 2)
                    for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _causal_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -78,6 +86,9 @@ class GPT(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
+        # the positions of the tokens forward sees (None: 0..T-1); context parallelism sets
+        # this rank's, which are not the first T
+        self.token_positions: torch.Tensor | None = None
         self.tok_emb = nn.Embedding(c.vocab_size, c.n_embd)
         self.pos_emb = nn.Embedding(c.block_size, c.n_embd)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
@@ -103,7 +114,8 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        pos = (self.token_positions.to(idx.device) if self.token_positions is not None
+               else torch.arange(T, device=idx.device))
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)

@@ -43,6 +43,8 @@ REGISTRY = {
     "pp": "distlab.parallel.pipeline.pp:PipelineParallel",
     "pp-torch": "distlab.parallel.pipeline.pp_torch:TorchPP",
     "3d": "distlab.parallel.mesh:ThreeD",
+    # context parallelism (parallel/context/)
+    "cp": "distlab.parallel.context.strategy:ContextParallelDP",
 }
 STRATEGIES = tuple(REGISTRY)
 
@@ -54,6 +56,7 @@ KNOBS = {
     "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp",), "topk_ratio": ("ddp",),
     "microbatches": ("pp", "pp-torch", "3d"), "schedule": ("pp", "pp-torch", "3d"),
     "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
+    "cp_ranks": ("cp",), "cp_layout": ("cp",), "cp_attention": ("cp",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
 }
 

@@ -1,0 +1,367 @@
+"""Mixture of experts (distlab.parallel.expert.moe) and expert parallelism (dispatch.py).
+
+One process: capacity hands slots out first come, first served, first choices before second
+(GShard); a dropped choice's output is zero; the auxiliary loss is E x sum f_i P_i by hand, 1
+for a uniform router and more for a skewed one; bad settings are refused with the setting named.
+
+Two ranks (one launch runs every case): a tiny model (Linear -> tanh -> residual MoE ->
+Linear, MSE plus the auxiliary loss) trained STEPS SGD steps with its 4 experts spread 2 per
+rank, each rank feeding its half of the global batch, against one process on the whole batch
+with groups=2 (GShard's groups: each rank's tokens, which expert parallelism routes on their
+own, get their own capacity and auxiliary loss). Top-1 and top-2, with no token dropped
+(capacity_factor = E) and with half of them dropped (capacity_factor 0.5). The experts'
+gradients before reduce_expert_parallel_grads are N times one process's (the combine's
+backward sums the ranks' losses), after it equal; each rank's drop counts add up to one
+process's; the bytes booked under ep.dispatch and ep.combine are the rows that crossed to the
+other rank. A second launch of 4 ranks (one expert each, top-1, capacity_factor 1: some
+choices dropped, some splits empty) against one process with groups=4.
+
+Tolerance: ATOL = 1e-5 on parameters after STEPS steps and on each step's loss, float32.
+Against one process the same rows meet the same experts in the same order (rank 0's rows
+first, as one process's group 0), so only the sums that cross ranks change order: the
+replicated parameters' gradients, summed per rank then all-reduced, and the loss averaged over
+the ranks. A few float32 ulps per step, carried by SGD with momentum. Measured on torch 2.13
+CPU with gloo, 4 steps, every case and rank on 2 and 4 ranks (printed by the tests): at most
+3.0e-8 on parameters and 1.2e-7 on losses, 83x under ATOL or more; the inputs are seeded, so
+the figures repeat. A missing division of the experts' gradients by N, or a missing average of
+the router's, is off by far more (checked in test_equal_to_one_process).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from api_models import max_diff
+from torch import nn
+
+from distlab import run_ranks
+from distlab.comm import Comm
+from distlab.parallel.expert import (
+    MoE,
+    expert_parallel,
+    expert_parallel_state_dict,
+    reduce_expert_parallel_grads,
+)
+
+ATOL = 1e-5
+STEPS = 4
+WORLD = 2
+E, D, H = 4, 8, 16
+B, T = 8, 4  # global batch: B rows of T tokens; each rank takes B / WORLD rows
+COEF = 0.01
+CASES = [(1, float(E)), (2, float(E)), (1, 0.5), (2, 0.5)]  # (top_k, capacity_factor)
+CASE4 = (1, 1.0)  # on 4 ranks, one expert each: some choices dropped, some splits empty
+
+
+class Net(nn.Module):
+    def __init__(self, top_k, capacity_factor, groups=1):
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, D), nn.Linear(D, 3)
+        self.moe = MoE(D, H, E, top_k, capacity_factor, COEF, groups=groups)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(h + self.moe(h))  # the residual carries a dropped token
+
+
+def make(top_k, capacity_factor, groups=1):
+    torch.manual_seed(0)
+    return Net(top_k, capacity_factor, groups)
+
+
+def data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(B, T, 6, generator=g), torch.randn(B, T, 3, generator=g)
+
+
+def local(t, rank, world=WORLD):
+    n = len(t) // world
+    return t[rank * n:(rank + 1) * n]
+
+
+def train(model, x_of, reduce=None):
+    """STEPS SGD steps; the losses, each step's MoE stats, the gradients of the first step
+    (before `reduce`, and after it)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = {"losses": [], "stats": []}
+    for step in range(STEPS):
+        x, y = x_of(step)
+        loss = F.mse_loss(model(x), y) + COEF * model.moe.aux_loss
+        loss.backward()
+        if step == 0:
+            out["raw grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        if reduce is not None:
+            reduce(model)
+        if step == 0:
+            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["stats"].append(dict(model.moe.last_stats))
+    return out
+
+
+def single(top_k, capacity_factor, world=WORLD):
+    model = make(top_k, capacity_factor, groups=world)
+    out = train(model, data)
+    out["state"] = model.state_dict()
+    return out
+
+
+def ep(comm, top_k, capacity_factor):
+    model = make(top_k, capacity_factor)
+    expert_parallel(model.moe, comm)
+    out = train(model, lambda s: tuple(local(t, comm.rank, comm.world) for t in data(s)),
+                reduce_expert_parallel_grads)
+    out["state"] = expert_parallel_state_dict(model)
+    out["local experts"] = sorted(int(k) for k in model.moe.experts)
+    return out
+
+
+def balanced(n):
+    """n tokens whose router sends token i to expert i % E (the router is 10 x identity on the
+    first E features), so every rank sends each expert n / E rows."""
+    x = torch.zeros(n, D)
+    x[torch.arange(n), torch.arange(n) % E] = 1.0
+    return x
+
+
+def bytes_case(comm, kind):
+    """One forward and backward of an expert-parallel MoE; the bytes booked per kind."""
+    torch.manual_seed(1)
+    moe = MoE(D, H, E, top_k=1, capacity_factor=float(E))
+    if kind == "balanced":
+        with torch.no_grad():
+            moe.router.weight.zero_()
+            moe.router.weight[:, :E] = 10 * torch.eye(E)
+    expert_parallel(moe, comm)
+    n = B * T // WORLD
+    x = balanced(n) if kind == "balanced" else torch.randn(n, D) + comm.rank  # ranks differ
+    x.requires_grad_()
+    comm.take_step_stats()
+    moe(x).square().sum().backward()
+    stats, _ = comm.take_step_stats()
+    return {"x": x.detach(), "router": moe.router.weight.detach(),
+            "stats": {k: v for k, v in stats.items() if k.startswith("ep.")},
+            "kept": moe.last_stats["kept_per_expert"]}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def two_ranks(rank, world, device, log):
+    comm = Comm()
+    out = {("ep", k, cf): ep(comm, k, cf) for k, cf in CASES}
+    out["bytes", "routed"] = bytes_case(comm, "routed")
+    out["bytes", "balanced"] = bytes_case(comm, "balanced")
+    out["errors"] = {"not divisible": _error(lambda: expert_parallel(MoE(D, H, 3), comm))}
+    twice = expert_parallel(MoE(D, H, E), comm)
+    out["errors"]["twice"] = _error(lambda: expert_parallel(twice, comm))
+    out["errors"]["no ep layer"] = _error(lambda: reduce_expert_parallel_grads(Net(1, 1.0)))
+    return out
+
+
+def four_ranks(rank, world, device, log):
+    return ep(Comm(), *CASE4)
+
+
+# -- the tests ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def launched():
+    return run_ranks(two_ranks, WORLD, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def launched4():
+    return run_ranks(four_ranks, 4, timeout_s=120)
+
+
+def _compare(got, top_k, capacity_factor):
+    world = len(got)
+    ref = single(top_k, capacity_factor, world)
+    losses = [sum(r["losses"][s] for r in got) / world for s in range(STEPS)]
+    loss = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+    for r, res in enumerate(got):
+        assert res["local experts"] == list(range(r * E // world, (r + 1) * E // world))
+        state = max_diff(res["state"], ref["state"])
+        print(f"{world} ranks, top-{top_k}, capacity_factor {capacity_factor}, rank {r}: vs one "
+              f"process: parameters after {STEPS} steps {state:.1e}, losses {loss:.1e}")
+        assert state <= ATOL and loss <= ATOL
+        # an expert's gradient arrives summed over the ranks' losses: N x one process's
+        # until reduce_expert_parallel_grads divides it; the router's is this rank's share
+        for name in res["raw grads"]:
+            g, raw, want = res["grads"][name], res["raw grads"][name], ref["grads"][name]
+            assert (g - want).abs().max() <= ATOL, name
+            if ".experts." in name:
+                assert (raw - world * want).abs().max() <= ATOL, name
+        off = (res["raw grads"]["moe.router.weight"] - ref["grads"]["moe.router.weight"])
+        assert off.abs().max() > 100 * ATOL  # so the check above has teeth
+    return ref
+
+
+@pytest.mark.parametrize("top_k,capacity_factor", CASES)
+def test_equal_to_one_process(launched, top_k, capacity_factor):
+    _compare([res["ep", top_k, capacity_factor] for res in launched], top_k, capacity_factor)
+
+
+def test_equal_to_one_process_on_4_ranks(launched4):
+    ref = _compare(launched4, *CASE4)
+    assert all(st["dropped"] > 0 for st in ref["stats"])  # capacity_factor 1: some dropped
+    splits = [st["kept_per_expert"] for res in launched4 for st in res["stats"]]
+    print(f"4 ranks: kept rows per expert per rank and step {splits}")
+    assert any(0 in s for s in splits)  # a rank sent some rank no row, at least once
+
+
+@pytest.mark.parametrize("top_k,capacity_factor", CASES)
+def test_drops_add_up_to_one_process_on_the_same_groups(launched, top_k, capacity_factor):
+    ref = single(top_k, capacity_factor)["stats"]
+    n = B * T // WORLD  # tokens per rank: one group
+    for s in range(STEPS):
+        ranks = [res["ep", top_k, capacity_factor]["stats"][s] for res in launched]
+        for st in ranks:
+            C = math.ceil(capacity_factor * n * top_k / E)
+            assert st["capacity"] == C == ref[s]["capacity"] and st["tokens"] == n
+            assert st["kept_per_expert"] == [min(c, C) for c in st["tokens_per_expert"]]
+            assert st["dropped"] == n * top_k - sum(st["kept_per_expert"])
+        for key in ("tokens_per_expert", "kept_per_expert"):
+            assert [sum(c) for c in zip(*(st[key] for st in ranks))] == ref[s][key]
+        assert sum(st["dropped"] for st in ranks) == ref[s]["dropped"]
+        # at most E x C of n x k choices fit: with capacity_factor 0.5, half are dropped
+        assert (ref[s]["dropped"] > 0) == (capacity_factor < 1)
+    print(f"top-{top_k}, capacity_factor {capacity_factor}: dropped per step "
+          f"{[st['dropped'] for st in ref]} of {B * T * top_k} choices")
+
+
+def _routed_rows(x, router, rank):
+    """Rows this rank sends to the other rank and receives from it, by one process's routing."""
+    moe = MoE(D, H, E, top_k=1, capacity_factor=float(E))
+    with torch.no_grad():
+        moe.router.weight.copy_(router)
+        moe(x)
+    kept = moe.last_stats["kept_per_expert"]
+    mine = range(rank * E // WORLD, (rank + 1) * E // WORLD)
+    return sum(c for e, c in enumerate(kept) if e not in mine), kept, mine
+
+
+@pytest.mark.parametrize("kind", ["routed", "balanced"])
+def test_bytes_are_the_rows_that_cross(launched, kind):
+    row = D * 4  # float32
+    sent = []
+    for r, res in enumerate(launched):
+        case = res["bytes", kind]
+        rows, kept, _ = _routed_rows(case["x"], case["router"], r)
+        assert case["kept"] == kept
+        sent.append(rows * row)
+        st = case["stats"]
+        print(f"{kind}, rank {r}: ep.dispatch sent {st['ep.dispatch']['bytes_sent']} B "
+              f"({rows} rows x {row} B), kernel counted {st['ep.dispatch']['wire_sent']}")
+        assert st["ep.dispatch"]["bytes_sent"] == rows * row
+        # the gradients travel the same ways: the outputs' towards the experts
+        assert st["ep.combine.grad"]["bytes_sent"] == st["ep.dispatch"]["bytes_sent"]
+        assert st["ep.dispatch.grad"]["bytes_sent"] == st["ep.combine"]["bytes_sent"]
+        assert st["ep.counts"]["bytes_sent"] == (E // WORLD) * 8  # the other rank's counts
+    for r, res in enumerate(launched):  # what one rank sends, the other's combine sends back
+        assert res["bytes", kind]["stats"]["ep.combine"]["bytes_sent"] == sent[1 - r]
+    if kind == "balanced":
+        buffer = B * T // WORLD * row
+        assert sent == [(WORLD - 1) * buffer // WORLD] * WORLD
+
+
+def test_errors_name_the_setting(launched):
+    m = launched[0]["errors"]
+    assert "n_experts=3 is not divisible by the group's 2 ranks" in m["not divisible"]
+    assert "already expert-parallel" in m["twice"]
+    assert "no expert-parallel MoE layer" in m["no ep layer"]
+    assert "top_k=3 is not 1 (Switch) or 2 (GShard)" in _error(lambda: MoE(D, H, E, top_k=3))
+    for cf in (0, -1.0, float("nan")):
+        assert "must be > 0" in _error(lambda: MoE(D, H, E, capacity_factor=cf))
+    assert "10 tokens do not split into groups=4" in _error(
+        lambda: MoE(D, H, E, groups=4)(torch.randn(10, D)))
+    assert "needs at least 2 experts" in _error(lambda: MoE(D, H, 1, top_k=2))
+    assert _error(lambda: MoE(D, H, E, top_k=2, capacity_factor=0.1)) == "no error"
+
+
+# -- one process -------------------------------------------------------------------------------
+def _pinned(top_k, cf, n=8):
+    """A router that sends every token's first choice to expert 0 and its second to expert 1,
+    except token 0: first choice expert 1, second expert 0 (features 0 and 1 only)."""
+    moe = MoE(D, H, E, top_k=top_k, capacity_factor=cf)
+    x = torch.zeros(n, D)
+    x[:, 0], x[0, 1] = 1.0, 1.0
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0, 0], moe.router.weight[1, 0], moe.router.weight[1, 1] = 5, 2.5, 5
+    return moe, x
+
+
+def test_capacity_is_first_come_first_served():
+    moe, x = _pinned(top_k=1, cf=0.5)  # C = ceil(0.5 x 8 / 4) = 1
+    r = moe.route(x)
+    assert moe.last_stats["capacity"] == 1
+    assert sorted(zip(r.token.tolist(), r.expert.tolist())) == [(0, 1), (1, 0)]
+    assert moe.last_stats["dropped"] == 8 - 2
+    # top-2, C = ceil(0.5 x 8 x 2 / 4) = 2: token 0's second choice (expert 0) comes after every
+    # first choice, so tokens 1 and 2 take expert 0's slots; by token order alone token 0 would
+    moe, x = _pinned(top_k=2, cf=0.5)
+    r = moe.route(x)
+    assert moe.last_stats["capacity"] == 2
+    assert sorted(zip(r.token.tolist(), r.expert.tolist())) == [(0, 1), (1, 0), (1, 1), (2, 0)]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_dropped_token_gets_zero_and_a_kept_one_its_gated_experts(top_k):
+    torch.manual_seed(3)
+    moe = MoE(D, H, E, top_k=top_k, capacity_factor=0.5)
+    x = torch.randn(2, 8, D)
+    y = moe(x).view(-1, D)
+    r = moe.route(x.view(-1, D))
+    xf = x.view(-1, D)
+    want = torch.zeros_like(y)
+    for t, e, g in zip(r.token.tolist(), r.expert.tolist(), r.gate):
+        want[t] += g * moe.experts[e](xf[t])
+    assert (y - want).abs().max() <= 1e-6
+    dropped = sorted(set(range(16)) - set(r.token.tolist()))
+    assert dropped and (y[dropped] == 0).all()
+    # gates: top-1 the router's probability, top-2 the two best renormalised to sum 1
+    probs = F.softmax(moe.router(xf), -1)
+    best = probs.topk(top_k, -1)
+    for t, e, g in zip(r.token.tolist(), r.expert.tolist(), r.gate.tolist()):
+        want_g = probs[t, e] / (best.values[t].sum() if top_k == 2 else 1)
+        assert abs(g - want_g.item()) <= 1e-6
+
+
+def _aux_by_hand(moe, x, groups=1):
+    probs = F.softmax(x @ moe.router.weight.T, -1).view(groups, -1, E)
+    f = F.one_hot(probs.argmax(-1), E).double().mean(1)
+    return (E * (f * probs.double().mean(1)).sum(-1)).mean().item()
+
+
+def test_aux_loss_is_switch_by_hand():
+    torch.manual_seed(4)
+    x = torch.randn(32, D)
+    moe = MoE(D, H, E)
+    for groups in (1, 4):
+        moe.groups = groups
+        moe(x)
+        assert abs(moe.aux_loss.item() - _aux_by_hand(moe, x, groups)) <= 1e-6
+    moe.groups = 1
+    moe.aux_loss.backward()  # in the graph: the router learns from it
+    assert moe.router.weight.grad.abs().max() > 0
+    with torch.no_grad():
+        moe.router.weight.zero_()  # uniform router: P_i = 1/E, aux = sum f_i = 1
+    moe(x)
+    assert abs(moe.aux_loss.item() - 1.0) <= 1e-6
+    x[:, 0] = 1.0
+    with torch.no_grad():
+        moe.router.weight[0, 0] = 3.0  # every token leans towards expert 0
+    moe(x)
+    skewed = moe.aux_loss.item()
+    print(f"aux loss: uniform router 1.0, skewed {skewed:.3f}, by hand "
+          f"{_aux_by_hand(moe, x):.3f}")
+    assert abs(skewed - _aux_by_hand(moe, x)) <= 1e-6 and skewed > 1.1

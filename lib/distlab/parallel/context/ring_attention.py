@@ -40,6 +40,8 @@ class RingStats:
     """What this rank did in the forwards and backwards it was passed to."""
     pairs_fwd: int = 0  # chunk pairs computed forward
     compute_s: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
+    # the same, in CPU seconds of this thread: the work itself, also where ranks share a core
+    compute_cpu_s: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
     wait_s: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
 
 
@@ -90,7 +92,7 @@ class RingAttention(torch.autograd.Function):
         ring, kv = _Ring(comm), (k, v)
         for i in range(N):
             hop = ring.start(list(kv), "cp.kv") if i < N - 1 else None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for a, b, kind in L.chunk_pairs(r, (r - i) % N, N, layout):
                 qa = _chunk(q, a, size)
                 s = _scores(qa.float(), _chunk(kv[0], b, size).float(), kind, scale)
@@ -104,6 +106,7 @@ class RingAttention(torch.autograd.Function):
                 m[..., rows] = m_new
                 stats.pairs_fwd += 1
             stats.compute_s["forward"] += time.perf_counter() - t0
+            stats.compute_cpu_s["forward"] += time.thread_time() - c0
             if hop is not None:
                 stats.wait_s["forward"] += ring.finish(hop[0])
                 kv = tuple(hop[1])
@@ -127,7 +130,7 @@ class RingAttention(torch.autograd.Function):
         for i in range(N):
             kb, vb, dk, dv = held
             hop = ring.start([kb, vb], "cp.kv") if i < N - 1 else None  # overlaps the compute
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for a, b, kind in L.chunk_pairs(r, (r - i) % N, N, layout):
                 rows = slice(a * size, (a + 1) * size)
                 qa, ka, va = (_chunk(q, a, size).float(), _chunk(kb, b, size).float(),
@@ -139,6 +142,7 @@ class RingAttention(torch.autograd.Function):
                 dq[..., rows, :] += (ds @ ka) * scale
                 _chunk(dk, b, size).add_((ds.transpose(-2, -1) @ qa) * scale)
             stats.compute_s["backward"] += time.perf_counter() - t0
+            stats.compute_cpu_s["backward"] += time.thread_time() - c0
             # the partial dK, dV follow their K, V; after the last round they hop home (on
             # one rank they are home)
             grads = ring.start([dk, dv], "cp.dkv") if N > 1 else ([], [dk, dv])

@@ -1,4 +1,4 @@
-"""Mixture of experts (distlab.parallel.expert.moe) and expert parallelism (dispatch.py).
+"""Mixture of experts (distlab.models.moe) and expert parallelism (dispatch.py).
 
 One process: capacity hands slots out first come, first served, first choices before second
 (GShard); a dropped choice's output is zero; the auxiliary loss is E x sum f_i P_i by hand, 1
@@ -25,6 +25,10 @@ CPU with gloo, 4 steps, every case and rank on 2 and 4 ranks (printed by the tes
 3.0e-8 on parameters and 1.2e-7 on losses, 83x under ATOL or more; the inputs are seeded, so
 the figures repeat. A missing division of the experts' gradients by N, or a missing average of
 the router's, is off by far more (checked in test_equal_to_one_process).
+
+The `ep` strategy in the training loop (the GPT with MoE blocks, 2 ranks) against `single` with
+moe_groups=2, top-1 and top-2, with and without drops: LOOP_ATOL = 1e-5 after 4 SGD steps, as
+tests/test_equivalence.py (the same arithmetic as above through a deeper model; printed).
 """
 
 import math
@@ -44,7 +48,7 @@ from distlab.parallel.expert import (
     reduce_expert_parallel_grads,
 )
 
-ATOL = 1e-5
+ATOL = LOOP_ATOL = 1e-5
 STEPS = 4
 WORLD = 2
 E, D, H = 4, 8, 16
@@ -365,3 +369,46 @@ def test_aux_loss_is_switch_by_hand():
     print(f"aux loss: uniform router 1.0, skewed {skewed:.3f}, by hand "
           f"{_aux_by_hand(moe, x):.3f}")
     assert abs(skewed - _aux_by_hand(moe, x)) <= 1e-6 and skewed > 1.1
+
+
+# -- the ep strategy in the training loop ------------------------------------------------------
+def _loop_run(cfg):
+    from distlab import run_ranks
+    from distlab.rank.train import train_with_state
+    return run_ranks(train_with_state, cfg.world_size, [cfg.to_dict()], timeout_s=120)
+
+
+LOOP = dict(steps=4, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,
+            n_embd=32, n_head=2, mlp_ratio=2, n_experts=4, timeout_s=60)
+
+
+@pytest.mark.parametrize("top_k,capacity_factor", [(1, 4.0), (2, 4.0), (1, 0.5)],
+                         ids=["top-1", "top-2", "top-1 dropping"])
+def test_ep_strategy_follows_single_with_a_group_per_rank(top_k, capacity_factor):
+    """`ep` on 2 ranks against `single` with moe_groups=2 (the same tokens per group, so the
+    same capacity, drops and balance loss): parameters within LOOP_ATOL after 4 SGD steps.
+    Capacity factor 0.5 keeps at most half of each group's tokens: drops are certain."""
+    from distlab import RunConfig
+    base = RunConfig(**LOOP, top_k=top_k, capacity_factor=capacity_factor)
+    single = _loop_run(base.replace(moe_groups=2))[0][0]
+    results = _loop_run(base.replace(strategy="ep", world_size=2))
+    for r, res in enumerate(results):
+        state = res[0]["state"]
+        assert state.keys() == single["state"].keys()
+        worst = max((state[k] - single["state"][k]).abs().max().item() for k in state)
+        print(f"ep top-{top_k} cf {capacity_factor}, rank {r}: vs single {worst:.1e}")
+        assert worst <= LOOP_ATOL
+
+
+@pytest.mark.parametrize("fields,says", [
+    (dict(strategy="ep", world_size=2, n_experts=0), "set n_experts"),
+    (dict(strategy="ep", world_size=4, n_experts=6), "divisible by world_size=4"),
+    (dict(strategy="tp", world_size=2), "a mixture of experts runs under"),
+    (dict(top_k=3), "top_k is 1 or 2"),
+    (dict(capacity_factor=0.0), "must be > 0"),
+    (dict(strategy="allreduce", world_size=2, moe_groups=3), "must be a multiple of the 2"),
+])
+def test_moe_settings_are_checked_before_anything_starts(fields, says):
+    from distlab import RunConfig
+    with pytest.raises(ValueError, match=says):
+        RunConfig(**{**LOOP, **fields})

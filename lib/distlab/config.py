@@ -93,6 +93,14 @@ class RunConfig:
     cp_ranks: int = 0
     cp_layout: str = "zigzag"  # zigzag (balanced causal work) | contiguous
     cp_attention: str = "ring"  # ring (K/V around the ring) | ulysses (all-to-all to heads)
+    # a mixture of experts in each block instead of the MLP (distlab.models.moe; 0: dense);
+    # moe_groups: GShard's groups over the global batch (capacity and the balance loss per
+    # group; 0: one per data-parallel rank's rows, what expert parallelism routes)
+    n_experts: int = 0
+    top_k: int = 1  # 1: Switch Transformer's routing; 2: GShard's
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01  # Switch's load-balancing loss, added to the loss
+    moe_groups: int = 0
     allreduce: str = "torch"  # algorithm the `allreduce` strategy uses for gradients
     dp_threads: bool = True  # dp: replicas in threads (False: one after another, to time the GIL)
     dp_gather: str = "logits"  # dp: replicas return logits (loss on replica 0), or their "loss"
@@ -183,6 +191,7 @@ class RunConfig:
         _choice("param_dtype", self.param_dtype, PRECISIONS)
         _choice("reduce_dtype", self.reduce_dtype, ("",) + PRECISIONS)
         self._check_knobs()
+        self._check_experts()
         if self.param_dtype != "fp32" and self.precision != "fp32":
             raise ValueError(f"param_dtype={self.param_dtype!r} is zero3's mixed precision "
                              f"(parameters cast before the all-gather); precision="
@@ -303,6 +312,39 @@ class RunConfig:
         if self.sync_bn and self.model == "gpt":
             raise ValueError("sync_bn=True: distlab's GPT has no BatchNorm (model='bnnet' or a "
                              "model of your own does)")
+
+    def _check_experts(self):
+        if not self.n_experts:
+            if self.strategy == "ep":
+                raise ValueError("strategy='ep' places the experts of a mixture of experts on "
+                                 "the ranks: set n_experts (e.g. 4)")
+            return
+        if self.model != "gpt":
+            raise ValueError(f"n_experts={self.n_experts} gives distlab's GPT mixture-of-experts "
+                             f"blocks, not model={self.model!r}")
+        if self.strategy not in MOE_STRATEGIES:
+            raise ValueError(f"n_experts={self.n_experts}: a mixture of experts runs under "
+                             f"{', '.join(MOE_STRATEGIES)} (the others split the blocks' MLP "
+                             f"by its layer names), not strategy={self.strategy!r}")
+        if self.n_experts < 2 or self.top_k not in (1, 2) or self.top_k > self.n_experts:
+            raise ValueError(f"n_experts={self.n_experts}, top_k={self.top_k}: top_k is 1 or 2, "
+                             "and at most n_experts (2 or more)")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")
+        if self.lora_rank:
+            raise ValueError("lora_rank with n_experts: the adapters target the dense MLP's "
+                             "layers; use a dense model (n_experts=0)")
+        groups = self.moe_groups or self.dp_degree
+        if groups < 0 or groups % self.dp_degree or (self.micro_batch * self.seq_len) % (
+                groups // self.dp_degree):
+            raise ValueError(f"moe_groups={self.moe_groups} must be a multiple of the "
+                             f"{self.dp_degree} data-parallel ranks and split each rank's "
+                             f"{self.micro_batch * self.seq_len} tokens per forward evenly")
+
+    @property
+    def moe_groups_per_rank(self) -> int:
+        """GShard's groups in one rank's forward."""
+        return (self.moe_groups or self.dp_degree) // self.dp_degree
 
     def _check_model(self):
         """A built-in model, or a model and data factory named by import path (their import
@@ -529,8 +571,8 @@ _KINDS = {"bool": "True or False", "int": "an integer (not a bool)",
 # Beyond these a run would not finish on any machine this workbook runs on (nor fit in memory:
 # launch() also checks the estimate against this machine's RAM)
 _AT_MOST = {"steps": 10_000_000, "world_size": 4096, "global_batch": 1 << 24,
-            "seq_len": 1 << 20, "n_layer": 10_000, "n_embd": 1 << 20, "vocab_size": 1 << 24,
-            "dataset_size": 1 << 31, "epochs": 100_000}
+            "seq_len": 1 << 20, "n_layer": 10_000, "n_experts": 1024, "n_embd": 1 << 20,
+            "vocab_size": 1 << 24, "dataset_size": 1 << 31, "epochs": 100_000}
 
 
 def _with_degree(degree: str) -> list[str]:
@@ -545,6 +587,9 @@ def _choice(name, value, choices):
 def _positive_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+MOE_STRATEGIES = ("single", "allreduce", "ddp", "ep")
 
 
 def _check_bug(cfg) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.models.moe import MoE
+
 
 @dataclass
 class GPTConfig:
@@ -24,11 +26,22 @@ class GPTConfig:
     n_embd: int = 128
     n_head: int = 4
     mlp_ratio: int = 4
+    # a mixture of experts instead of each block's MLP (distlab.models.moe); 0: dense
+    n_experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    moe_groups: int = 1  # GShard's groups in one forward's tokens (capacity, balance loss)
 
     @classmethod
-    def from_run(cls, cfg) -> "GPTConfig":
+    def from_run(cls, cfg, moe_groups: int = 1) -> "GPTConfig":
+        """moe_groups: the groups in one rank's forward (the run's, over its data-parallel
+        ranks)."""
         return cls(vocab_size=cfg.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
-                   n_embd=cfg.n_embd, n_head=cfg.n_head, mlp_ratio=cfg.mlp_ratio)
+                   n_embd=cfg.n_embd, n_head=cfg.n_head, mlp_ratio=cfg.mlp_ratio,
+                   n_experts=cfg.n_experts, top_k=cfg.top_k,
+                   capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef,
+                   moe_groups=moe_groups)
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,7 +88,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(c.n_embd)
         self.attn = CausalSelfAttention(c)
         self.ln2 = nn.LayerNorm(c.n_embd)
-        self.mlp = MLP(c)
+        self.mlp = (MoE(c.n_embd, c.mlp_ratio * c.n_embd, c.n_experts, c.top_k,
+                        c.capacity_factor, c.aux_loss_coef, c.moe_groups)
+                    if c.n_experts else MLP(c))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -124,7 +139,10 @@ class GPT(nn.Module):
             return logits
         # mean over every token of this rank's batch; equal shards make the mean of the ranks'
         # losses equal the loss of the global batch
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        for block in self.blocks if self.config.n_experts else ():  # Switch's balance loss
+            loss = loss + block.mlp.aux_loss_coef * block.mlp.aux_loss
+        return loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -135,6 +153,8 @@ def gpt_param_count(c: GPTConfig) -> int:
     d, h, L = c.n_embd, c.mlp_ratio * c.n_embd, c.n_layer
     attn = 4 * (d * d + d)                      # q, k, v, o with biases
     mlp = (d * h + h) + (h * d + d)             # fc and proj with biases
+    if c.n_experts:                             # E such MLPs and a router (no bias)
+        mlp = c.n_experts * mlp + d * c.n_experts
     norms = 2 * (2 * d)                         # ln1, ln2: weight and bias
     embeddings = c.vocab_size * d + c.block_size * d
     return embeddings + L * (attn + mlp + norms) + 2 * d + d * c.vocab_size  # ln_f, head

@@ -45,6 +45,8 @@ REGISTRY = {
     "3d": "distlab.parallel.mesh:ThreeD",
     # context parallelism (parallel/context/)
     "cp": "distlab.parallel.context.strategy:ContextParallelDP",
+    # expert parallelism (parallel/expert/)
+    "ep": "distlab.parallel.expert.strategy:ExpertParallelDP",
 }
 STRATEGIES = tuple(REGISTRY)
 

@@ -30,7 +30,7 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
         model = factory.build_model(cfg) if cfg.model != "bnnet" else build_bnnet(cfg)
         # BatchNorm statistics over the global batch (distlab.parallel.data_parallel.syncbn)
         return convert_sync_batchnorm(model) if cfg.sync_bn else model
-    model = GPT(GPTConfig.from_run(cfg))
+    model = GPT(GPTConfig.from_run(cfg, moe_groups=cfg.moe_groups_per_rank))
     if cfg.init_from:  # pre-trained weights, before adapters and wrapping (finetune/)
         load_init_from(model, cfg.init_from)
     if cfg.lora_rank:  # adapters on the named Linears, everything else frozen (finetune/)

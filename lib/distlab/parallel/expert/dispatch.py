@@ -5,7 +5,7 @@ its own tokens and sends each token's row to the rank that holds its expert.
     rank r holds experts r·E/N ... (r+1)·E/N - 1; the router is replicated
 
     on each rank, for its own tokens (one GShard group, or moe.groups of them):
-      route      top-k gates, capacity computed on this rank's tokens       (moe.py)
+      route      top-k gates, capacity computed on this rank's tokens       (models/moe.py)
       sort       kept rows by expert: the rows bound for rank j form block j
       counts     all_to_all of the (E,) row counts: what each rank receives  "ep.counts"
       dispatch   all_to_all of the rows, uneven splits                       "ep.dispatch"
@@ -22,7 +22,7 @@ Bytes: a rank sends the rows whose experts live elsewhere, |rows| x d x element 
 balanced routing that is (N-1)/N of its dispatch buffer, each of the four times.
 
 Gradients. Each rank computes the loss on its own rows (data parallel over the group), and one
-process on the whole batch computes the mean of the ranks' losses (with groups = N: see moe.py).
+process on the whole batch computes the mean of the ranks' losses (with groups = N: see distlab.models.moe).
 So the replicated parameters (router, everything outside the MoE layers) need their gradients
 averaged over the ranks, as DDP does; an expert's gradient already arrives summed over every
 rank's loss (the combine's backward brings each rank's output gradients to it), so it needs
@@ -38,7 +38,7 @@ from torch import nn
 
 from distlab.comm import Comm
 from distlab.parallel.agree import agree, parameter_layout
-from distlab.parallel.expert.moe import MoE
+from distlab.models.moe import MoE
 
 KINDS = {"counts": "ep.counts", "dispatch": "ep.dispatch", "combine": "ep.combine",
          "dispatch_grad": "ep.dispatch.grad", "combine_grad": "ep.combine.grad",

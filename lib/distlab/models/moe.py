@@ -19,8 +19,9 @@ residual connection around the layer carries the token unchanged. `last_stats` c
 
 Groups. `groups` splits the (flattened) tokens into equal consecutive groups, each routed with
 its own capacity and its own auxiliary loss, as GShard's groups are. Expert parallelism
-(dispatch.py) routes each rank's tokens as its groups, so N ranks of `groups=g` compute exactly
-what one process computes on their concatenated batch with `groups=N*g`.
+(distlab.parallel.expert.dispatch) routes each rank's tokens as its groups, so N ranks of
+`groups=g` compute exactly what one process computes on their concatenated batch with
+`groups=N*g`.
 
 Auxiliary loss (Switch's load balancing), per group, averaged over the groups:
 

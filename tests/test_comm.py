@@ -53,7 +53,7 @@ def test_counted_bytes_equal_the_theory(measured):
             assert row["bytes_recv"][1:] == [t["other_recv"]] * (world - 1)
 
 
-def test_the_four_collectives_give_the_textbook_results(measured):
+def test_the_five_collectives_give_the_textbook_results(measured):
     world, _, shown = measured
     x = [[(r + 1) * 10 ** i for i in range(world)] for r in range(world)]
     total = [sum(col) for col in zip(*x)]
@@ -63,6 +63,7 @@ def test_the_four_collectives_give_the_textbook_results(measured):
         assert c["broadcast"]["after"] == x[0]
         assert c["all_gather"]["after"] == [v for row in x for v in row]
         assert c["reduce_scatter"]["after"] == [total[r]]
+        assert c["all_to_all"]["after"] == [row[r] for row in x]  # entry r of every rank
         assert res["whoami"]["rank"] == r and res["whoami"]["backend"] == "gloo"
 
 

@@ -34,6 +34,7 @@ def wire_of(rows, kind, rank):
     ("all_reduce", ring_allreduce_bytes(S, 4)),          # 2(N-1)/N·S
     ("all_gather", 3 * S / 4),                           # (N-1)/N·|out|
     ("all_reduce.ring", ring_allreduce_bytes(S, 4)),     # ours: counted message by message
+    ("all_to_all", 3 * S / 4),                           # (N-1)/N of the buffer
 ])
 def test_where_gloo_follows_the_textbook_the_wire_is_within_2_percent(per_collective, kind,
                                                                        formula):

@@ -20,7 +20,7 @@
 # gradients. This notebook launches real rank processes on this machine and shows:
 #
 # 1. what a **rank**, the **world size** and **rendezvous** are, and which backend (gloo or NCCL) the library picks;
-# 2. the four collectives — **all-reduce, broadcast, all-gather, reduce-scatter** — on small tensors, rank by rank;
+# 2. the five collectives — **all-reduce, broadcast, all-gather, reduce-scatter, all-to-all** — on small tensors, rank by rank;
 # 3. all-reduce written three ways — torch's own, a **ring** and a **naive** gather-to-root (a parameter
 #    server) — checked against `dist.all_reduce`, with the bytes each rank sent counted and timed;
 # 4. the **α-β cost model**, fitted to this machine's loopback and evaluated for NVLink, PCIe, InfiniBand
@@ -137,7 +137,7 @@ table(["torch.cuda.is_available()", "GPUs", "gloo available", "NCCL available",
 # %% [markdown]
 # Now four real ranks. `distlab.run_ranks(fn, N)` spawns N processes, runs
 # `fn(rank, world, device, log)` in each with the process group initialised, and returns each
-# rank's result. `show_collectives` reports who each rank is, then runs the four collectives.
+# rank's result. `show_collectives` reports who each rank is, then runs the five collectives.
 
 # %%
 t0 = time.perf_counter()
@@ -153,7 +153,7 @@ assert {w["backend"] for w in who} == {backend}
 assert len({w["pid"] for w in who}) == WORLD  # four separate processes
 
 # %% [markdown]
-# ## 2. The four collectives
+# ## 2. The five collectives
 #
 # Rank r starts with x_r = (r+1)·[1, 10, 100, 1000] (one entry per rank), so every result can be
 # read off by eye:
@@ -164,12 +164,13 @@ assert len({w["pid"] for w in who}) == WORLD  # four separate processes
 # | **broadcast** from rank 0 | x_0 | the same initial weights everywhere |
 # | **all-gather** | x_0 ‖ x_1 ‖ x_2 ‖ x_3 | re-assembling sharded parameters (ZeRO-3, FSDP) |
 # | **reduce-scatter** (sum) | rank r: block r of Σ_r x_r | each rank keeps the reduced shard it owns (ZeRO-2) |
+# | **all-to-all** | rank r: entry r of every x_s | tokens to their experts (expert parallelism), a sequence split to a head split (Ulysses) |
 #
 # Reduce-scatter followed by all-gather is an all-reduce — the ring algorithm below is exactly
 # that. The expected values in the asserts are computed here from the rule above, not copied from
 # the run. "Bytes booked" is what `Comm` books for gloo's own collectives: the ring algorithm's
 # traffic, a formula. What gloo really writes is measured in section 3 ("On the wire"), and for
-# two of these four it is not the formula.
+# two of the first four it is not the formula.
 
 # %%
 x = [[(r + 1) * 10**j for j in range(WORLD)] for r in range(WORLD)]
@@ -177,7 +178,8 @@ total = [sum(col) for col in zip(*x)]
 expected = {"all_reduce": [total] * WORLD,
             "broadcast": [x[0]] * WORLD,
             "all_gather": [sum(x, [])] * WORLD,
-            "reduce_scatter": [[total[r]] for r in range(WORLD)]}
+            "reduce_scatter": [[total[r]] for r in range(WORLD)],
+            "all_to_all": [[row[r] for row in x] for r in range(WORLD)]}
 for name, want in expected.items():
     got = [s["collectives"][name] for s in shown]
     display(Markdown(f"**{name}**"))
@@ -293,6 +295,9 @@ else:
 # Where gloo runs the textbook algorithm the two agree to a fraction of a percent (the rest is
 # gloo's 48-byte header on each message): the all-reduce writes 2(N-1)/N·S per rank, the
 # all-gather (N-1)/N of its output, and our ring and naive all-reduces exactly what they count.
+# The all-to-all writes (N-1)/N of its buffer per rank: each rank keeps its own block and
+# sends every other block once, straight to its owner, so there is no ring and no formula to
+# miss (expert parallelism in `15_experts` and Ulysses in `14_long_context` build on it).
 # Two collectives do not follow the formula, and the table says so:
 #
 # * **reduce-scatter** writes 2(N-1)/N·S per rank — as much as an all-reduce, twice the ring's
@@ -305,8 +310,8 @@ else:
 
 # %%
 if not blind:
-    assert all(wk[k]["holds"] for k in ("all_reduce", "all_gather", "all_reduce.ring",
-                                         "all_reduce.naive")), wk
+    assert all(wk[k]["holds"] for k in ("all_reduce", "all_gather", "all_to_all",
+                                         "all_reduce.ring", "all_reduce.naive")), wk
     # the two findings the prose above states, measured: if gloo changes, so must the prose
     assert abs(max(wk["reduce_scatter"]["wire"]) - 2 * (N - 1) / N) < WIRE_TOL, wk
     assert sorted(round(w) for w in wk["broadcast"]["wire"]) == [0, 0, 1, 2], wk

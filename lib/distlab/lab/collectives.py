@@ -37,7 +37,7 @@ def _ints(t: torch.Tensor) -> list[int]:
 
 
 def show_collectives(rank, world, device, log):
-    """What each rank holds before and after the four collectives.
+    """What each rank holds before and after the five collectives.
 
     Rank r starts with x_r = (r+1)·[1, 10, 100, ...] (world entries, integer-valued float64,
     so every sum is exact and readable):
@@ -47,6 +47,8 @@ def show_collectives(rank, world, device, log):
     * all-gather: every rank ends with x_0 ‖ x_1 ‖ ... (rank order).
     * reduce-scatter (sum): rank r ends with entry r of Σ_r x_r, its 1/world block of the
       all-reduce. Reduce-scatter followed by all-gather is an all-reduce; the ring does exactly that.
+    * all-to-all: entry j of rank r goes to rank j, so rank r ends with entry r of every x_s
+      (a transpose across the ranks: expert parallelism's dispatch, Ulysses' head split).
 
     Also returns who the rank is (rank, world, backend, device, pid, environment) and the bytes
     Comm booked per collective.
@@ -62,6 +64,8 @@ def show_collectives(rank, world, device, log):
     out["all_gather"] = {"before": _ints(x), "after": _ints(comm.all_gather(g, x))}
     rs = torch.empty(1, dtype=x.dtype, device=device)
     out["reduce_scatter"] = {"before": _ints(x), "after": _ints(comm.reduce_scatter(rs, x))}
+    a2a = torch.empty(world, dtype=x.dtype, device=device)
+    out["all_to_all"] = {"before": _ints(x), "after": _ints(comm.all_to_all(a2a, x))}
     whoami = {"rank": dist.get_rank(), "world": dist.get_world_size(),
               "backend": dist.get_backend(), "device": str(device), "pid": os.getpid(),
               "threads": torch.get_num_threads(),
@@ -112,8 +116,8 @@ def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
     return rows
 
 
-WIRE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce.ring",
-              "all_reduce.naive")
+WIRE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+              "all_reduce.ring", "all_reduce.naive")
 
 
 def wire_per_collective(rank, world, device, log, nbytes):
@@ -128,6 +132,7 @@ def wire_per_collective(rank, world, device, log, nbytes):
         "all_gather": lambda c: c.all_gather(torch.empty(n, device=device), x[: n // world]),
         "reduce_scatter": lambda c: c.reduce_scatter(torch.empty(n // world, device=device), x),
         "broadcast": lambda c: c.broadcast(x.clone(), src=0),
+        "all_to_all": lambda c: c.all_to_all(torch.empty(n, device=device), x),
         "all_reduce.ring": lambda c: c.all_reduce(x.clone(), algorithm="ring"),
         "all_reduce.naive": lambda c: c.all_reduce(x.clone(), algorithm="naive"),
     }

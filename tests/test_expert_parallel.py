@@ -272,9 +272,16 @@ def test_bytes_are_the_rows_that_cross(launched, kind):
         assert st["ep.counts"]["bytes_sent"] == (E // WORLD) * 8  # the other rank's counts
     for r, res in enumerate(launched):  # what one rank sends, the other's combine sends back
         assert res["bytes", kind]["stats"]["ep.combine"]["bytes_sent"] == sent[1 - r]
-    if kind == "balanced":
-        buffer = B * T // WORLD * row
-        assert sent == [(WORLD - 1) * buffer // WORLD] * WORLD
+    if kind == "balanced":  # distlab.theory.context_and_experts' formula, each direction
+        from distlab.theory.context_and_experts import ep_dispatch_bytes
+        want = ep_dispatch_bytes(B * T // WORLD, D, WORLD)
+        for res in launched:
+            st = res["bytes", kind]["stats"]
+            assert 2 * st["ep.dispatch"]["bytes_sent"] == want["forward"]
+            assert st["ep.combine"]["bytes_sent"] + st["ep.dispatch"]["bytes_sent"] == \
+                want["forward"]
+            assert st["ep.combine.grad"]["bytes_sent"] + st["ep.dispatch.grad"]["bytes_sent"] \
+                == want["backward"]
 
 
 def test_errors_name_the_setting(launched):
@@ -412,3 +419,20 @@ def test_moe_settings_are_checked_before_anything_starts(fields, says):
     from distlab import RunConfig
     with pytest.raises(ValueError, match=says):
         RunConfig(**{**LOOP, **fields})
+
+
+def test_capacity_parameters_and_flops_formulas_match_the_module():
+    """distlab.theory.context_and_experts against the MoE it describes: capacity per expert,
+    parameters in all and per rank under ep, FLOPs per token independent of E."""
+    from distlab.theory.context_and_experts import expert_capacity, moe_layer_per_rank, moe_params
+    for k, cf, n in ((1, 1.25, 100), (2, 1.0, 64), (1, 0.5, 33)):
+        assert MoE(D, H, E, top_k=k, capacity_factor=cf).capacity(n) == \
+            expert_capacity(n, E, cf, k)
+    moe = MoE(D, H, E)
+    assert sum(p.numel() for p in moe.parameters()) == moe_params(D, H, E)["total"]
+    local = sum(p.numel() for p in moe.router.parameters()) + sum(
+        p.numel() for e in list(moe.experts)[:E // 2] for p in e.parameters())
+    assert moe_layer_per_rank(D, H, E, ep=2)["params_per_rank"] == local
+    flops = {e: moe_layer_per_rank(D, H, e, ep=1, top_k=1)["train_flops_per_token"] - 6 * D * e
+             for e in (4, 8, 64)}
+    assert len(set(flops.values())) == 1  # beyond the router, E does not change the work

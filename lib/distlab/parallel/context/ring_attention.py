@@ -110,7 +110,11 @@ class RingAttention(torch.autograd.Function):
             if hop is not None:
                 stats.wait_s["forward"] += ring.finish(hop[0])
                 kv = tuple(hop[1])
+        # laid out (B, T, H, D) in memory, as PyTorch's kernel returns it: the caller's
+        # transpose(1, 2).reshape(B, T, H·D) is then a view, and the output projection saves
+        # the same storage for backward instead of a copy of it
         out = (acc / l_sum.unsqueeze(-1)).to(q.dtype)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         lse = m + torch.log(l_sum)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.layout, ctx.stats, ctx.size, ctx.scale = comm, layout, stats, size, scale

@@ -30,8 +30,10 @@
 # `02_data_parallel` (DP, parameter servers, DDP), `03_memory_and_precision` (memory per rank,
 # mixed precision, activation checkpointing), `04_zero_and_fsdp`, `05_tensor_parallel`,
 # `06_pipeline_parallel`, `07_3d_parallelism`, `08_lora_finetuning`,
-# `09_checkpoints_and_faults`, `10_your_model`, `11_debugging`, `12_out_of_memory` and
-# `13_search_and_time` (hyper-parameter search and the time to train).
+# `09_checkpoints_and_faults`, `10_your_model`, `11_debugging`, `12_out_of_memory`,
+# `13_search_and_time` (hyper-parameter search and the time to train), and the last two
+# dimensions: `14_long_context` (context parallelism: ring attention and Ulysses) and
+# `15_experts` (mixture of experts and expert parallelism).
 # The [interview index](../docs/interview_index.md) lists the interview questions the workbook
 # answers, each with the section that answers it and what its runs measured.
 

@@ -76,7 +76,8 @@ def attention_pass(rank, world, device, log, B=1, H=4, T=1024, D=32, repeats=3):
 
 def work_table(results: list[dict]) -> list[dict]:
     """Per (method, layout): chunk pairs and compute seconds per rank, the slowest rank
-    against the mean (measured), and the formula's ratio for the ring's layouts."""
+    against the mean (measured), the formula's ratio for the ring's layouts, and the bytes
+    each rank booked under the cp kinds (ring hops, all-to-alls)."""
     world = len(results)
     rows = []
     for method, layout in METHODS:
@@ -86,7 +87,9 @@ def work_table(results: list[dict]) -> list[dict]:
                "max |diff| vs one process": max(p["diff"] for p in per),
                "compute s per rank": secs,
                "slowest / mean (measured)": max(secs) / (sum(secs) / world),
-               "wait s per rank": [p["wait_s"] for p in per]}
+               "wait s per rank": [p["wait_s"] for p in per],
+               "booked": [sum(v["bytes_sent"] for k, v in p["comm"].items()
+                              if k.startswith("cp.")) for p in per]}
         if method == "ring":
             pairs = L.causal_work(world, layout)
             row["chunk pairs per rank"] = [p["pairs"] for p in per]

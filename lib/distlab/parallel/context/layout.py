@@ -8,9 +8,9 @@ the order it stores them):
                 so the slowest rank does 2N/(N+1) times the mean (1.33x at N=2, 1.6x at 4,
                 toward 2x): the others wait for it.
     zigzag      2N chunks of T/(2N); rank r holds chunks r and 2N-1-r (one early, one late),
-                so every rank's queries see 2N+1 chunk pairs: balanced work. The split of
-                Brandon et al. 2023 ("Striped Attention" discusses it) that Megatron-Core's
-                and picotron's context parallelism use.
+                so every rank's queries see 2N+1 chunk pairs: balanced work. The
+                load-balanced split of Megatron-Core's context parallelism (the Ultra-Scale
+                Playbook calls it zig-zag).
 
 Chunk pairs are the unit of work (chunk_pairs): a query chunk a and key chunk b are computed
 whole when b < a, on the diagonal with the causal mask when b == a, and skipped when b > a.

@@ -63,5 +63,6 @@ class ExpertParallelDP(Strategy):
     def step_info(self) -> dict:
         return {"moe": [{"tokens_per_expert": m.last_stats["tokens_per_expert"],
                          "dropped": m.last_stats["dropped"], "capacity": m.last_stats["capacity"],
-                         "tokens": m.last_stats["tokens"], "aux_loss": float(m.aux_loss)}
+                         "tokens": m.last_stats["tokens"],
+                         "aux_loss": float(m.aux_loss.detach())}
                         for m in self.moes if isinstance(m, MoE) and m.last_stats]}

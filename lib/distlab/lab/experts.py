@@ -1,0 +1,147 @@
+"""The experts notebook's companion (15): MoE runs, the load per expert, the capacity trade,
+and its explorer.
+
+Runs are the `ep` strategy (distlab.parallel.expert.strategy) through launch_together; each
+step event carries, per MoE block, the tokens routed to each expert on that rank, the
+choices dropped over capacity and the balance loss (ExpertParallelDP.step_info).
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+import plotly.graph_objects as go
+import torch
+
+from distlab.config import RunConfig
+from distlab.lab.panel import Explorer
+from distlab.lab.runs import launch_together
+
+LEGEND = dict(orientation="h", yanchor="top", y=-0.25, x=0)
+
+
+def flops_per_token(d: int, hidden: int, n_experts: int, top_k: int, tokens: int = 256) -> float:
+    """Forward FLOPs per token of one MoE layer in one process, counted by PyTorch's
+    FlopCounterMode (matmuls), capacity large enough that nothing is dropped."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from distlab.models.moe import MoE
+    torch.manual_seed(0)
+    moe = MoE(d, hidden, n_experts, top_k=top_k, capacity_factor=float(n_experts))
+    x = torch.randn(tokens, d)
+    with FlopCounterMode(display=False) as counter:
+        moe(x)
+    return counter.get_total_flops() / tokens
+
+
+def expert_load(run, block: int = 0) -> list[list[int]]:
+    """Per step: tokens routed to each expert in `block`, summed over the ranks."""
+    by_step: dict[int, list[int]] = {}
+    for e in run.history("step"):
+        moe = e.get("moe")
+        if moe:
+            row = by_step.setdefault(e["step"], [0] * len(moe[block]["tokens_per_expert"]))
+            for i, n in enumerate(moe[block]["tokens_per_expert"]):
+                row[i] += n
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def imbalance(load: list[int]) -> float:
+    """The busiest expert's tokens over the mean (1: perfectly even)."""
+    return max(load) / (sum(load) / len(load))
+
+
+def dropped_fraction(run) -> float:
+    """Choices dropped over capacity, over all blocks, ranks and steps, as a fraction of the
+    choices made (tokens x top_k)."""
+    dropped = made = 0
+    for e in run.history("step"):
+        for m in e.get("moe") or []:
+            dropped += m["dropped"]
+            made += sum(m["tokens_per_expert"])
+    return dropped / made if made else 0.0
+
+
+def dispatch_bytes(run) -> float:
+    """Mean bytes a rank sent per step in the dispatch all-to-all (forward)."""
+    sent = [e["comm"].get("ep.dispatch", {}).get("bytes_sent", 0) for e in run.history("step")]
+    return sum(sent) / len(sent) if sent else 0.0
+
+
+def load_figure(runs: dict, block: int = 0, fig=None):
+    """The busiest expert over the mean load, step by step, one line per run."""
+    fig = fig if fig is not None else go.Figure()
+    fig.data = ()
+    for name, run in runs.items():
+        loads = expert_load(run, block)
+        fig.add_scatter(x=list(range(len(loads))), y=[imbalance(l_) for l_ in loads],
+                        mode="lines+markers", name=name)
+    fig.update_layout(height=330, template="plotly_white", legend=LEGEND,
+                      title=f"block {block}: busiest expert / mean load, per step",
+                      xaxis_title="step", yaxis_title="max / mean tokens per expert")
+    return fig
+
+
+def capacity_figure(rows: list[dict]):
+    """Dropped choices and dispatch bytes against the capacity factor."""
+    fig = go.Figure()
+    cfs = [r["capacity_factor"] for r in rows]
+    fig.add_scatter(x=cfs, y=[100 * r["dropped"] for r in rows], mode="lines+markers",
+                    name="choices dropped (%)")
+    fig.add_scatter(x=cfs, y=[r["dispatch_bytes"] / 1024 for r in rows], mode="lines+markers",
+                    name="dispatch sent per rank per step (KiB)", yaxis="y2")
+    fig.update_layout(height=330, template="plotly_white", legend=LEGEND,
+                      title="what the capacity factor trades", xaxis_title="capacity factor",
+                      yaxis_title="dropped (%)",
+                      yaxis2=dict(title="KiB", overlaying="y", side="right"))
+    return fig
+
+
+class ExpertsExplorer(Explorer):
+    """Top-k, capacity factor and the balance loss; Run trains the MoE GPT under `ep` and
+    redraws the load per expert."""
+
+    def __init__(self, base: RunConfig):
+        super().__init__()
+        self.base = base
+        style = {"description_width": "initial"}
+        self.top_k = W.Dropdown(options=[1, 2], value=base.top_k, description="top-k",
+                                style=style)
+        self.cf = W.Dropdown(options=[0.5, 1.0, 1.25, 2.0], value=base.capacity_factor,
+                             description="capacity factor", style=style)
+        self.aux = W.Dropdown(options=[("on (0.01)", 0.01), ("off", 0.0)], value=0.01,
+                              description="balance loss", style=style)
+        self.fig = go.FigureWidget()
+        self.fig.update_layout(height=330, template="plotly_white", legend=LEGEND)
+        self.last: dict | None = None
+        self.widget = W.VBox([W.HBox([self.top_k, self.cf, self.aux, self.button,
+                                      self.stop_button]), self.status, self.fig])
+
+    def _clear(self):
+        super()._clear()
+        with self.fig.batch_update():
+            self.fig.data = ()
+            self.fig.layout.title.text = "running: the load comes at the end"
+
+    def _run(self, **values) -> dict:
+        """Set the knobs (top_k=, capacity_factor=, aux_loss_coef=), train, redraw."""
+        for key, w in (("top_k", self.top_k), ("capacity_factor", self.cf),
+                       ("aux_loss_coef", self.aux)):
+            if key in values:
+                w.value = values[key]
+        cfg = self.base.replace(top_k=self.top_k.value, capacity_factor=self.cf.value,
+                                aux_loss_coef=self.aux.value)
+        self._announce(f"training ep: top-{cfg.top_k}, capacity factor {cfg.capacity_factor}, "
+                       f"balance loss {cfg.aux_loss_coef:g} ...")
+        run = launch_together({"explorer": cfg}, name="ep-explorer",
+                              on_start=self._started)["explorer"]
+        with self.fig.batch_update():
+            load_figure({f"top-{cfg.top_k}, cf {cfg.capacity_factor}, aux "
+                         f"{cfg.aux_loss_coef:g}": run}, fig=self.fig)
+        last = expert_load(run)[-1]
+        self._say(html.escape(f"last step, block 0: tokens per expert {last} (busiest / mean "
+                              f"{imbalance(last):.2f}); dropped {100 * dropped_fraction(run):.1f}"
+                              f"% of the choices; final loss {run.losses()[-1]:.3f}"))
+        self.last = {"config": cfg, "run": run}
+        return self.last

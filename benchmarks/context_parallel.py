@@ -43,7 +43,8 @@ def show_work(world: int, T: int, repeats: int) -> list[str]:
               f"{row['slowest / mean (measured)']:.2f} measured", end="")
         if "chunk pairs per rank" in row:
             print(f", {row['slowest / mean (formula)']:.2f} by chunk pairs "
-                  f"{row['chunk pairs per rank']}")
+                  f"{row['chunk pairs per rank']}, {row['slowest / mean (counted)']:.2f} by the "
+                  "q·k products each rank counted")
         else:
             print()
         if diff > TARGET_DIFF:

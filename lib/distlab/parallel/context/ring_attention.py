@@ -39,6 +39,7 @@ from distlab.parallel.context import layout as L
 class RingStats:
     """What this rank did in the forwards and backwards it was passed to."""
     pairs_fwd: int = 0  # chunk pairs computed forward
+    scores_fwd: int = 0  # q·k products computed forward (a diagonal block's masked ones too)
     compute_s: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
     # the same, in CPU seconds of this thread: the work itself, also where ranks share a core
     compute_cpu_s: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
@@ -105,6 +106,7 @@ class RingAttention(torch.autograd.Function):
                                      + p @ _chunk(kv[1], b, size).float())
                 m[..., rows] = m_new
                 stats.pairs_fwd += 1
+                stats.scores_fwd += s.numel()
             stats.compute_s["forward"] += time.perf_counter() - t0
             stats.compute_cpu_s["forward"] += time.thread_time() - c0
             if hop is not None:

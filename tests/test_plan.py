@@ -1,5 +1,6 @@
-"""The 3D-parallelism planner (distlab.theory.plan) on worked examples: published figures and the
-interview questions the workbook answers (notebook 07).
+"""The parallelism planner (distlab.theory.plan) on worked examples: published figures and the
+interview questions the workbook answers (notebook 07); its context- and expert-parallel
+dimensions against their formulas (distlab.theory.context_and_experts).
 
 Assumptions throughout (each test names its own on top):
   - mixed-precision Adam, 16 bytes per parameter (ZeRO paper), 2-byte activations and
@@ -16,10 +17,13 @@ Assumptions throughout (each test names its own on top):
 
 import pytest
 
+from distlab.theory.context_and_experts import ep_dispatch_bytes, ring_attention_bytes
+from distlab.theory.estimate import (MIXED_ADAM, korthikanti_layer_activation_bytes,
+                                     zero_model_states)
+from distlab.theory.plan import (A100_BF16_FLOPS, DAY, GPT3_175B, RECOMPUTE, Cluster, Model,
+                                 best, cp_comm_time, evaluate, max_micro_batch, memory_per_gpu,
+                                 plan, recompute_overhead, table, training_time)
 from distlab.units import GB
-from distlab.theory.plan import (DAY, GPT3_175B, RECOMPUTE, Cluster, Model, best, evaluate,
-                          max_micro_batch, memory_per_gpu, plan, recompute_overhead, table,
-                          training_time)
 
 A100 = dict(gpus_per_node=8, memory=80 * GB)
 
@@ -213,3 +217,70 @@ def test_full_recompute_overhead_against_korthikanti_formula(model):
     assert recompute_overhead(model, "none") == 0.0
     with pytest.raises(ValueError):
         recompute_overhead(model, "partial")
+
+
+# -- the fourth and fifth dimensions: context and expert parallelism ---------------------------
+LLAMA8B_256K = Model(32, 4096, 32, seq=262144, vocab=128256, n_params=8.0e9)
+
+
+def test_a_256k_token_sequence_fits_no_3d_layout_and_fits_with_context_parallelism():
+    """An 8B model on 64 A100s (80 GB), 8 sequences of 256k tokens per step: every dp x tp x
+    pp layout, ZeRO stage, micro-batch and recomputation overflows (activations grow with s);
+    splitting the sequence over cp ranks fits. The question "how do you train on 128k-token
+    sequences?" at twice the length."""
+    cluster = Cluster(gpus=64)
+    assert best(LLAMA8B_256K, cluster, global_batch=8) is None
+    row = best(LLAMA8B_256K, cluster, global_batch=8, cps=(1, 2, 4, 8, 16))
+    assert row is not None and row.cp > 1 and row.fits
+    assert row.dp * row.tp * row.pp * row.cp == 64
+    assert row.cp_comm_s > 0  # the ring's traffic is in the step
+
+
+def test_context_parallel_memory_is_the_layer_formula_at_s_over_cp():
+    """Activations per GPU under cp are Korthikanti's per-layer bytes at s/cp; the model
+    states are those of ZeRO over dp·cp replicas (cp ranks hold the same parameters)."""
+    m, c = LLAMA8B_256K, Cluster(gpus=64)
+    for cp in (1, 2, 8):
+        states, acts = memory_per_gpu(m, c, 64 // (8 * cp), 8, 1, 2, 1, "selective", 1, cp=cp)
+        layer = korthikanti_layer_activation_bytes(m.seq // cp, 1, m.hidden, m.heads, 8, True,
+                                                   "selective")
+        assert acts == layer * m.n_layer
+        assert states == zero_model_states(m.params / 8, 8, 2, MIXED_ADAM).device
+
+
+def test_context_parallel_time_is_the_ring_formula():
+    m, c = LLAMA8B_256K, Cluster(gpus=64)
+    ring = ring_attention_bytes(1, m.seq, m.hidden // 8, 4, 2)
+    link = c.intra if 8 * 4 <= c.gpus_per_node else c.inter
+    per_layer = (3 + 4) * link.alpha_s + (ring["forward"] + ring["backward"]) / link.bandwidth_Bps
+    assert cp_comm_time(m, c, 8, 1, 4, 1, 1) == pytest.approx(m.n_layer * per_layer)
+
+
+MOE = Model(32, 4096, 32, seq=4096, vocab=32000, experts=8, top_k=2, capacity_factor=1.25)
+
+
+def test_a_mixture_of_experts_counts_every_expert_but_computes_with_k():
+    """Parameters: each MLP (8h²) replaced by E of them; FLOPs per token follow the k
+    experts a token meets (Fedus et al. 2021); a dense model is unchanged."""
+    mlp = MOE.n_layer * 8 * MOE.hidden ** 2
+    assert MOE.params == pytest.approx(MOE.dense_params + 7 * mlp)
+    assert MOE.active_params == pytest.approx(MOE.dense_params + mlp)
+    dense = Model(32, 4096, 32, seq=4096, vocab=32000)
+    assert dense.params == dense.active_params == MOE.dense_params
+    r = evaluate(MOE, Cluster(gpus=64), 512, 16, 2, 2, 1, 1, "none", 0.5, ep=4)
+    assert r.compute_s == pytest.approx(training_time(MOE.active_params, 512 * 4096, 64,
+                                                      A100_BF16_FLOPS, 0.5))
+
+
+def test_expert_parallelism_shards_the_experts_and_pays_all_to_alls():
+    c = Cluster(gpus=64)
+    by_ep = {ep: evaluate(MOE, c, 512, 16, 2, 2, 1, 1, "none", 0.5, ep=ep) for ep in (1, 4, 8)}
+    assert by_ep[1].states > by_ep[4].states > by_ep[8].states  # E/ep experts per GPU
+    assert by_ep[1].ep_comm_s == 0 < by_ep[4].ep_comm_s
+    a2a = ep_dispatch_bytes(int(1 * 4096 * 1.25), 4096 // 2, 4, 2, 2)
+    link = c.intra  # tp x ep = 8 GPUs: one node
+    assert by_ep[4].ep_comm_s == pytest.approx(by_ep[4].micro_batches * 16 * (
+        4 * 3 * link.alpha_s + (a2a["forward"] + a2a["backward"]) / link.bandwidth_Bps))
+    across = evaluate(MOE, c, 512, 16, 2, 2, 1, 1, "none", 0.5, ep=8)  # 16 GPUs: two nodes
+    assert across.ep_comm_s > by_ep[4].ep_comm_s * 5  # InfiniBand's 25 GB/s, not NVLink's
+    assert plan(MOE, c, 512, eps=(1, 2, 4, 8))[0].fits

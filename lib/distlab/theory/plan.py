@@ -1,5 +1,6 @@
-"""A 3D-parallelism planner by formula: which dp × tp × pp layout, ZeRO stage, micro-batch and
-recomputation fit a model on a cluster, and which is fastest per step.
+"""A parallelism planner by formula: which dp × tp × pp layout (and, where asked, × cp context
+parallel × ep expert parallel), ZeRO stage, micro-batch and recomputation fit a model on a
+cluster, and which is fastest per step.
 
 Pure arithmetic on distlab.theory.estimate (memory) and distlab.comm (the α-β link model); nothing is
 launched. Every figure is an estimate under the assumptions named below; rank with it, then
@@ -46,6 +47,27 @@ Sources:
                   along the m + p - 1 slots of the critical path; exposed.
            Rank order (Megatron's): tp innermost, then dp, then pp. A dp group leaves its
            node when t·dp > GPUs per node; pipeline neighbours when t·dp >= GPUs per node.
+  Five dimensions (cps=, eps= of plan(); 1 by default, so the 3D results above stand):
+           CP   context parallelism over cp ranks splits every sequence: each GPU holds s/cp
+                tokens of every activation (Korthikanti's per-layer bytes at s/cp), while the
+                model states do not shrink; the ranks of a cp group hold the same parameters,
+                so the gradient (and ZeRO's sharding) group is dp·cp. Per layer and
+                micro-batch a ring of cp ranks sends K and V (b·s/cp·h/t each) over cp-1 hops
+                forward, K, V, dK and dV over cp-1 hops and dK, dV once more backward
+                (distlab.theory.context_and_experts.ring_attention_bytes; Liu et al. 2023),
+                counted exposed unless cp_overlap says how much hides behind attention. Rank
+                order: tp innermost, then cp, then dp, then pp (cp stays inside a node while
+                tp·cp fits in one).
+           EP   a mixture of experts (Model.experts, top_k, capacity_factor): parameters
+                Ψ_dense + L·E·8h² (each expert an h×4h and a 4h×h matrix), FLOPs per token
+                6·(Ψ_dense + L·k·8h²) (Fedus et al. 2021: the parameters grow with E, the
+                work with k). Expert parallelism over ep ranks carved from the data-parallel
+                group (Megatron-Core's expert data parallelism): each GPU holds E/ep experts,
+                their states sharded over dp·cp/ep replicas. Per MoE layer and micro-batch
+                four all-to-alls (dispatch and combine, forward and backward), each sending
+                (ep-1)/ep of the b·s/cp·k·cf rows of h/t (ep_dispatch_bytes; GShard, Lepikhin
+                et al. 2020), exposed, inside a node while tp·cp·ep fits in one. The experts' activations: the MLP's 19·sbh/t bytes of
+                Korthikanti's 34 held once per routed copy, k·cf copies.
   Limits   DeepSpeed refuses ZeRO-2/3 together with pipeline parallelism (its pipeline engine
            accumulates whole gradients across micro-batches): by default only stages 0-1 are
            combined with p > 1 (Megatron's distributed optimizer is ZeRO-1).
@@ -67,6 +89,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from distlab.comm import LINKS, Link, ring_allreduce_time
+from distlab.theory.context_and_experts import ep_dispatch_bytes, ring_attention_bytes
 from distlab.theory.estimate import (MIXED_ADAM, BytesPerParam, korthikanti_layer_activation_bytes,
                               narayanan_params, zero_model_states)
 from distlab.units import GB
@@ -82,19 +105,43 @@ DAY = 86400.0
 # -- inputs ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Model:
-    """A GPT shape; `n_params` overrides the count (else Narayanan et al.'s formula)."""
+    """A GPT shape; `n_params` overrides the dense count (else Narayanan et al.'s formula).
+    experts > 0: every layer's MLP is a mixture of that many experts, top_k per token."""
     n_layer: int
     hidden: int
     heads: int
     seq: int = 2048
     vocab: int = 51200
     n_params: float | None = None
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.0
 
     @property
-    def params(self) -> float:
+    def dense_params(self) -> float:
+        """The model with one MLP per layer (the count n_params or Narayanan's gives)."""
         if self.n_params is not None:
             return float(self.n_params)
         return narayanan_params(self.n_layer, self.hidden, self.vocab, self.seq)
+
+    @property
+    def expert_params(self) -> float:
+        """All experts' weights (0 for a dense model): L·E·8h²."""
+        return self.n_layer * self.experts * 8 * self.hidden ** 2
+
+    @property
+    def params(self) -> float:
+        """Every parameter: the dense count with each MLP replaced by E experts."""
+        if not self.experts:
+            return self.dense_params
+        return self.dense_params + self.expert_params - self.n_layer * 8 * self.hidden ** 2
+
+    @property
+    def active_params(self) -> float:
+        """The parameters one token meets (what sets the FLOPs): k experts per layer."""
+        if not self.experts:
+            return self.dense_params
+        return self.dense_params + (self.top_k - 1) * self.n_layer * 8 * self.hidden ** 2
 
 
 # GPT-3 (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, context 2048.
@@ -139,6 +186,22 @@ def layouts(model: Model, cluster: Cluster):
         for pp in divisors(model.n_layer):
             if cluster.gpus % (tp * pp) == 0:
                 yield cluster.gpus // (tp * pp), tp, pp
+
+
+def layouts_5d(model: Model, cluster: Cluster, cps=(1,), eps=(1,)):
+    """(dp, tp, pp, cp, ep): dp·tp·pp·cp = GPUs; cp cuts the sequence into 2·cp equal chunks
+    (the zig-zag split); ep divides dp and the experts (ep > 1 only for a mixture)."""
+    for tp in divisors(cluster.gpus_per_node):
+        if model.heads % tp:
+            continue
+        for pp in divisors(model.n_layer):
+            for cp in cps:
+                if cluster.gpus % (tp * pp * cp) or (cp > 1 and model.seq % (2 * cp)):
+                    continue
+                dp = cluster.gpus // (tp * pp * cp)
+                for ep in eps:
+                    if ep == 1 or (model.experts and dp % ep == 0 and model.experts % ep == 0):
+                        yield dp, tp, pp, cp, ep
 
 
 def recompute_overhead(model: Model, recompute: str) -> float:
@@ -191,6 +254,10 @@ class Row:
     tokens_per_step: int
     tokens_per_s: float
     mfu: float  # achieved model-FLOPs utilisation: 6N·tokens / (step · GPUs · peak)
+    cp: int = 1
+    ep: int = 1
+    cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -199,12 +266,19 @@ class Row:
 def memory_per_gpu(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, zero: int,
                    micro_batch: int, recompute: str, micro_batches: int,
                    sequence_parallel: bool = True, schedule: str = "1f1b",
-                   bpp: BytesPerParam = MIXED_ADAM, offload=()) -> tuple[float, float]:
+                   bpp: BytesPerParam = MIXED_ADAM, offload=(), cp: int = 1,
+                   ep: int = 1) -> tuple[float, float]:
     """(model-state bytes, activation bytes) on the busiest GPU (the first pipeline stage)."""
-    states = zero_model_states(model.params / (tp * pp), dp, zero, bpp, offload).device
+    dense = model.params - model.expert_params  # the experts are sharded apart (ep)
+    states = zero_model_states(dense / (tp * pp), dp * cp, zero, bpp, offload).device
+    if model.experts:
+        states += zero_model_states(model.expert_params / (tp * pp * ep), dp * cp // ep, zero,
+                                    bpp, offload).device
     sp = sequence_parallel and tp > 1
-    s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
+    s, b, h, a = model.seq // cp, micro_batch, model.hidden, model.heads
     layer = korthikanti_layer_activation_bytes(s, b, h, a, tp, sp, recompute)
+    if model.experts and recompute != "full":  # each routed copy holds the MLP's 19·sbh/t
+        layer += (model.top_k * model.capacity_factor - 1) * 19 * s * b * h / tp
     in_flight = min(micro_batches, pp) if schedule == "1f1b" else micro_batches
     acts = layer * (model.n_layer // pp) * in_flight
     if recompute == "full":  # the layer being recomputed holds its whole activations
@@ -213,12 +287,13 @@ def memory_per_gpu(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, ze
 
 
 def dp_comm_time(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, zero: int,
-                 micro_batches: int, grad_bytes: int = 2) -> float:
-    """Seconds of DP communication per step (ring α-β, whole buffer as one collective)."""
+                 micro_batches: int, grad_bytes: int = 2, params: float | None = None) -> float:
+    """Seconds of DP communication per step (ring α-β, whole buffer as one collective) over
+    `dp` replicas of `params` (default: the whole model)."""
     if dp == 1:
         return 0.0
     link = cluster.inter if tp * dp > cluster.gpus_per_node else cluster.intra
-    S = model.params / (tp * pp) * grad_bytes
+    S = (model.params if params is None else params) / (tp * pp) * grad_bytes
     if zero < 3:
         return ring_allreduce_time(S, dp, link)
     # all-gather (fwd) + all-gather (bwd) + reduce-scatter per micro-batch: 3 half all-reduces
@@ -244,40 +319,79 @@ def pp_comm_time(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, micr
     return 2 * (micro_batches + pp - 1) * (link.alpha_s + msg / link.bandwidth_Bps)
 
 
+def cp_comm_time(model: Model, cluster: Cluster, tp: int, pp: int, cp: int, micro_batch: int,
+                 micro_batches: int, act_bytes: int = 2) -> float:
+    """Seconds of ring-attention traffic per step: per layer and micro-batch the ring's hops
+    (α each) and its bytes (ring_attention_bytes over h/t) on the cp group's link."""
+    if cp == 1:
+        return 0.0
+    link = cluster.inter if tp * cp > cluster.gpus_per_node else cluster.intra
+    ring = ring_attention_bytes(micro_batch, model.seq, model.hidden // tp, cp, act_bytes)
+    hops = (cp - 1) + cp  # forward's, then backward's (K/V and their gradients travel together)
+    per_layer = hops * link.alpha_s + (ring["forward"] + ring["backward"]) / link.bandwidth_Bps
+    return micro_batches * (model.n_layer // pp) * per_layer
+
+
+def ep_comm_time(model: Model, cluster: Cluster, tp: int, pp: int, cp: int, ep: int,
+                 micro_batch: int, micro_batches: int, act_bytes: int = 2) -> float:
+    """Seconds of all-to-all per step: per MoE layer and micro-batch four all-to-alls, each
+    (ep-1) messages (α) and ep_dispatch_bytes' rows (k·cf per token) of h/t."""
+    if ep == 1 or not model.experts:
+        return 0.0
+    link = cluster.inter if tp * cp * ep > cluster.gpus_per_node else cluster.intra
+    rows = micro_batch * (model.seq // cp) * model.capacity_factor
+    a2a = ep_dispatch_bytes(int(rows), model.hidden // tp, ep, model.top_k, act_bytes)
+    per_layer = 4 * (ep - 1) * link.alpha_s + (a2a["forward"] + a2a["backward"]) / \
+        link.bandwidth_Bps
+    return micro_batches * (model.n_layer // pp) * per_layer
+
+
 def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int, pp: int,
              zero: int, micro_batch: int, recompute: str, mfu: float, dp_overlap: float = 0.0,
              sequence_parallel: bool = True, schedule: str = "1f1b",
-             bpp: BytesPerParam = MIXED_ADAM, offload=()) -> Row | None:
+             bpp: BytesPerParam = MIXED_ADAM, offload=(), cp: int = 1, ep: int = 1,
+             cp_overlap: float = 0.0) -> Row | None:
     """One candidate's memory and step time; None when the batch does not split evenly."""
-    if dp * tp * pp != cluster.gpus or global_batch % (dp * micro_batch):
+    if dp * tp * pp * cp != cluster.gpus or global_batch % (dp * micro_batch):
         return None
     m = global_batch // (dp * micro_batch)
     states, acts = memory_per_gpu(model, cluster, dp, tp, pp, zero, micro_batch, recompute, m,
-                                  sequence_parallel, schedule, bpp, offload)
+                                  sequence_parallel, schedule, bpp, offload, cp, ep)
     mem = states + acts
     tokens = global_batch * model.seq
-    ideal = training_time(model.params, tokens, cluster.gpus, cluster.peak_flops, mfu)
+    ideal = training_time(model.active_params, tokens, cluster.gpus, cluster.peak_flops, mfu)
     compute = ideal * (1 + recompute_overhead(model, recompute))
     bubble = compute * (pp - 1) / m
-    dpc = dp_comm_time(model, cluster, dp, tp, pp, zero, m) * (1 - dp_overlap)
+    dense = model.params - model.expert_params
+    dpc = dp_comm_time(model, cluster, dp * cp, tp, pp, zero, m, params=dense)
+    if model.experts:  # the experts' gradients over their replicas only
+        dpc += dp_comm_time(model, cluster, dp * cp // ep, tp, pp, zero, m,
+                            params=model.expert_params / ep)
+    dpc *= 1 - dp_overlap
     tpc = tp_comm_time(model, cluster, tp, pp, micro_batch, m, recompute)
     ppc = pp_comm_time(model, cluster, dp, tp, pp, micro_batch, m)
-    step = compute + bubble + dpc + tpc + ppc
+    cpc = cp_comm_time(model, cluster, tp, pp, cp, micro_batch, m) * (1 - cp_overlap)
+    epc = ep_comm_time(model, cluster, tp, pp, cp, ep, micro_batch, m)
+    step = compute + bubble + dpc + tpc + ppc + cpc + epc
     return Row(dp, tp, pp, zero, micro_batch, recompute, m, states, acts, mem,
                mem <= cluster.memory * cluster.usable, compute, bubble, dpc, tpc, ppc, step,
                tokens, tokens / step,
-               training_flops(model.params, tokens) / (step * cluster.gpus * cluster.peak_flops))
+               training_flops(model.active_params, tokens)
+               / (step * cluster.gpus * cluster.peak_flops), cp, ep, cpc, epc)
 
 
 # -- the search --------------------------------------------------------------------------------
 def plan(model: Model, cluster: Cluster, global_batch: int, mfu: float = 0.5,
          zero_stages=(0, 1, 2, 3), recomputes=RECOMPUTE, micro_batches=None,
-         fits_only: bool = True, zero23_with_pp: bool = False, **kw) -> list[Row]:
+         fits_only: bool = True, zero23_with_pp: bool = False, cps=(1,), eps=(1,),
+         **kw) -> list[Row]:
     """Every layout × ZeRO stage × micro-batch × recompute; those that fit (fits_only),
     fastest first (ties: less memory). micro_batches: candidate sizes (default powers of two
-    up to the per-replica batch). kw: dp_overlap, sequence_parallel, schedule, bpp, offload."""
+    up to the per-replica batch). cps, eps: the context- and expert-parallel sizes to try
+    (default 1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel, schedule, bpp,
+    offload."""
     rows = []
-    for dp, tp, pp in layouts(model, cluster):
+    for dp, tp, pp, cp, ep in layouts_5d(model, cluster, cps, eps):
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
@@ -288,7 +402,7 @@ def plan(model: Model, cluster: Cluster, global_batch: int, mfu: float = 0.5,
             for b in bs:
                 for rc in recomputes:
                     r = evaluate(model, cluster, global_batch, dp, tp, pp, zero, b, rc, mfu,
-                                 **kw)
+                                 cp=cp, ep=ep, **kw)
                     if r is not None and (r.fits or not fits_only):
                         rows.append(r)
     return sorted(rows, key=lambda r: (r.step_s, r.memory))

@@ -37,7 +37,8 @@
 # 4. memory per rank against sequence length: activations fall as 1/N, parameters do not;
 # 5. the `cp` strategy training the GPT (with data parallelism too) against one process;
 # 6. a widget to change the ranks and the length and measure again;
-# 7. the closing table: what the textbook says, what this run measured.
+# 7. at scale, by formula: the planner on an 8B model and 256k-token sequences;
+# 8. the closing table: what the textbook says, what this run measured.
 #
 # PyTorch's own `context_parallel()` runs only with its CUDA attention kernels, so on this CPU
 # stack the reference is one process computing the same attention on the whole sequence.
@@ -68,6 +69,8 @@ from distlab.lab.long_context import (
 )
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.theory.context_and_experts import ring_attention_bytes, ulysses_bytes
+from distlab.theory.plan import Cluster, Model, best
+from distlab.units import GB
 
 # %% [markdown]
 # ## 1. Who holds which tokens
@@ -218,6 +221,29 @@ assert all(r["max |diff| vs one process"] <= ATOL for r in res)
 explorer.widget
 
 # %% [markdown]
+# ## 7. At scale, by formula: does it fit?
+#
+# What the runs above measured at small sizes the planner (`distlab.theory.plan`) carries to a
+# real one, by formula (modelled, not measured): an 8B Llama-shaped model (32 layers, width
+# 4096, 32 heads) on 64 A100s of 80 GB, 8 sequences per step, at 128k and 256k tokens. It
+# tries every dp x tp x pp layout, ZeRO stage, micro-batch and recomputation, without and
+# with context parallelism (cp up to 16), and keeps the fastest that fits.
+
+# %%
+scale_rows, fits_3d, fits_cp = [], {}, {}
+for seq in (131072, 262144):
+    llama = Model(32, 4096, 32, seq=seq, vocab=128256, n_params=8.0e9)
+    for name, cps in (("3D only", (1,)), ("with cp", (1, 2, 4, 8, 16))):
+        r = best(llama, Cluster(gpus=64), global_batch=8, cps=cps)
+        (fits_3d if name == "3D only" else fits_cp)[seq] = r is not None
+        scale_rows.append([f"{seq // 1024}k", name] + (
+            ["nothing fits", "", "", ""] if r is None else
+            [f"dp {r.dp} x tp {r.tp} x pp {r.pp} x cp {r.cp}, ZeRO-{r.zero}, {r.recompute}",
+             f"{r.memory / GB:.1f}", f"{r.step_s:.1f}", f"{r.cp_comm_s:.2f}"]))
+table(["sequence", "search", "fastest layout that fits", "GB per GPU", "step s",
+       "ring traffic s"], scale_rows)
+
+# %% [markdown]
 # ## What the textbook says, what this run measured
 #
 # Every figure comes from this run's variables, every verdict is computed from them (a row
@@ -260,6 +286,13 @@ rows = [
           all(sum(uly_b[a].values()) >= sum(uly_b[b].values()) and
               sum(ring_b[a].values()) < sum(ring_b[b].values())
               for a, b in zip(WORLDS, WORLDS[1:]))),
+    claim("beyond some length only context parallelism fits: at 256k tokens no dp x tp x pp "
+          "layout holds an 8B model's activations on 80 GB GPUs, cp does",
+          "distlab.theory.plan (Korthikanti et al. 2022's activations, ZeRO's states)",
+          f"128k: 3D {'fits' if fits_3d[131072] else 'does not fit'}; 256k: 3D "
+          f"{'fits' if fits_3d[262144] else 'does not fit'}, with cp "
+          f"{'fits' if fits_cp[262144] else 'does not fit'}",
+          not fits_3d[262144] and fits_cp[262144], basis="modelled"),
     claim("training with cp follows one process step for step", "data parallelism's argument: "
           "equal token shares, averaged gradients",
           ", ".join(f"{n}: {d:.1e}" for n, d in train_diffs.items())

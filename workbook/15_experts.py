@@ -56,6 +56,7 @@ from distlab import RunConfig
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.experts import (
     ExpertsExplorer,
+    activation_bytes,
     capacity_figure,
     dispatch_bytes,
     dropped_fraction,
@@ -143,8 +144,9 @@ table(["run", "busiest / mean, last 5 steps", "final loss"],
 #
 # Capacity per expert = ⌈capacity factor x tokens x k / E⌉ (Switch, §2.2; `expert_capacity`).
 # Below 1 some tokens must be dropped even with a perfect router; above 1 the slack absorbs
-# an uneven one, and every kept token is a row sent to its expert and back. Same runs, four
-# capacity factors: the fraction of choices dropped and the rows the dispatch sent.
+# an uneven one, and every kept token is a row sent to its expert and back, and activations
+# the experts keep for backward. Same runs, four capacity factors: the fraction of choices
+# dropped, the bytes the dispatch sent, and the bytes each rank's step saved for backward.
 
 # %%
 cap_runs = launch_together({f"cf {cf}": EP.replace(capacity_factor=cf, steps=LOAD_STEPS)
@@ -152,12 +154,13 @@ cap_runs = launch_together({f"cf {cf}": EP.replace(capacity_factor=cf, steps=LOA
                            name="ep-capacity")
 tokens = EP.micro_batch * EP.seq_len  # per rank per forward
 cap_rows = [{"capacity_factor": cf, "capacity": expert_capacity(tokens, E, cf),
-             "dropped": dropped_fraction(run), "dispatch_bytes": dispatch_bytes(run)}
+             "dropped": dropped_fraction(run), "dispatch_bytes": dispatch_bytes(run),
+             "activations": activation_bytes(run)}
             for cf, run in zip(CFS, cap_runs.values())]
 table(["capacity factor", f"capacity per expert ({tokens} tokens, {E} experts)",
-       "choices dropped", "dispatch sent per rank per step"],
+       "choices dropped", "dispatch sent per rank per step", "activations per rank (measured)"],
       [[r["capacity_factor"], r["capacity"], f"{100 * r['dropped']:.1f}%",
-        fmt_bytes(r["dispatch_bytes"])] for r in cap_rows])
+        fmt_bytes(r["dispatch_bytes"]), fmt_bytes(r["activations"])] for r in cap_rows])
 capacity_figure(cap_rows).show()
 
 # %% [markdown]
@@ -180,8 +183,9 @@ say(f"dispatch per rank per step, {EP.n_layer} blocks: even routing {fmt_bytes(e
 # ## 6. Change the routing and train again
 #
 # Pick top-k, the capacity factor and whether the balance loss is on, and press **Run**: the
-# MoE GPT trains under `ep` on 2 ranks and the load per expert is redrawn. The cell runs it
-# once itself.
+# MoE GPT trains under `ep` on 2 ranks, and the bars (the tokens each expert got at the last
+# step, stacked by the rank that sent them) are redrawn live as the steps come in. The cell
+# runs it once itself.
 
 # %%
 explorer = ExpertsExplorer(EP)
@@ -210,6 +214,11 @@ rows = [
           "Fedus et al. 2021, §2.2",
           ", ".join(f"cf {cf}: {100 * d_:.1f}% dropped" for cf, d_ in drops.items()),
           drops[min(CFS)] > 0 and all(drops[a] >= drops[b] for a, b in zip(CFS, CFS[1:]))),
+    claim("more capacity costs memory: the experts keep more activations", "Fedus et al. "
+          "2021, §2.2",
+          ", ".join(f"cf {r['capacity_factor']}: {fmt_bytes(r['activations'])}"
+                    for r in cap_rows) + " saved for backward per rank per step",
+          all(a["activations"] <= b["activations"] for a, b in zip(cap_rows, cap_rows[1:]))),
     claim("more capacity sends more rows through the all-to-all", "Fedus et al. 2021, §2.2",
           ", ".join(f"cf {r['capacity_factor']}: {fmt_bytes(r['dispatch_bytes'])}"
                     for r in cap_rows) + " dispatched per rank per step",

@@ -17,10 +17,14 @@ from distlab.parallel.tensor.tp import (ColwiseParallel, PrepareModuleInput, Row
                                         SequenceParallel, full_state_dict, parallelize_module)
 from distlab.parallel.pipeline.pp import PipelineSchedule
 from distlab.parallel.context.api import ContextParallel
+from distlab.models.moe import MoE
+from distlab.parallel.expert.dispatch import (expert_parallel, expert_parallel_state_dict,
+                                              reduce_expert_parallel_grads)
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "RunStopped", "resume",
            "CheckpointError", "DistributedDataParallel", "ZeroOptimizer", "fully_shard",
            "MixedPrecisionPolicy", "grad_shard", "full_grad", "parallelize_module",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
-           "PipelineSchedule", "ContextParallel"]
+           "PipelineSchedule", "ContextParallel", "MoE", "expert_parallel",
+           "reduce_expert_parallel_grads", "expert_parallel_state_dict"]
 __version__ = "0.1.0"

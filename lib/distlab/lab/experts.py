@@ -9,6 +9,8 @@ choices dropped over capacity and the balance loss (ExpertParallelDP.step_info).
 from __future__ import annotations
 
 import html
+import threading
+import time
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -63,10 +65,41 @@ def dropped_fraction(run) -> float:
     return dropped / made if made else 0.0
 
 
+def activation_bytes(run) -> float:
+    """Mean saved-for-backward bytes per rank per step (the loop's ActivationMeter)."""
+    acts = [e["memory"]["activations"] for e in run.history("step")]
+    return sum(acts) / len(acts) if acts else 0.0
+
+
 def dispatch_bytes(run) -> float:
     """Mean bytes a rank sent per step in the dispatch all-to-all (forward)."""
     sent = [e["comm"].get("ep.dispatch", {}).get("bytes_sent", 0) for e in run.history("step")]
     return sum(sent) / len(sent) if sent else 0.0
+
+
+def rank_load_figure(events: list[dict], block: int = 0, fig=None, title: str = ""):
+    """Tokens routed to each expert at one step, stacked by rank: `events` are that step's
+    events, one per rank."""
+    fig = fig if fig is not None else go.Figure()
+    fig.data = ()
+    for e in sorted(events, key=lambda e: e["rank"]):
+        load = e["moe"][block]["tokens_per_expert"]
+        fig.add_bar(x=[f"expert {i}" for i in range(len(load))], y=load,
+                    name=f"rank {e['rank']}'s tokens")
+    fig.update_layout(barmode="stack", height=330, template="plotly_white", legend=LEGEND,
+                      title=title or f"block {block}: tokens per expert",
+                      yaxis_title="tokens routed")
+    return fig
+
+
+def last_step_events(run) -> list[dict]:
+    """The events of the last step every rank has logged (with routing stats)."""
+    steps = [e for e in run.history("step") if e.get("moe")]
+    if not steps:
+        return []
+    done = min(max(e["step"] for e in steps if e["rank"] == r)
+               for r in {e["rank"] for e in steps})
+    return [e for e in steps if e["step"] == done]
 
 
 def load_figure(runs: dict, block: int = 0, fig=None):
@@ -100,7 +133,9 @@ def capacity_figure(rows: list[dict]):
 
 class ExpertsExplorer(Explorer):
     """Top-k, capacity factor and the balance loss; Run trains the MoE GPT under `ep` and
-    redraws the load per expert."""
+    draws the tokens each expert got from each rank, live, step by step."""
+
+    LIVE_S = 0.5  # how often the live bars are redrawn while the run goes
 
     def __init__(self, base: RunConfig):
         super().__init__()
@@ -135,13 +170,31 @@ class ExpertsExplorer(Explorer):
         self._announce(f"training ep: top-{cfg.top_k}, capacity factor {cfg.capacity_factor}, "
                        f"balance loss {cfg.aux_loss_coef:g} ...")
         run = launch_together({"explorer": cfg}, name="ep-explorer",
-                              on_start=self._started)["explorer"]
-        with self.fig.batch_update():
-            load_figure({f"top-{cfg.top_k}, cf {cfg.capacity_factor}, aux "
-                         f"{cfg.aux_loss_coef:g}": run}, fig=self.fig)
+                              on_start=self._live)["explorer"]
+        self._draw(run, "done")
         last = expert_load(run)[-1]
         self._say(html.escape(f"last step, block 0: tokens per expert {last} (busiest / mean "
                               f"{imbalance(last):.2f}); dropped {100 * dropped_fraction(run):.1f}"
                               f"% of the choices; final loss {run.losses()[-1]:.3f}"))
         self.last = {"config": cfg, "run": run}
         return self.last
+
+    def _live(self, run):
+        """on_start: the Explorer's bookkeeping, then a thread redrawing the bars until the
+        run ends."""
+        self._started(run)
+
+        def redraw():
+            while not run.done:
+                self._draw(run, "live")
+                time.sleep(self.LIVE_S)
+
+        threading.Thread(target=redraw, daemon=True, name="distlab-ep-live").start()
+
+    def _draw(self, run, when: str):
+        events = last_step_events(run)
+        if events:
+            with self.fig.batch_update():
+                rank_load_figure(events, fig=self.fig,
+                                 title=f"{when}, step {events[0]['step']}: block 0's tokens per "
+                                       "expert, by rank")

@@ -110,12 +110,7 @@ def grad_shard(param: nn.Parameter) -> torch.Tensor:
     this rank's shard (maybe none). Concatenated in rank order, every rank's pieces are the
     whole flattened gradient. It first finishes the reduce-scatters (a collective the first
     time after a backward: every rank calls it). Valid until zero_grad()."""
-    state = getattr(param, "_distlab_fsdp", None)
-    if state is None:
-        raise ValueError("grad_shard: this parameter is not sharded by distlab.fully_shard "
-                         "(its gradient is .grad)")
-    state.reduce_gradients()
-    u, i = state.place[id(param)]
+    state, u, i = _reduced(param, "grad_shard")
     return u.shard_piece(u.grad_shard, i, state.rank)
 
 
@@ -123,15 +118,21 @@ def full_grad(param: nn.Parameter) -> torch.Tensor:
     """`param`'s whole mean gradient, shaped like it, on every rank (FSDP2's
     p.grad.full_tensor()): its unit's gradient shards all-gathered. A collective: every rank
     calls it. A copy: changing it changes nothing."""
-    state = getattr(param, "_distlab_fsdp", None)
-    if state is None:
-        raise ValueError("full_grad: this parameter is not sharded by distlab.fully_shard "
-                         "(its gradient is .grad)")
-    state.reduce_gradients()
-    u, i = state.place[id(param)]
+    state, u, i = _reduced(param, "full_grad")
     whole = u.grad_shard.new_empty(u.padded)
     state.comm.all_gather(whole, u.grad_shard)
     return u.piece(whole, i).view(param.shape).clone()
+
+
+def _reduced(param: nn.Parameter, caller: str):
+    """param's FullyShard state, unit and index in it, its gradients reduced (a collective)."""
+    state = getattr(param, "_distlab_fsdp", None)
+    if state is None:
+        raise ValueError(f"{caller}: this parameter is not sharded by distlab.fully_shard "
+                         "(its gradient is .grad)")
+    state.reduce_gradients()
+    u, i = state.place[id(param)]
+    return state, u, i
 
 
 # -- the units' cut ----------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from distlab import RunConfig
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.long_context import (
     LongContextExplorer,
+    at_scale,
     measure_attention,
     memory_by_length,
     memory_figure,
@@ -69,8 +70,6 @@ from distlab.lab.long_context import (
 )
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.theory.context_and_experts import ring_attention_bytes, ulysses_bytes
-from distlab.theory.plan import Cluster, Model, best
-from distlab.units import GB
 
 # %% [markdown]
 # ## 1. Who holds which tokens
@@ -230,16 +229,7 @@ explorer.widget
 # with context parallelism (cp up to 16), and keeps the fastest that fits.
 
 # %%
-scale_rows, fits_3d, fits_cp = [], {}, {}
-for seq in (131072, 262144):
-    llama = Model(32, 4096, 32, seq=seq, vocab=128256, n_params=8.0e9)
-    for name, cps in (("3D only", (1,)), ("with cp", (1, 2, 4, 8, 16))):
-        r = best(llama, Cluster(gpus=64), global_batch=8, cps=cps)
-        (fits_3d if name == "3D only" else fits_cp)[seq] = r is not None
-        scale_rows.append([f"{seq // 1024}k", name] + (
-            ["nothing fits", "", "", ""] if r is None else
-            [f"dp {r.dp} x tp {r.tp} x pp {r.pp} x cp {r.cp}, ZeRO-{r.zero}, {r.recompute}",
-             f"{r.memory / GB:.1f}", f"{r.step_s:.1f}", f"{r.cp_comm_s:.2f}"]))
+scale_rows, fits = at_scale((131072, 262144))
 table(["sequence", "search", "fastest layout that fits", "GB per GPU", "step s",
        "ring traffic s"], scale_rows)
 
@@ -289,10 +279,9 @@ rows = [
     claim("beyond some length only context parallelism fits: at 256k tokens no dp x tp x pp "
           "layout holds an 8B model's activations on 80 GB GPUs, cp does",
           "distlab.theory.plan (Korthikanti et al. 2022's activations, ZeRO's states)",
-          f"128k: 3D {'fits' if fits_3d[131072] else 'does not fit'}; 256k: 3D "
-          f"{'fits' if fits_3d[262144] else 'does not fit'}, with cp "
-          f"{'fits' if fits_cp[262144] else 'does not fit'}",
-          not fits_3d[262144] and fits_cp[262144], basis="modelled"),
+          ", ".join(f"{seq // 1024}k {how}: {'fits' if ok else 'does not fit'}"
+                    for (seq, how), ok in fits.items()),
+          not fits[262144, "3D only"] and fits[262144, "with cp"], basis="modelled"),
     claim("training with cp follows one process step for step", "data parallelism's argument: "
           "equal token shares, averaged gradients",
           ", ".join(f"{n}: {d:.1e}" for n, d in train_diffs.items())

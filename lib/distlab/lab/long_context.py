@@ -87,6 +87,27 @@ def memory_figure(per_world: dict, seq_lens):
     return fig
 
 
+def at_scale(seqs=(131072, 262144), gpus: int = 64, global_batch: int = 8,
+             cps=(1, 2, 4, 8, 16)) -> tuple[list[list], dict]:
+    """The planner (distlab.theory.plan, modelled) on an 8B Llama-shaped model (32 layers,
+    width 4096, 32 heads, vocabulary 128256) on `gpus` A100s of 80 GB: per sequence length,
+    the fastest layout that fits without and with context parallelism. Returns the table's
+    rows and {(seq, "3D only" | "with cp"): whether anything fits}."""
+    from distlab.theory.plan import Cluster, Model, best
+    from distlab.units import GB
+    rows, fits = [], {}
+    for seq in seqs:
+        llama = Model(32, 4096, 32, seq=seq, vocab=128256, n_params=8.0e9)
+        for name, tried in (("3D only", (1,)), ("with cp", cps)):
+            r = best(llama, Cluster(gpus=gpus), global_batch=global_batch, cps=tried)
+            fits[seq, name] = r is not None
+            rows.append([f"{seq // 1024}k", name] + (
+                ["nothing fits", "", "", ""] if r is None else
+                [f"dp {r.dp} x tp {r.tp} x pp {r.pp} x cp {r.cp}, ZeRO-{r.zero}, {r.recompute}",
+                 f"{r.memory / GB:.1f}", f"{r.step_s:.1f}", f"{r.cp_comm_s:.2f}"]))
+    return rows, fits
+
+
 class LongContextExplorer(Explorer):
     """Ranks and sequence length; Run measures ring attention (both splits) and Ulysses on
     real ranks and redraws the work per rank."""
@@ -131,5 +152,5 @@ class LongContextExplorer(Explorer):
         return rows
 
 
-__all__ = ["METHODS", "LongContextExplorer", "measure_attention", "memory_by_length",
+__all__ = ["METHODS", "LongContextExplorer", "at_scale", "measure_attention", "memory_by_length",
            "memory_figure", "split_rows", "work_figure"]

@@ -71,6 +71,7 @@ LAYERS = [
     ("caller", ["distlab.caller", "distlab.__main__"]),
     ("public API", ["distlab"]),  # the package's __init__: the names users import
     ("studies", ["distlab.studies"]),
+    ("exercises", ["distlab.exercises"]),
     ("workbook", ["distlab.lab"]),
 ]
 

@@ -33,7 +33,9 @@
 # `09_checkpoints_and_faults`, `10_your_model`, `11_debugging`, `12_out_of_memory`,
 # `13_search_and_time` (hyper-parameter search and the time to train), and the last two
 # dimensions: `14_long_context` (context parallelism: ring attention and Ulysses) and
-# `15_experts` (mixture of experts and expert parallelism).
+# `15_experts` (mixture of experts and expert parallelism). `16_exercises` has you write a ring
+# all-reduce, a DDP bucket hook, a ZeRO-1 step, Megatron's linears and the 1F1B schedule
+# yourself, each checked on real ranks.
 # The [interview index](../docs/interview_index.md) lists the interview questions the workbook
 # answers, each with the section that answers it and what its runs measured.
 

@@ -1,0 +1,188 @@
+"""Build the workbook as a static web site: the notebooks with their outputs, figures you can
+hover and zoom, the claims report and the interview index, readable from disk with no
+network and no kernel.
+
+    .venv/bin/python tools/claims_report.py --executed reports/executed   # full mode, ~30 min
+    .venv/bin/python tools/build_site.py --executed reports/executed --out site
+    # then open site/index.html in a browser
+
+Why nbconvert, not Jupyter Book: nbconvert is already installed with the workbook (nbval and
+jupytext need it), it turns an executed notebook into one HTML page, and it needs no build
+chain or network; Jupyter Book would add a dependency tree and a theme fetched at build time
+for what is here a dozen pages and an index.
+
+What this adds to nbconvert's pages: plotly figures (saved by the notebooks as
+application/vnd.plotly.v1+json, which nbconvert does not draw) become plotly divs drawn by
+the plotly.js that the installed plotly package ships, copied once into the site; a widget (an
+explorer or the control panel needs a kernel) becomes a note saying so. A notebook with no
+executed copy is shown from its source, marked as not executed, so every link of the index
+resolves. Links between pages (the interview index points at notebook sections) are rewritten
+from the .ipynb files to the pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import unquote
+
+import mistune
+import nbformat
+from nbconvert import HTMLExporter
+
+REPO = Path(__file__).resolve().parent.parent
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WIDGET_NOTE = ("<p class='site-note'><i>An interactive widget stands here (an explorer or the "
+               "control panel): it needs a running kernel. Open this notebook in JupyterLab to "
+               "use it.</i></p>")
+STYLE = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px}"
+         ".site-note{color:#555}")
+
+
+def _markdown(text: str) -> str:
+    """Our own pages: their links are trusted (mistune's URL policy would drop a section
+    link whose anchor holds a ':', taking it for a scheme)."""
+    renderer = mistune.HTMLRenderer(escape=False, allow_harmful_protocols=True)
+    return mistune.create_markdown(renderer=renderer, plugins=["table"])(text)
+
+
+def _plotly_html(fig: dict, n: int) -> str:
+    """A plotly figure as a div and the call that draws it (plotly.js is on the page)."""
+    spec = json.dumps({"data": fig.get("data", []), "layout": fig.get("layout", {}),
+                       "config": {"responsive": True}})
+    return (f"<div id='plot-{n}' class='site-plot'></div><script>(function(){{var f={spec};"
+            f"Plotly.newPlot('plot-{n}',f.data,f.layout,f.config);}})();</script>")
+
+
+def prepare(nb: nbformat.NotebookNode) -> int:
+    """Plotly outputs to drawable HTML, widgets to a note; returns the number of figures."""
+    figures = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if PLOTLY_MIME in data:
+                out["data"] = {"text/html": _plotly_html(data[PLOTLY_MIME], figures)}
+                figures += 1
+            elif WIDGET_MIME in data:
+                out["data"] = {"text/html": WIDGET_NOTE}
+    return figures
+
+
+def slug(text: str) -> str:
+    """A heading's anchor as plain ASCII: JupyterLab's anchor ("4.-The-α-β-model...") and
+    nbconvert's id (the same, percent-encoded in part) both become "4-the-model-...", so a
+    link finds its heading in any browser."""
+    return re.sub(r"[^0-9a-z]+", "-", unquote(text).lower()).strip("-")
+
+
+def _slug_ids(body: str) -> str:
+    """nbconvert's heading ids and their anchor links, as slugs."""
+    body = re.sub(r'(<h[1-6][^>]*\sid=")([^"]+)"', lambda m: f'{m.group(1)}{slug(m.group(2))}"',
+                  body)
+    return re.sub(r'(class="anchor-link" href="#)([^"]+)"', lambda m: f'{m.group(1)}'
+                  f'{slug(m.group(2))}"', body)
+
+
+def _relink(text: str) -> str:
+    """Links to the workbook's notebooks (and the docs) become links to the site's pages, a
+    section's anchor as its slug (the pages' heading ids are slugs too: `slug`)."""
+    def page(m):
+        frag = m.group(2)
+        return f"{m.group(1)}.html" + (f"#{slug(frag[1:])}" if frag else "")
+    # an anchor may hold parentheses ("3.-(b)-Memory..."), one level deep as Markdown allows
+    text = re.sub(r"(?:\.\./)?(?:workbook/)?(\d\d_[A-Za-z0-9_]+)\.ipynb"
+                  r"(#(?:[^()\s]|\([^()\s]*\))*)?", page, text)
+    return text.replace("../docs/interview_index.md", "interview_index.html")
+
+
+def notebook_page(path: Path, executed: bool) -> tuple[str, int]:
+    nb = nbformat.read(path, as_version=4)
+    figures = prepare(nb)
+    if not executed:
+        nb.cells.insert(0, nbformat.v4.new_markdown_cell(
+            "*Not executed for this site: the cells are shown without their outputs. Run "
+            "`tools/claims_report.py --executed` and build the site again to see them.*"))
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = _relink(cell.source)
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(
+        nb, resources={"metadata": {"name": _title(path)}})
+    # the template's scripts from CDNs (require.js, MathJax, the widget manager's loader):
+    # nothing here needs them, and the site is read offline (math shows as its TeX source)
+    body = re.sub(r"<script[^>]*src=['\"]https?://[^>]*>\s*</script>", "", body)
+    body = re.sub(r"<script>\s*\(function\(\) \{\s*function addWidgetsRenderer.*?</script>", "",
+                  body, count=1, flags=re.S)
+    body = _slug_ids(body)
+    script = "<script src='plotly.min.js'></script>"
+    return body.replace("</head>", f"{script}\n</head>", 1), figures
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+            f"</title><style>{STYLE}</style></head><body>{body}</body></html>")
+
+
+def _title(path: Path) -> str:
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            m = re.search(r"^#\s+(.+)$", cell.source, re.M)
+            if m:
+                return m.group(1).strip()
+    return path.stem
+
+
+def build(executed_dir: Path | None, out: Path, workbook: Path = REPO / "workbook") -> dict:
+    """Write the site into `out`; returns {page: figures drawn} for the notebooks."""
+    out.mkdir(parents=True, exist_ok=True)
+    import plotly
+    shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js",
+                out / "plotly.min.js")
+    pages, items = {}, []
+    for src in sorted(workbook.glob("[0-9][0-9]_*.ipynb")):
+        done = executed_dir / src.name if executed_dir else None
+        ran = done is not None and done.exists()
+        page, figures = notebook_page(done if ran else src, ran)
+        (out / f"{src.stem}.html").write_text(page, encoding="utf-8")
+        pages[src.stem] = figures
+        items.append(f"<li><a href='{src.stem}.html'>{html.escape(_title(src))}</a>"
+                     f"{'' if ran else ' <i>(not executed)</i>'}</li>")
+    index_md = REPO / "docs" / "interview_index.md"
+    (out / "interview_index.html").write_text(
+        _page("Interview index", _markdown(_relink(index_md.read_text()))), encoding="utf-8")
+    claims = REPO / "reports" / "claims-full.md"
+    claims_link = ""
+    if claims.exists():
+        (out / "claims.html").write_text(_page("Claims, full mode", _markdown(
+            _relink(claims.read_text()))), encoding="utf-8")
+        claims_link = ("<li><a href='claims.html'>every claim with its figure and verdict "
+                       "(the latest full-mode report)</a></li>")
+    (out / "index.html").write_text(_page("distlab workbook", (
+        "<h1>distlab: distributed training, run and measured</h1>"
+        "<p>The workbook's notebooks as their last run left them: figures are live (hover, "
+        "zoom), widgets need JupyterLab.</p><h2>Notebooks</h2><ol start='0'>"
+        + "".join(items) + "</ol><h2>Also</h2><ul><li><a href='interview_index.html'>the "
+        "interview index: each question, the section that answers it, the evidence</a></li>"
+        + claims_link + "</ul>")), encoding="utf-8")
+    return pages
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--executed", type=Path, help="executed notebooks (claims_report.py "
+                   "--executed DIR); notebooks missing there are shown unexecuted")
+    p.add_argument("--out", type=Path, default=REPO / "site", help="where to write (site/)")
+    args = p.parse_args(argv)
+    pages = build(args.executed, args.out)
+    print(f"{len(pages)} notebooks, {sum(pages.values())} figures -> {args.out / 'index.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -191,3 +191,25 @@ def test_a_rising_loss_is_not_reported_as_a_negative_share_of_the_way():
     f = learning(t)
     assert "%" not in f.evidence and "loss rose from 3.000 to" in f.evidence, f.evidence
     assert f.passed  # not the too-small-step symptom: no_divergence speaks for this run
+
+
+def test_the_two_stalled_drills_show_their_reference_lines_apart(runs):
+    """11's drill grid: "lr too low" stalls at ln V, "shuffled labels" at the unigram entropy,
+    0.37 nats apart. On the grid's shared log axis the two lines sat a few pixels apart and the
+    two drills looked alike (issue 25); their panels now draw them at least a tenth of the
+    panel's height apart."""
+    from distlab.lab.debugging import DRILLS, loss_figure
+    fig = loss_figure(runs)
+    names = list(DRILLS) + ["overfit"]
+    for name in ("lr too low", "shuffled labels"):
+        i = names.index(name) + 1
+        axis = fig.layout[f"yaxis{i if i > 1 else ''}"]
+        lines = [t.y[0] for t in fig.data
+                 if t.yaxis == f"y{i if i > 1 else ''}" and t.name in ("ln V: uniform guess",
+                                                                       "unigram entropy: the "
+                                                                       "marginal")]
+        assert len(lines) == 2, (name, lines)
+        lo, hi = axis.range
+        scale = (lambda v: math.log10(v)) if axis.type == "log" else (lambda v: v)
+        apart = abs(scale(lines[0]) - scale(lines[1])) / (hi - lo)
+        assert apart >= 0.1, (name, axis.type, apart)

@@ -214,3 +214,25 @@ def test_the_status_prints_as_words_not_html():
     import ipywidgets as widgets
     w = widgets.HTML(html.escape("'lr too high': 1 finding(s)") + " <b>and more</b>")
     assert status_text(w) == "'lr too high': 1 finding(s) and more"
+
+
+def test_the_status_printed_after_wait_says_done_not_running(tmp_path, monkeypatch):
+    """10 printed "running ... step 70/80" under a run that had ended (issue 25): the cell
+    read the status before the dashboard thread's last redraw. status_text redraws first."""
+    monkeypatch.setenv("DISTLAB_RUNS", str(tmp_path))
+    panel = _panel(steps=3)
+    run = panel.run()
+    run.wait(timeout=120)
+    text = panel.status_text
+    assert run.status == "done" and text.startswith("done"), text
+    assert "running" not in text, text
+    assert panel.dashboard.fig.layout.yaxis.title.text == "loss (nats/token)"  # the GPT's
+
+
+def test_the_loss_axis_says_what_the_loss_is_a_mean_over():
+    """The dashboard labelled 10's classifier's loss "nats/token" (issue 25)."""
+    from distlab.lab.panel import loss_axis_title
+    assert loss_axis_title(RunConfig()) == "loss (nats/token)"
+    assert loss_axis_title(RunConfig(model="bnnet")) == "loss (nats/sample)"
+    spec = RunConfig(model="pkg.mod:make_model", data="pkg.mod:make_data")
+    assert loss_axis_title(spec) == "loss"

@@ -79,6 +79,25 @@ def test_best_so_far_and_trials_to_reach():
     assert search.trials_to_reach(study, 2.0) == 2 and search.trials_to_reach(study, 0.5) is None
 
 
+def test_the_best_so_far_chart_is_not_flattened_by_one_bad_first_trial():
+    """13's chart was flat until "grid" was hidden (issue 25): grid's first trial, 30 nats,
+    set the y axis, and the curves that matter (3.4 to 3.1) lay in its bottom 1%. The axis
+    now spans the methods' values from the third trial on: their spread fills most of it."""
+    pytest.importorskip("plotly")
+    from distlab.lab.search_figures import best_so_far_figure
+
+    def study(values):
+        s = optuna.create_study()
+        for v in values:
+            s.add_trial(optuna.trial.create_trial(value=v, params={}, distributions={}))
+        return s
+
+    studies = {"grid": study([30.0, 3.4, 3.3, 3.2]), "random": study([3.5, 3.3, 3.1, 3.15])}
+    lo, hi = best_so_far_figure(studies, target=3.2).layout.yaxis.range
+    assert lo < 3.1 and hi >= 3.3  # every best-so-far from the third trial on is in view
+    assert (3.3 - 3.1) / (hi - lo) > 0.5  # and spread over most of the axis, not squashed
+
+
 def test_window_losses_average_equal_rows_at_any_batch():
     assert search.window_losses([4, 2, 3, 1, 9], batch=8, report_rows=16) == [(16, 3), (32, 2)]
     assert search.window_losses([4, 2], batch=32, report_rows=32) == [(32, 4), (64, 2)]

@@ -400,6 +400,9 @@ class LiveDashboard:
                 self._loss_traces[id(run)] = self.fig.add_scatter(
                     x=[], y=[], mode="lines", name=self._label(run, len(self.runs)),
                     line=_run_line(len(self.runs) - 1), row=1, col=1).data[-1]
+                units = {loss_axis_title(r.cfg) for r in self.runs}
+                self.fig.update_yaxes(title_text=units.pop() if len(units) == 1 else "loss",
+                                      row=1, col=1)
             start = self._thread is None and not run.done
             if start:  # decided under the lock, so the thread cannot exit in between
                 self._thread = threading.Thread(target=self._poll, daemon=True,
@@ -584,6 +587,13 @@ def _make_figure() -> go.FigureWidget:
 EMPTY_HINT = "press Run: the loss, memory per rank and bytes per rank appear here"
 
 
+def loss_axis_title(cfg) -> str:
+    """What the loss is a mean over: the GPT's tokens, bnnet's samples; a model of your own
+    says nothing about it (10's classifier was labelled nats/token, issue 25)."""
+    model = getattr(cfg, "model", "gpt")
+    return {"gpt": "loss (nats/token)", "bnnet": "loss (nats/sample)"}.get(model, "loss")
+
+
 def _bytes_hover(name: str, unit: str, extra: str = "") -> str:
     return f"{name}: %{{y:.3f}} {unit} (%{{customdata:,}} bytes){extra}<extra></extra>"
 
@@ -729,7 +739,11 @@ class ControlPanel:
 
     @property
     def status_text(self) -> str:
-        """The status line's words, as printed text (lab.panel.status_text)."""
+        """The status line's words, as printed text (lab.panel.status_text). Once the last run
+        has ended, redrawn first: the dashboard thread's last redraw may not have come yet, and
+        a cell printing this right after run.wait() read "running ... step 70/80" (issue 25)."""
+        if self.last_run is not None and self.last_run.done:
+            self.dashboard.refresh()
         return status_text(self.status)
 
     def __init__(self, dashboard: LiveDashboard | None = None, extra_widgets: dict | None = None,

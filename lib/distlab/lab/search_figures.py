@@ -24,17 +24,26 @@ NAMES = {"grid": "grid", "random": "random", "tpe": "TPE (Bayesian)", "gp": "GP 
          "nsga2": "NSGA-II"}
 
 
+FROM_TRIAL = 3  # the y axis starts at every method's best after this many trials
+
+
 def best_so_far_figure(studies: dict[str, optuna.Study], target: float) -> go.Figure:
-    """Best held-out loss after each trial, per method, and the target loss line."""
-    fig = go.Figure()
+    """Best held-out loss after each trial, per method, and the target loss line. The y axis
+    spans what the methods reach from their FROM_TRIAL-th trial on: a first trial far above
+    the rest (grid's corner of the space: 30 nats against 3) would otherwise squash every
+    curve into a flat line at the bottom; it enters the chart from above."""
+    fig, later = go.Figure(), [target]
     for i, (m, study) in enumerate(studies.items()):
         y = [v if math.isfinite(v) else None for v in best_so_far(study)]
+        later += [v for v in y[FROM_TRIAL - 1:] if v is not None]
         fig.add_scatter(x=list(range(1, len(y) + 1)), y=y, mode="lines+markers",
                         name=NAMES.get(m, m), line=dict(color=RUN_COLORS[i], shape="hv"))
     fig.add_hline(y=target, line_dash="dash", line_color="#555",
                   annotation_text=f"target {target:.3f}", annotation_position="top right")
-    fig.update_layout(title="Best loss so far against trials spent", xaxis_title="trials",
-                      yaxis_title="best held-out loss (nats)", height=360,
+    pad = 0.08 * (max(later) - min(later) or abs(target) * 0.05 or 1.0)
+    fig.update_yaxes(range=[min(later) - pad, max(later) + pad])
+    fig.update_layout(title=f"Best loss so far against trials spent (y from trial {FROM_TRIAL})",
+                      xaxis_title="trials", yaxis_title="best held-out loss (nats)", height=360,
                       template="plotly_white", legend=LEGEND)
     return fig
 

@@ -26,7 +26,9 @@ def checkout(tmp_path):
         pytest.skip("git is not installed")
     _git(tmp_path, "init", "-q")
     shutil.copy(WORKBOOK / "01_collectives.ipynb", tmp_path / "nb.ipynb")
-    _git(tmp_path, "add", "nb.ipynb")
+    shutil.copy(WORKBOOK / "01_collectives.py", tmp_path / "nb.py")  # its jupytext pair
+    (tmp_path / ".gitignore").write_text(".ipynb_checkpoints/\n")  # as the repository's
+    _git(tmp_path, "add", "nb.ipynb", "nb.py", ".gitignore")
     _git(tmp_path, "commit", "-qm", "as committed")
     return tmp_path
 
@@ -56,7 +58,7 @@ def test_outputs_do_not_dirty_the_tree_but_edits_do(checkout, tmp_path_factory):
     install(str(checkout), prefix=str(prefix))  # twice: adds nothing
     attributes = (checkout / ".git" / "info" / "attributes").read_text().splitlines()
     assert attributes.count("*.ipynb filter=nbstripout") == 1
-    hook = prefix / "etc" / "jupyter" / "jupyter_server_config.d" / "distlab.json"
+    hook = prefix / "etc" / "jupyter" / "jupyter_server_config.json"
     assert "distlab.lab.git_outputs.post_save" in hook.read_text()
     assert post_save(os_path=str(nb))  # what JupyterLab runs after the save: outputs only
     assert _git(checkout, "status", "--porcelain") == ""
@@ -72,3 +74,57 @@ def test_outputs_do_not_dirty_the_tree_but_edits_do(checkout, tmp_path_factory):
     assert _git(checkout, "status", "--porcelain").splitlines() == [" M nb.ipynb",
                                                                    "?? mine.ipynb"]
     assert _git(checkout, "diff", "--cached") == ""
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_readme_command_then_a_save_in_the_server_leaves_git_clean(checkout, tmp_path_factory):
+    """The README's step as a user runs it (`python -m distlab.lab.git_outputs` in the
+    checkout), then a Jupyter server saves the notebook with outputs through its contents API,
+    as JupyterLab's save does: `git status` stays clean. Before the fix the command wrote the
+    hook as "__main__.post_save", which the server cannot import, and every saved notebook
+    showed as modified, and wrote it into jupyter_server_config.d, whose other sections the
+    server drops (issue 25; the test above calls the functions directly and missed both)."""
+    import json
+    import os
+    import sys
+    import time
+    import urllib.request
+    prefix = tmp_path_factory.mktemp("prefix")
+    env = {**os.environ, "DISTLAB_JUPYTER_PREFIX": str(prefix)}
+    subprocess.run([sys.executable, "-m", "distlab.lab.git_outputs"], cwd=checkout, env=env,
+                   check=True, capture_output=True, text=True)
+    assert '"distlab.lab.git_outputs.post_save"' in (
+        prefix / "etc" / "jupyter" / "jupyter_server_config.json").read_text()
+    port, token = _free_port(), "t0ken"
+    server_env = {**os.environ, "JUPYTER_CONFIG_PATH": str(prefix / "etc" / "jupyter"),
+                  "JUPYTER_RUNTIME_DIR": str(tmp_path_factory.mktemp("runtime"))}
+    cmd = [sys.executable, "-m", "jupyter", "server", "--no-browser", "--ip=127.0.0.1",
+           f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={checkout}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    server = subprocess.Popen(cmd, env=server_env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/api/contents/nb.ipynb?token={token}"
+        for _ in range(60):
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        _run_all(checkout / "nb.ipynb")  # the outputs a Run All leaves, then JupyterLab's save:
+        body = json.dumps({"type": "notebook", "format": "json",
+                           "content": nbformat.read(checkout / "nb.ipynb", 4)}).encode()
+        req = urllib.request.Request(url, data=body, method="PUT",
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=30)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert _git(checkout, "status", "--porcelain") == "", _git(checkout, "status")

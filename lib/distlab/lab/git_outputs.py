@@ -9,7 +9,7 @@ disk keeps its outputs for the next reload. A change to a cell's source still sh
 
 A filter alone leaves `git status` listing a saved notebook (git sees the file's size change
 and does not look further; `git diff` shows nothing). So the install also gives JupyterLab a
-post-save hook (`post_save`, in this environment's jupyter_server_config.d): after a save
+post-save hook (`post_save`, in this environment's jupyter_server_config.json): after a save
 whose only changes are outputs, it re-adds the file, which stages nothing new and lets git
 record that the file matches; after a save that changed a cell it does nothing.
 
@@ -57,11 +57,35 @@ def install(repo: str = ".", prefix: str = sys.prefix) -> str:
         for line in ATTRIBUTES:
             if line not in have:
                 f.write(line + "\n")
-    hooks = os.path.join(prefix, "etc", "jupyter", "jupyter_server_config.d")
-    os.makedirs(hooks, exist_ok=True)
-    with open(os.path.join(hooks, "distlab.json"), "w", encoding="utf-8") as f:
-        json.dump({"ContentsManager": {"post_save_hook": f"{__name__}.post_save"}}, f, indent=1)
+    write_hook_config(prefix)
     return top
+
+
+def write_hook_config(prefix: str) -> str:
+    """Set ContentsManager.post_save_hook in {prefix}/etc/jupyter/jupyter_server_config.json,
+    keeping whatever else the file holds. Not a file in jupyter_server_config.d: the server
+    reads those for its own ServerApp settings (extensions) and drops other sections, so a
+    hook written there never ran (issue 25). Returns the file's path."""
+    folder = os.path.join(prefix, "etc", "jupyter")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "jupyter_server_config.json")
+    config = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    config.setdefault("ContentsManager", {})["post_save_hook"] = HOOK
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    stale = os.path.join(folder, "jupyter_server_config.d", "distlab.json")
+    if os.path.exists(stale):  # what earlier versions wrote, and the server never read
+        os.remove(stale)
+    return path
+
+
+# The hook by its importable name: under `python -m distlab.lab.git_outputs` (the README's
+# command) __name__ is "__main__", which the server cannot import (issue 25: every saved
+# notebook showed as modified); __spec__.name is the module's own name either way.
+HOOK = f"{__spec__.name}.post_save"
 
 
 def post_save(model=None, os_path: str = "", contents_manager=None, **_) -> bool:
@@ -84,8 +108,11 @@ def post_save(model=None, os_path: str = "", contents_manager=None, **_) -> bool
 
 
 def main() -> int:
+    # DISTLAB_JUPYTER_PREFIX: where the hook's config goes instead of this environment (a
+    # test's temporary folder, read by a server started with JUPYTER_CONFIG_PATH)
+    prefix = os.environ.get("DISTLAB_JUPYTER_PREFIX", sys.prefix)
     try:
-        top = install()
+        top = install(prefix=prefix)
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         print(f"not a git checkout (or no git): outputs cannot dirty anything here ({e})")
         return 0

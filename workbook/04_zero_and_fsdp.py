@@ -82,6 +82,7 @@ from distlab.theory.estimate import (
     zero_table,
 )
 from distlab.lab.common import claim, claims_table, say, table
+from distlab.lab.interview_code import claim_rows, run_all
 from distlab.lab.runs import launch_together, median_step_change, worst_param_diff
 from distlab.lab.zero_and_fsdp import (
     WIRE_GLOO,
@@ -666,6 +667,8 @@ assert 3 < free_ratio < 4
 # says so, from the estimator with the bytes-per-parameter named.
 
 # %%
+# FSDP code quoted by the interview answers, run as quoted in fresh processes
+code_rows = claim_rows(run_all(["fsdp_string", "fsdp_checkpointing", "deepspeed_import"]))
 rows = [
     claim("ZeRO, FSDP and torch's references train exactly as one process does",
           "Rajbhandari et al. 2020; Zhao et al. 2023 (FSDP)",
@@ -726,7 +729,7 @@ rows = [
           f"recomputation {sel_d['tokens']:,} vs {sel_f['tokens']:,}",
           abs(none_d["tokens"] / 65536 - 1) < 0.2 and abs(none_f["tokens"] / 229e3 - 1) < 0.2,
           basis="modelled"),
-]
+] + code_rows
 claims_table(rows)
 # the interview answers and the limits of the "4×/8×" and "1.5×" rules may read no; the
 # measurements of this run must hold

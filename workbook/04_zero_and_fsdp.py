@@ -77,6 +77,7 @@ from distlab.theory.estimate import (
     gpt_param_tensors,
     gpt_params_of,
     korthikanti_layer_activation_bytes,
+    narayanan_params,
     transformer_params_approx,
     zero_model_states,
     zero_table,
@@ -607,8 +608,11 @@ assert adam_dp == 1120e9 and adam_z3 == 17.5e9
 #   Ψ = 3.75B. FSDP (ZeRO-3) keeps 60/8 GB per GPU, plus its working set: the gathered
 #   units and the flat gradients awaiting their reduce-scatter, counted in units as our
 #   `zero3` run measured them above, each a layer of 12h² bf16 values.
-# * A GPT with **h = 4096, a = 32 heads, s = 2048**: 12h² ≈ 201M parameters a layer
-#   (`transformer_params_approx`), so 3.75B parameters is L ≈ 19 layers.
+# * A GPT with **h = 4096, a = 32 heads, s = 2048**, GPT-2's vocabulary (50,257): by
+#   Narayanan et al.'s count (12h² per layer with biases and norms, plus the embeddings;
+#   `narayanan_params`), 3.75B parameters is the depth whose count comes closest: L = 18
+#   (07's planner answers the same question with the same 18 layers). Counting 12h² per layer
+#   alone, as an earlier version did here, gave 19.
 # * **Activations per sequence** from Korthikanti et al. 2022 (16-bit, with dropout, no
 #   tensor parallelism): L · sbh(34 + 5as/h) with b = 1; with selective recomputation
 #   L · 34sbh; with full recomputation L · 2sbh. Left out: the embedding and logits
@@ -621,7 +625,8 @@ assert adam_dp == 1120e9 and adam_z3 == 17.5e9
 GPUS, S, H, A = 8, 2048, 4096, 32
 states = 60 * GB
 psi_q5 = states / MIXED_ADAM.total
-L = round(psi_q5 / transformer_params_approx(1, H))
+L = min(range(1, 64), key=lambda n: abs(narayanan_params(n, H, 50257, S) - psi_q5))
+assert L == 18, L  # the prose above, and 07's planner, say 18
 ddp_states = zero_model_states(psi_q5, GPUS, 0, MIXED_ADAM).device
 unit = 2 * transformer_params_approx(1, H)  # one layer's bf16 parameters (or gradients)
 fsdp_states = zero_model_states(psi_q5, GPUS, 3, MIXED_ADAM).device + (gathered_units + grad_units) * unit

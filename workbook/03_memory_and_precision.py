@@ -420,6 +420,29 @@ assert uf["zero_fraction_unscaled"] > 0.05 and uf["zero_fraction_scaled_without_
 assert uf["overflow_fraction_scaled"] == 0.0
 
 # %% [markdown]
+# **bf16 is not fp16.** bf16 keeps fp32's 8 exponent bits and gives up mantissa: its
+# smallest normal number is fp32's (~1.2e-38), so a small gradient does not underflow in
+# bf16; it is *rounded*, to 8 significant bits. An interview answer on bf16 "small
+# gradients that might underflow" says 0.00012 "rounds to 0.000122 or 0.000115", and
+# advises higher learning rates for layers with small gradients. Measured here: the bf16
+# neighbours of 0.00012 (torch.nextafter), tiny values cast to bf16 and fp16, and AdamW's
+# first step for the same gradient at three scales.
+
+# %%
+small = P.bf16_small_values()
+steps = P.adamw_step_vs_gradient_scale()
+lo, hi = small["neighbours"]
+table(["value", "in bf16", "in fp16"],
+      [[f"{t:g}", "kept" if v["bf16"] else "**0**", "kept" if v["fp16"] else "**0**"]
+       for t, v in small["survives"].items()])
+say(f"0.00012 in bf16 becomes {small['as_bf16']:.9g}; its bf16 neighbours are {lo:.9g} and "
+    f"{hi:.9g} (spacing {hi - lo:.2g}).",
+    "AdamW's first step (lr 1e-3) for the gradient ×" + ", ×".join(
+        f"{s:g} → {d:.3g}" for s, d in steps.items()) + ": the step does not shrink with the "
+    "gradient.")
+assert all(v["bf16"] for v in small["survives"].values())
+
+# %% [markdown]
 # **The dynamic loss scaler** (`precision.DynamicLossScaler`). Backward of S·loss gives
 # S·gradients. The scaler unscales them in fp32 and checks for inf/NaN: if any, the step is
 # skipped and S halves; after `growth_interval` clean steps in a row S doubles. The fp16
@@ -763,7 +786,29 @@ claims = [
           f"within the budget here: {fastest['step']}; CPU, no fast bf16 matmuls)",
           R["+ accumulation"]["peak"] <= budget and R["+ more ranks"]["peak"] <= budget),
 ]
-claims_table(claims)
+# the bf16 answer's statements, each the claim; they read no where this run refutes them
+bf16_rows = [
+    claim("BF16 small gradients (below 1e-4) might underflow (an interview answer)",
+          "the question sets' answer; torch.finfo(torch.bfloat16)",
+          "cast to bf16: " + ", ".join(f"{t:g} {'kept' if v['bf16'] else 'becomes 0'}"
+                                       for t, v in small["survives"].items())
+          + "; in fp16: " + ", ".join(f"{t:g} {'kept' if v['fp16'] else 'becomes 0'}"
+                                      for t, v in small["survives"].items()),
+          not all(v["bf16"] for v in small["survives"].values())),
+    claim("in BF16, 0.00012 rounds to 0.000122 or 0.000115 (an interview answer)",
+          "the question sets' answer; IEEE-style rounding of bf16 (8 significant bits)",
+          f"its bf16 neighbours are {lo:.6g} and {hi:.6g} (spacing {hi - lo:.2g}); "
+          f"it becomes {small['as_bf16']:.6g}",
+          {round(lo, 6), round(hi, 6)} == {0.000122, 0.000115}),
+    claim("layer-wise learning rates: give layers with small gradients higher learning rates "
+          "(an interview answer, with AdamW)", "the question sets' answer; Loshchilov & "
+          "Hutter 2019 (AdamW)",
+          "AdamW's first step for the gradient ×" + ", ×".join(
+              f"{sc:g} → {d:.3g}" for sc, d in steps.items())
+          + ": a small gradient does not make a small step",
+          steps[min(steps)] < 0.5 * steps[max(steps)]),
+]
+claims_table(claims + bf16_rows)
 interview = {4, 5, 8, 12}  # the interview answer's figures and the clipping answer: shown, either way
 assert all(c["holds"] for i, c in enumerate(claims) if i not in interview), \
     [c["claim"] for i, c in enumerate(claims) if i not in interview and not c["holds"]]

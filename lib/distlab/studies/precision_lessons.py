@@ -133,3 +133,35 @@ def skip_together_demo(rank: int, world: int, device, log, bad_rank: int = 1) ->
     synced.update(found)
     return {"local_found_inf": local, "synced_found_inf": found,
             "scale_after": synced.get_scale(), "comm": comm.snapshot()}
+
+
+def bf16_small_values(x: float = 0.00012, tiny=(1e-8, 1e-20, 1e-38)) -> dict:
+    """What bf16 does to a small gradient entry, against fp16: its two nearest bf16 numbers
+    (the one at or below x and the next one up, from torch.nextafter on bf16), the value x
+    becomes, and for each of `tiny` whether it survives a cast (bf16 has fp32's 8 exponent
+    bits, so its smallest normal is fp32's, ~1.2e-38; fp16's is 6.1e-5, its subnormals end at
+    6e-8)."""
+    b = torch.tensor(x, dtype=torch.float32).to(torch.bfloat16)
+    below = b if b.float().item() <= x else torch.nextafter(b, torch.tensor(0.0, dtype=b.dtype))
+    above = torch.nextafter(below, torch.tensor(1.0, dtype=b.dtype))
+    return {"x": x, "as_bf16": b.float().item(),
+            "neighbours": (below.float().item(), above.float().item()),
+            "survives": {t: {"bf16": torch.tensor(t).to(torch.bfloat16).item() != 0.0,
+                             "fp16": torch.tensor(t).to(torch.float16).item() != 0.0}
+                         for t in tiny}}
+
+
+def adamw_step_vs_gradient_scale(scales=(1.0, 1e-3, 1e-6), lr: float = 1e-3) -> dict:
+    """AdamW's first update of one weight for the same gradient multiplied by each of `scales`
+    (torch.optim.AdamW, eps 1e-8): Adam divides the gradient by the root of its own running
+    square, so the step does not shrink with the gradient (until the gradient nears eps). A
+    larger learning rate for layers with small gradients answers a problem AdamW does not
+    have."""
+    out = {}
+    for s in scales:
+        w = torch.nn.Parameter(torch.zeros(4))
+        opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.0)
+        w.grad = torch.full((4,), 0.5 * s)
+        opt.step()
+        out[s] = w.detach().abs().mean().item()
+    return out

@@ -436,9 +436,16 @@ claim_rows = [
     claim("gradient and optimizer memory shrink with the trainable values", "Hu et al. 2021",
           f"{lora_mem}: gradients + AdamW state {mem_ratio:.1%} of full fine-tuning's, "
           "measured on the ranks", mem_ratio < 0.05),
-    claim("LoRA reaches 90–95% of full fine-tuning's quality", "interview answer",
-          f"best LoRA ({best['run']}) recovered {best['recovered']:.0%} of full "
-          f"fine-tuning's task-1 gain; the q,v baseline {base_row['recovered']:.0%}",
+    # the verdict reads the setting fixed before the sweep (Hu et al.'s q,v); the best of the
+    # sweep was picked on the very task it is scored on, so it is its own, optimistic row
+    claim("LoRA reaches 90–95% of full fine-tuning's quality (an interview answer)",
+          "the question sets' answer; Hu et al. 2021's q,v recipe",
+          f"the q,v setting fixed before the sweep ({base_row['run']}) recovered "
+          f"{base_row['recovered']:.0%} of full fine-tuning's task-1 gain",
+          base_row["recovered"] >= 0.9),
+    claim(f"tuned, LoRA recovers at least 90% (the best of {len(ranked)} settings, picked "
+          "on the task it is scored on: optimistic)", "this notebook's sweep",
+          f"best: {best['run']}, {best['recovered']:.0%}",
           best["recovered"] >= 0.9),
     claim("quality drop fixes: more layers, higher learning rate", "interview answer",
           f"attn+MLP {fixes['q,v → attention + MLP']['task1']:.3f}, lr 1e-2 "
@@ -480,5 +487,5 @@ claim_rows = [
           "on this shared machine)", m["merged_s"] <= 1.25 * m["plain_s"]),
 ]
 claims_table(claim_rows)
-asserted = [claim_rows[i] for i in (0, 3, 11)]  # count, memory, bytes: not learning, timing
+asserted = [claim_rows[i] for i in (0, 3, 12)]  # count, memory, bytes: not learning, timing
 assert all(r["holds"] for r in asserted), [r["claim"] for r in asserted if not r["holds"]]

@@ -888,6 +888,6 @@ rows = [
 ] + code_rows
 claims_table(rows)
 # timing or this model decides these; the interview's code reads no where it does not run
-shown = (straggler_row, lin_vs_sqrt, seed_lr, dp_ddp_row, *code_rows)
+shown = (straggler_row, lin_rule, lin_vs_sqrt, seed_lr, dp_ddp_row, *code_rows)
 assert all(r["holds"] for r in rows if r not in shown), [r["claim"] for r in rows
                                                          if not r["holds"]]

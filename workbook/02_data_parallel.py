@@ -62,12 +62,12 @@ DELAY_S = 0.4                         # the straggler's extra sleep per step (5x
 import statistics
 
 import ipywidgets as W
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from distlab import RunConfig, RunError, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab import stragglers
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
-from distlab.lab.interview_code import claim_rows, run_all
 from distlab.lab.data_parallel import (
     bucket_plan,
     bucket_timeline,
@@ -97,6 +97,7 @@ from distlab.lab.data_parallel import (
     steps_trained_and_shadowed,
     straggler_claim,
 )
+from distlab.lab.interview_code import claim_rows, run_all
 from distlab.lab.runs import (launch_together, max_step_loss_diff, median_step_change,
                               worst_param_diff)
 from distlab.lab.scaling import BASE as SCALING_BASE
@@ -512,17 +513,28 @@ assert accum_sent == [ring_expected]       # the same bytes as without accumulat
 # With a finite dataset each rank reads its own shard: a distributed sampler shuffles the
 # row numbers with a seed every rank shares (so no one has to send the permutation) and
 # gives rank r positions r, r+N, r+2N, … (`distlab.data.sampler.DistributedSampler`, the same
-# indices as torch's with `drop_last=True`). Ten rows on four ranks:
+# indices as torch's with `drop_last=True`). With `drop_last=False` the two differ, on
+# purpose: torch's `DistributedSampler` **pads** the permutation with repeats of its first
+# rows until it divides by N, so every rank gets the same number of rows and a DataLoader
+# over it never goes uneven (some rows are seen twice an epoch); ours does not pad, so that
+# the uneven case below can happen and be fixed. Ten rows on four ranks, both samplers:
 
 # %%
 shards = {d: [DistributedSampler(10, WORLD, r, seed=0, drop_last=d).indices(0)
               for r in range(WORLD)] for d in (False, True)}
-table(["rank", "rows, drop_last=False", "rows, drop_last=True"],
-      [[r, shards[False][r], shards[True][r]] for r in range(WORLD)])
+torch_shards = [list(TorchSampler(range(10), num_replicas=WORLD, rank=r, shuffle=True,
+                                  seed=0, drop_last=False)) for r in range(WORLD)]
+table(["rank", "ours, drop_last=False", "ours, drop_last=True",
+       "torch's, drop_last=False (pads)"],
+      [[r, shards[False][r], shards[True][r], torch_shards[r]] for r in range(WORLD)])
 for d, s in shards.items():
     flat = [i for shard in s for i in shard]
     assert len(flat) == len(set(flat))  # disjoint
     assert len(flat) == (10 if not d else 10 - 10 % WORLD)  # all rows, or the tail dropped
+torch_flat = [i for shard in torch_shards for i in shard]
+say(f"torch's sampler: {len(torch_flat)} rows handed out for 10 ({len(torch_flat) - 10} "
+    "repeated), every rank the same count: it cannot go uneven by itself.")
+assert {len(s) for s in torch_shards} == {3} and len(set(torch_flat)) == 10
 
 # %% [markdown]
 # Without `drop_last`, ranks get different numbers of rows, and a rank may get one batch

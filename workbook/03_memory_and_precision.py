@@ -808,6 +808,18 @@ bf16_rows = [
           + ": a small gradient does not make a small step",
           steps[min(steps)] < 0.5 * steps[max(steps)]),
 ]
+# "Model: 10GB; batch 1: 2GB activations -> 12GB, fits a 16GB GPU": 10 GB of bf16 weights is
+# 5B parameters; training them with Adam (mixed precision) keeps 16 bytes each (the ZeRO
+# paper's count, which section 1's runs match byte for byte)
+psi_10gb = 10e9 / 2
+states_10gb = E.zero_model_states(psi_10gb, 1, 0, E.MIXED_ADAM).device
+bf16_rows.append(claim(
+    "a 10 GB model trains at batch 1 on a 16 GB GPU (2 GB of activations: 12 GB) (an "
+    "interview answer)", "the question sets' answer; Rajbhandari et al. 2020 (16 bytes per "
+    "parameter for mixed-precision Adam)",
+    f"10 GB of bf16 weights = {psi_10gb / 1e9:.0f}B parameters; with Adam's states "
+    f"{states_10gb / 1e9:.0f} GB + 2 GB of activations = {(states_10gb + 2e9) / 1e9:.0f} GB",
+    states_10gb + 2e9 <= 16e9, basis="modelled"))
 claims_table(claims + bf16_rows)
 interview = {4, 5, 8, 12}  # the interview answer's figures and the clipping answer: shown, either way
 assert all(c["holds"] for i, c in enumerate(claims) if i not in interview), \

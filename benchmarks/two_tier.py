@@ -50,18 +50,19 @@ def main() -> int:
                           if line.startswith("{")))
     S, N, n, g = args.mib * 2**20, args.nodes * args.ranks, args.nodes, args.ranks
     predicted = {"flat ring": 2 * (N - 1) / N * S, "hierarchical": 2 * (n - 1) / n * S,
-                 "backend": None}
+                 "hierarchical, one flow": 2 * (n - 1) / n * S, "backend": None}
     print(f"{n} nodes x {g} ranks, {args.mbit:g} Mbit/s links, all-reduce of {args.mib:g} MiB")
-    print(f"{'algorithm':<14}{'seconds':>9}{'link MiB sent':>15}{'formula MiB':>13}")
-    for name in ("flat ring", "hierarchical", "backend"):
+    print(f"{'algorithm':<24}{'seconds':>9}{'link MiB sent':>15}{'formula MiB':>13}")
+    for name in ("flat ring", "hierarchical", "hierarchical, one flow", "backend"):
         r, p = res[name], predicted[name]
         link = "n/a" if r["link_sent"] is None else f"{r['link_sent'] / 2**20:.2f}"
-        print(f"{name:<14}{r['seconds']:>9.3f}{link:>15}"
+        print(f"{name:<24}{r['seconds']:>9.3f}{link:>15}"
               f"{'-' if p is None else f'{p / 2**20:.2f}':>13}")
-    speedup = res["flat ring"]["seconds"] / res["hierarchical"]["seconds"]
+    best = min(("hierarchical", "hierarchical, one flow"), key=lambda k: res[k]["seconds"])
+    speedup = res["flat ring"]["seconds"] / res[best]["seconds"]
     ok = speedup >= TARGET
-    print(f"hierarchical / flat ring speed-up {speedup:.2f}x (target at least {TARGET}x; the "
-          f"formula's bytes predict {predicted['flat ring'] / predicted['hierarchical']:.2f}x): "
+    print(f"{best} / flat ring speed-up {speedup:.2f}x (target at least {TARGET}x; the "
+          f"formula's bytes predict {predicted['flat ring'] / predicted[best]:.2f}x): "
           f"{'met' if ok else 'NOT met'}")
     return 0 if ok else 1
 

@@ -7,7 +7,9 @@ in simulated nodes (distlab.caller.cluster):
     torchrun --nnodes 2 --nproc-per-node 2 ... -m distlab.studies.two_tier --mib 16
 
 Rank 0 prints one JSON line: per algorithm, the median seconds and the link's bytes sent per
-all-reduce (node 0's link: every rank of node 0 writes through it).
+all-reduce (node 0's link: every rank of node 0 writes through it); "within a node" is the
+node's own ranks alone (the fast tier). Several --mib sizes: one such result per size, under
+"sizes" (benchmarks/link_sweep.py fits α and β per tier from them).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm import Comm
-from distlab.parallel.data_parallel.hierarchical import hierarchical_all_reduce, node_groups
+from distlab.parallel.data_parallel.hierarchical import (hierarchical_all_reduce,
+                                                        leader_all_reduce, node_groups)
 
 
 def _link_sent(dev: str) -> int | None:
@@ -40,7 +43,10 @@ def measure(mib: float, repeats: int) -> dict:
     t = torch.ones(int(mib * 2**20) // 4)
     algorithms = {"flat ring": lambda: flat.ring_all_reduce(t),
                   "hierarchical": lambda: hierarchical_all_reduce(t, intra, inter),
-                  "backend": lambda: flat.all_reduce(t)}
+                  "hierarchical, one flow": lambda: leader_all_reduce(t, intra, inter),
+                  "backend": lambda: flat.all_reduce(t),
+                  # the fast tier alone: the node's ranks over their own loopback
+                  "within a node": lambda: intra.all_reduce(t)}
     out = {"world": world, "ranks_per_node": g, "mib": mib, "interface": dev}
     for name, run in algorithms.items():
         seconds, link = [], []
@@ -59,11 +65,13 @@ def measure(mib: float, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=float, default=16.0)
+    ap.add_argument("--mib", type=float, nargs="+", default=[16.0],
+                    help="all-reduce size(s), MiB; several: one result per size under 'sizes'")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    result = measure(args.mib, args.repeats)
+    results = [measure(m, args.repeats) for m in args.mib]
+    result = results[0] if len(results) == 1 else {"sizes": results}
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.barrier()

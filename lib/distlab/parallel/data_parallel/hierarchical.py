@@ -54,3 +54,17 @@ def hierarchical_all_reduce(t: torch.Tensor, intra: Comm, inter: Comm) -> torch.
     intra.all_gather(buf, block)              # 3. inside the node
     t.copy_(buf[:flat.numel()].view_as(t))
     return t
+
+
+def leader_all_reduce(t: torch.Tensor, intra: Comm, inter: Comm) -> torch.Tensor:
+    """The same two tiers with one flow per link: sum inside the node (every rank), the node's
+    local rank 0 all-reduces the whole tensor across the nodes (its `inter` group: the other
+    nodes' local ranks 0), then broadcasts it inside the node. The link carries what
+    hierarchical_all_reduce's g rings carry together, 2(n-1)/n·S, but as one connection: g
+    concurrent flows through one rate-limited queue can leave it idle part of the time
+    (benchmarks/two_tier.py measures both)."""
+    intra.all_reduce(t)                       # 1. the node's sum, on every rank
+    if intra.rank == 0:
+        inter.ring_all_reduce(t)              # 2. the leaders across the nodes
+    intra.broadcast(t, src=0)                 # 3. inside the node
+    return t

@@ -1,0 +1,88 @@
+"""What the slow link changes: all-reduces across simulated nodes over a sweep of link speeds,
+with α and β fitted per tier from the run (distlab.caller.cluster: root only).
+
+    .venv/bin/python benchmarks/link_sweep.py [--mbit 25 50 100 200] [--mib 1 4 16]
+
+For each link speed, one torchrun job of 2 nodes x 2 ranks (distlab.studies.two_tier) times
+the flat ring, the hierarchical all-reduce, the backend's and the node's own ranks alone, at
+each size. Then, per speed, the α-β model (comm.fit_alpha_beta: t = m·α + B/β, least squares
+over the sizes) is fitted on each tier:
+
+    across nodes   the flat ring: m = 2(N-1) dependent messages, B = the bytes node 0's link
+                   carried (its own counter)
+    within a node  the node's ranks alone: m = 2(g-1), B = 2(g-1)/g of the buffer per rank
+
+The fitted β of the slow tier is set beside the configured link rate (tbf, bytes/s), and the
+fast tier's beside the slow one's. Prints a table; no target (a figure, not a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from distlab.caller.cluster import Cluster, available
+from distlab.comm import fit_alpha_beta
+
+NODES, RANKS = 2, 2
+
+
+def one_speed(mbit: float, mibs: list[float]) -> list[dict]:
+    with Cluster(NODES, mbit) as cluster:
+        agents = cluster.torchrun(RANKS, ["-m", "distlab.studies.two_tier", "--mib",
+                                          *[str(m) for m in mibs]],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = [a.communicate(timeout=900) for a in agents]
+    if any(a.returncode for a in agents):
+        raise RuntimeError("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs))
+    res = json.loads(next(line for o, _ in outs for line in o.splitlines()
+                          if line.startswith("{")))
+    return res["sizes"] if "sizes" in res else [res]
+
+
+def fit_tiers(results: list[dict]) -> dict:
+    N, g = NODES * RANKS, RANKS
+    slow = fit_alpha_beta([r["flat ring"]["link_sent"] for r in results],
+                          [r["flat ring"]["seconds"] for r in results],
+                          [2 * (N - 1)] * len(results))
+    fast = fit_alpha_beta([2 * (g - 1) / g * r["mib"] * 2**20 for r in results],
+                          [r["within a node"]["seconds"] for r in results],
+                          [2 * (g - 1)] * len(results))
+    return {"across nodes": slow, "within a node": fast}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mbit", type=float, nargs="+", default=[25.0, 50.0, 100.0, 200.0])
+    ap.add_argument("--mib", type=float, nargs="+", default=[1.0, 4.0, 16.0])
+    args = ap.parse_args()
+    why = available()
+    if why is not None:
+        print(f"no simulated nodes here: {why}")
+        return 0
+    print(f"{NODES} nodes x {RANKS} ranks; all-reduce sizes {args.mib} MiB")
+    print(f"{'link':>10} {'size MiB':>8} {'flat ring s':>11} {'hierarch. s':>11} "
+          f"{'backend s':>9} {'in node s':>9}")
+    fits = {}
+    for mbit in args.mbit:
+        results = one_speed(mbit, args.mib)
+        for r in results:
+            print(f"{mbit:>6g} Mb/s {r['mib']:>8g} {r['flat ring']['seconds']:>11.3f} "
+                  f"{r['hierarchical']['seconds']:>11.3f} {r['backend']['seconds']:>9.3f} "
+                  f"{r['within a node']['seconds']:>9.4f}")
+        fits[mbit] = fit_tiers(results)
+    print("\nα-β fitted per tier (t = m·α + B/β over the sizes):")
+    print(f"{'link':>10} {'slow α ms':>9} {'slow β MB/s':>11} {'link rate MB/s':>14} "
+          f"{'β / rate':>8} {'fast α ms':>9} {'fast β MB/s':>11}")
+    for mbit, f in fits.items():
+        (sa, sb), (fa, fb) = f["across nodes"], f["within a node"]
+        rate = mbit * 1e6 / 8
+        print(f"{mbit:>6g} Mb/s {sa * 1e3:>9.2f} {sb / 1e6:>11.2f} {rate / 1e6:>14.2f} "
+              f"{sb / rate:>8.2f} {fa * 1e3:>9.3f} {fb / 1e6:>11.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,12 +25,11 @@ Runs go to a temporary DISTLAB_RUNS folder, removed at the end.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import shutil
 import statistics
 import sys
-import tempfile
+
+from _bench import scratch_runs
 
 TARGET_RATIO = 1.10
 STRATEGIES = ("ddp", "ddp-torch", "allreduce")
@@ -71,14 +70,9 @@ def main(argv=None) -> int:
                    help="a different cap for ddp alone (to compare at equal bucket counts)")
     args = p.parse_args(argv)
 
-    root = tempfile.mkdtemp(prefix="distlab-ddp-bench-")
-    os.environ["DISTLAB_RUNS"] = root
-    # Spawned ranks import the rank function by module name: make this file importable.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
+    with scratch_runs(__file__, "distlab-ddp-bench-") as bench:
         from distlab import RunConfig, run_ranks
 
-        bench = importlib.import_module("ddp_overhead")
         base = RunConfig(strategy="ddp", world_size=args.world, steps=args.steps,
                          optimizer="sgd", lr=0.1, bucket_mb=args.bucket_mb, timeout_s=120)
         cfgs = [base.replace(strategy=s).to_dict() for s in STRATEGIES]
@@ -108,8 +102,6 @@ def main(argv=None) -> int:
               f"{statistics.median(ov):.2f}, quartiles {quartiles}")
         print("\nmet" if ratio <= TARGET_RATIO else "\nNOT met")
         return 0 if ratio <= TARGET_RATIO else 1
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

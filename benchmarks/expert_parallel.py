@@ -28,11 +28,9 @@ DISTLAB_RUNS folder, removed at the end.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
-import shutil
 import sys
-import tempfile
+
+from _bench import scratch_runs
 
 TARGET_DIFF = 1e-5
 TARGET_WIRE = 0.02
@@ -252,13 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="SGD steps for (i) (default 5)")
     args = ap.parse_args(argv)
 
-    root = tempfile.mkdtemp(prefix="distlab-ep-bench-")
-    os.environ["DISTLAB_RUNS"] = root
-    # Spawned ranks import the rank function by module name: make this file importable.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
+    with scratch_runs(__file__, "distlab-ep-bench-") as bench:
         from distlab import run_ranks
-        bench = importlib.import_module("expert_parallel")
         res = run_ranks(bench.rank_main, args.ranks,
                         {"steps": args.steps, "tokens": args.tokens, "d_model": args.d_model},
                         timeout_s=120, wall_timeout_s=300)
@@ -267,8 +260,6 @@ def main(argv=None) -> int:
         report_capacity(res, args.ranks, args.tokens, args.d_model)
         print("\nmet" if ok else "\nNOT met")
         return 0 if ok else 1
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,12 @@ Runs go to a temporary DISTLAB_RUNS folder, removed at the end.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
+
+from _bench import scratch_runs
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 V_INTERLEAVED = 2
@@ -93,15 +92,10 @@ def main(argv=None) -> int:
     if args.quick:
         args.pp, args.microbatches, args.steps, args.delay = [2], [2, 4], 3, 0.02
 
-    root = tempfile.mkdtemp(prefix="distlab-pp-bench-")
-    os.environ["DISTLAB_RUNS"] = root
-    # Spawned ranks import the rank function by module name: make this file importable.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
+    with scratch_runs(__file__, "distlab-pp-bench-") as bench:
         from distlab import RunConfig, run_ranks
         from distlab.parallel.pipeline.pp import FORMULA_CONVENTION, bubble_formula
 
-        bench = importlib.import_module("pipeline_bubble")
         print(f"pp: GPT 8 layers n_embd 32, batch 8 x seq 16; {args.steps} steps per config "
               f"(first {args.warmup} dropped); op delay {1e3 * args.delay:.0f} ms per forward "
               f"and per backward; cpu cores {os.cpu_count()}, load average "
@@ -139,8 +133,6 @@ def main(argv=None) -> int:
               f"predicted|: {worst:.3f} (target: at most {args.tol})")
         print("\nmet" if ok else "\nNOT met")
         return 0 if ok else 1
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

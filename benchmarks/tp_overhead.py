@@ -21,12 +21,11 @@ Runs go to a temporary DISTLAB_RUNS folder, removed at the end.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import shutil
 import statistics
 import sys
-import tempfile
+
+from _bench import scratch_runs
 
 TARGET_RATIO = 1.15
 NAMES = ("tp", "tp-torch", "tp sp", "tp-torch sp")
@@ -64,14 +63,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.repeats, args.steps, args.warmup = 3, 8, 2
 
-    root = tempfile.mkdtemp(prefix="distlab-tp-bench-")
-    os.environ["DISTLAB_RUNS"] = root
-    # Spawned ranks import the rank function by module name: make this file importable.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
+    with scratch_runs(__file__, "distlab-tp-bench-") as bench:
         from distlab import RunConfig, run_ranks
 
-        bench = importlib.import_module("tp_overhead")
         base = RunConfig(strategy="tp", world_size=args.tp, tp=args.tp, steps=args.steps,
                          optimizer="sgd", lr=0.1, timeout_s=120)
         runs = {"tp": base, "tp-torch": base.replace(strategy="tp-torch"),
@@ -103,8 +97,6 @@ def main(argv=None) -> int:
               f"{med['tp-torch sp'] / med['tp-torch']:.2f}")
         print("\nmet" if ok else "\nNOT met")
         return 0 if ok else 1
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

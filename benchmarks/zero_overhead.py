@@ -27,12 +27,11 @@ Runs go to a temporary DISTLAB_RUNS folder, removed at the end.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import shutil
 import statistics
 import sys
-import tempfile
+
+from _bench import scratch_runs
 
 STRATEGIES = ("zero3", "fsdp-torch", "ddp")
 
@@ -132,19 +131,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-layers", type=int, default=8, help="GPU section: layers")
     args = p.parse_args(argv)
 
-    root = tempfile.mkdtemp(prefix="distlab-zero-bench-")
-    os.environ["DISTLAB_RUNS"] = root
-    # Spawned ranks import the rank function by module name: make this file importable.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
+    with scratch_runs(__file__, "distlab-zero-bench-") as bench:
         from distlab import RunConfig, run_ranks
 
-        bench = importlib.import_module("zero_overhead")
         cpu_section(args, run_ranks, RunConfig, bench)
         gpu_section(args, run_ranks, RunConfig, bench)
         return 0
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -93,8 +93,8 @@ def test_the_readme_command_then_a_save_in_the_server_leaves_git_clean(checkout,
     import json
     import os
     import sys
+    import http.client
     import time
-    import urllib.request
     prefix = tmp_path_factory.mktemp("prefix")
     env = {**os.environ, "DISTLAB_JUPYTER_PREFIX": str(prefix)}
     subprocess.run([sys.executable, "-m", "distlab.lab.git_outputs"], cwd=checkout, env=env,
@@ -110,20 +110,27 @@ def test_the_readme_command_then_a_save_in_the_server_leaves_git_clean(checkout,
         cmd.append("--allow-root")
     server = subprocess.Popen(cmd, env=server_env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
+    def call(method: str, body: bytes | None = None, timeout: float = 30) -> int:
+        """The local server's contents API (127.0.0.1 only; nothing leaves the machine)."""
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        try:
+            conn.request(method, f"/api/contents/nb.ipynb?token={token}", body=body,
+                         headers={"Content-Type": "application/json"})
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
     try:
-        url = f"http://127.0.0.1:{port}/api/contents/nb.ipynb?token={token}"
-        for _ in range(60):
+        for _ in range(60):  # until the server answers
             try:
-                urllib.request.urlopen(url, timeout=2)
+                call("GET", timeout=2)
                 break
             except OSError:
                 time.sleep(0.5)
         _run_all(checkout / "nb.ipynb")  # the outputs a Run All leaves, then JupyterLab's save:
         body = json.dumps({"type": "notebook", "format": "json",
                            "content": nbformat.read(checkout / "nb.ipynb", 4)}).encode()
-        req = urllib.request.Request(url, data=body, method="PUT",
-                                     headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=30)
+        assert call("PUT", body) == 200
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from distlab.comm import Comm
 from distlab.parallel.context import layout as L
 from distlab.parallel.context.api import ContextParallel
+from distlab.parallel.context.strategy import attach
 
 METHODS = (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous"))
 
@@ -115,14 +116,11 @@ def activation_bytes(rank, world, device, log, seq_lens=(128, 256, 512), n_layer
     model = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                           block_size=max(seq_lens)))
     cp = ContextParallel("zigzag", attention, comm=Comm()) if world > 1 else None
-    if cp is not None:
-        for block in model.blocks:
-            block.attn.attend = cp.attention
     out = {"params": sum(p.numel() * p.element_size() for p in model.parameters())}
     for T in seq_lens:
         x = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(T))
-        if cp is not None:
-            model.token_positions = cp.positions(T)
+        if cp is not None:  # the cp strategy's own wiring, at this length
+            attach(model, cp, T)
             x = cp.shard(x)
         meter = ActivationMeter(model)
         with meter.measure():

@@ -178,19 +178,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(model: Model, cluster: Cluster):
-    """(dp, tp, pp) with dp·tp·pp = GPUs, tp dividing the node and the heads, pp the layers."""
-    for tp in divisors(cluster.gpus_per_node):
-        if model.heads % tp:
-            continue
-        for pp in divisors(model.n_layer):
-            if cluster.gpus % (tp * pp) == 0:
-                yield cluster.gpus // (tp * pp), tp, pp
-
-
-def layouts_5d(model: Model, cluster: Cluster, cps=(1,), eps=(1,)):
-    """(dp, tp, pp, cp, ep): dp·tp·pp·cp = GPUs; cp cuts the sequence into 2·cp equal chunks
-    (the zig-zag split); ep divides dp and the experts (ep > 1 only for a mixture)."""
+def layouts(model: Model, cluster: Cluster, cps=(1,), eps=(1,)):
+    """(dp, tp, pp, cp, ep): dp·tp·pp·cp = GPUs, tp dividing the node and the heads, pp the
+    layers; cp cuts the sequence into 2·cp equal chunks (the zig-zag split); ep divides dp and
+    the experts (ep > 1 only for a mixture). cps = eps = (1,): the 3D layouts."""
     for tp in divisors(cluster.gpus_per_node):
         if model.heads % tp:
             continue
@@ -391,7 +382,7 @@ def plan(model: Model, cluster: Cluster, global_batch: int, mfu: float = 0.5,
     (default 1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel, schedule, bpp,
     offload."""
     rows = []
-    for dp, tp, pp, cp, ep in layouts_5d(model, cluster, cps, eps):
+    for dp, tp, pp, cp, ep in layouts(model, cluster, cps, eps):
         if global_batch % dp:
             continue
         per_replica = global_batch // dp

@@ -24,6 +24,13 @@ from distlab.parallel.context import layout as L
 from distlab.parallel.context.api import ContextParallel
 
 
+def attach(model, cp: ContextParallel, seq_len: int) -> None:
+    """The GPT's attention through `cp`, and its token positions this rank's of seq_len."""
+    for block in model.blocks:
+        block.attn.attend = cp.attention
+    model.token_positions = cp.positions(seq_len)
+
+
 class ContextParallelDP(Strategy):
     name = "cp"
     replicated = True
@@ -71,9 +78,7 @@ class ContextParallelDP(Strategy):
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in list(model.parameters()) + list(model.buffers()):
                 self.comm.broadcast(t.data, src=0)
-        for block in model.blocks:
-            block.attn.attend = self.cp.attention
-        model.token_positions = self.cp.positions(self.cfg.seq_len)
+        attach(model, self.cp, self.cfg.seq_len)
         return model
 
     def batch(self, data, step: int):

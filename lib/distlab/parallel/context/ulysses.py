@@ -13,26 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from distlab.comm import Comm
+from distlab.parallel.all_to_all import AllToAll
 from distlab.parallel.context import layout as L
 
-
-class _AllToAll(torch.autograd.Function):
-    """Block i of dim 0 goes to rank i; equal blocks, so the backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x, comm, kind):
-        ctx.comm, ctx.kind = comm, kind
-        return comm.all_to_all(_like(x), x.contiguous(), kind=kind)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_to_all(_like(g), g.contiguous(), kind=ctx.kind), None, None
-
-
-def _like(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous buffer of x's shape (empty_like keeps a view's strides, and the
-    collective writes the buffer as one flat block)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+KIND = "cp.a2a"  # Comm's byte kind for both ways (equal blocks: the backward is the same)
 
 
 def seq_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -41,7 +25,7 @@ def seq_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     B, H, Tl, D = x.shape
     N = comm.world
     blocks = x.view(B, N, H // N, Tl, D).transpose(0, 1)  # block i: head group i
-    got = _AllToAll.apply(blocks, comm, "cp.a2a")  # block i: rank i's tokens, my heads
+    got = AllToAll.apply(blocks, comm, None, None, KIND, KIND)  # block i: rank i's tokens
     return got.permute(1, 2, 0, 3, 4).reshape(B, H // N, N * Tl, D)
 
 
@@ -50,7 +34,7 @@ def heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     B, Hl, T, D = y.shape
     N = comm.world
     blocks = y.view(B, Hl, N, T // N, D).permute(2, 0, 1, 3, 4)  # block i: rank i's tokens
-    got = _AllToAll.apply(blocks, comm, "cp.a2a")  # block i: head group i, my tokens
+    got = AllToAll.apply(blocks, comm, None, None, KIND, KIND)  # block i: head group i
     return got.transpose(0, 1).reshape(B, N * Hl, T // N, D)
 
 

@@ -22,7 +22,8 @@ Bytes: a rank sends the rows whose experts live elsewhere, |rows| x d x element 
 balanced routing that is (N-1)/N of its dispatch buffer, each of the four times.
 
 Gradients. Each rank computes the loss on its own rows (data parallel over the group), and one
-process on the whole batch computes the mean of the ranks' losses (with groups = N: see distlab.models.moe).
+process on the whole batch computes the mean of the ranks' losses (with groups = N: see
+distlab.models.moe).
 So the replicated parameters (router, everything outside the MoE layers) need their gradients
 averaged over the ranks, as DDP does; an expert's gradient already arrives summed over every
 rank's loss (the combine's backward brings each rank's output gradients to it), so it needs
@@ -38,31 +39,13 @@ from torch import nn
 
 from distlab.comm import Comm
 from distlab.parallel.agree import agree, parameter_layout
+from distlab.parallel.all_to_all import AllToAll
+from distlab.parallel.all_to_all import all_to_all as _all_to_all
 from distlab.models.moe import MoE
 
 KINDS = {"counts": "ep.counts", "dispatch": "ep.dispatch", "combine": "ep.combine",
          "dispatch_grad": "ep.dispatch.grad", "combine_grad": "ep.combine.grad",
          "grads": "ep.grad_all_reduce", "state": "ep.all_gather"}
-
-
-def _all_to_all(comm, x, out_splits, in_splits, kind):
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return comm.all_to_all(out, x.contiguous(), out_splits, in_splits, kind=kind)
-
-
-class AllToAll(torch.autograd.Function):
-    """Rows to other ranks (in_splits[j] rows of x to rank j, out_splits[j] from it); backward
-    sends each row's gradient back where the row came from: the same exchange, splits swapped."""
-    @staticmethod
-    def forward(ctx, x, comm, out_splits, in_splits, kind, grad_kind):
-        ctx.comm, ctx.splits, ctx.grad_kind = comm, (out_splits, in_splits), grad_kind
-        return _all_to_all(comm, x, out_splits, in_splits, kind)
-
-    @staticmethod
-    def backward(ctx, dy):
-        out_splits, in_splits = ctx.splits
-        dx = _all_to_all(ctx.comm, dy, in_splits, out_splits, ctx.grad_kind)
-        return dx, None, None, None, None, None
 
 
 class ExpertParallelMoE(MoE):

@@ -597,6 +597,30 @@ assert claim_dp == 280e9 and round(claim_z3 / GB) == 4  # 4.375 GB
 assert adam_dp == 1120e9 and adam_z3 == 17.5e9
 
 # %% [markdown]
+# **"10B model: DDP needs 80 GB per GPU, FSDP over 4 GPUs 20 GB; use FSDP above 10B
+# parameters."** The answer counts 8 bytes per parameter; training with Adam costs 16
+# (mixed precision, the ZeRO paper's 2 + 2 + K with K = 12). So where does DDP stop fitting
+# an 80 GB GPU? The largest model whose model states alone fit (activations, the CUDA
+# context and fragmentation come on top, so the real limit is lower still):
+
+# %%
+PSI_10B = 10e9
+# (layout, ranks, ZeRO stage): per GPU for the 10B model, and the largest Ψ whose 16 B/param fit
+layouts_10b = (("DDP (plain DP)", 1, 0), ("FSDP (ZeRO-3) over 4", 4, 3),
+               ("FSDP (ZeRO-3) over 8", 8, 3))
+per_param = {name: zero_model_states(1.0, n, s, MIXED_ADAM).device for name, n, s in layouts_10b}
+table(["layout", "10B model, per GPU (GB)", "largest model in 80 GB (B params)"],
+      [[name, f"{PSI_10B * per_param[name] / GB:.0f}", f"{GPU / per_param[name] / 1e9:.1f}"]
+       for name, _, _ in layouts_10b])
+ddp_10b = PSI_10B * per_param["DDP (plain DP)"]
+fsdp4_10b = PSI_10B * per_param["FSDP (ZeRO-3) over 4"]
+ddp_limit = GPU / per_param["DDP (plain DP)"]
+say(f"under DDP an 80 GB GPU holds the Adam model states of at most {ddp_limit / 1e9:.1f}B "
+    f"parameters; the 10B model needs {ddp_10b / GB:.0f} GB per GPU under DDP and "
+    f"{fsdp4_10b / GB:.0f} GB under FSDP over 4")
+assert ddp_10b == 160e9 and fsdp4_10b == 40e9 and ddp_limit == 5e9
+
+# %% [markdown]
 # **"8× A100 80 GB, a 60 GB model: DDP gives 65K tokens per step, FSDP 229K."** The
 # answer lets DDP keep the 60 GB on every GPU (20 GB left) and FSDP keep 60/8 = 7.5 GB
 # (72.5 GB left), then divides by "seq × hidden × 2 bytes" per sequence and gets 4 and
@@ -727,6 +751,12 @@ rows = [
           f"{fmt_gb(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (no "
           f"optimizer state); training with Adam: {fmt_gb(adam_dp)} and {fmt_gb(adam_z3)}",
           abs(adam_z3 / GB - 4) < 1, basis="modelled"),
+    claim("an 80 GB GPU trains up to 10B parameters under DDP; FSDP is for > 10B",
+          "interview answer",
+          f"with Adam (16 B/param, model states alone) DDP fits at most {ddp_limit / 1e9:.1f}B; "
+          f"10B needs {fmt_gb(ddp_10b)} per GPU under DDP, {fmt_gb(fsdp4_10b)} under FSDP over 4 "
+          f"(the answer's 80 and 20 GB count 8 B/param)",
+          ddp_limit >= PSI_10B, basis="modelled"),
     claim("60 GB model on 8× A100 80 GB: DDP 65K tokens per step, FSDP 229K",
           "interview answer",
           f"assumptions of section 6 (Ψ = {psi_q5 / 1e9:.2f}B, L = {L}, h = {H}, s = {S}): "

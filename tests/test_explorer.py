@@ -146,3 +146,22 @@ def test_a_real_explorer_clears_its_chart_at_the_click_and_stops():
     explorer._on_stop_click(None)
     assert explorer.join(30) and _status(explorer).startswith("stopped 1f1b, m=2 after ")
     assert all(p.exitcode is not None for p in explorer.live.processes)
+
+
+def test_keep_for_reload_gives_new_views_the_figure_as_drawn():
+    """plotly's FigureWidget builds a new view (a page reload) from _widget_data and
+    _widget_layout, which stay as first displayed unless set again: the reload showed an empty,
+    squashed grid. keep_for_reload sets them to the figure now; anything else passes."""
+    import plotly.graph_objects as go
+
+    from distlab.lab.panel import keep_for_reload
+
+    fig = go.FigureWidget()
+    fig._repr_mimebundle_()  # displayed: the state a new view starts from is taken now
+    fig.add_scatter(x=[0, 1, 2], y=[3.0, 2.0, 1.0])
+    fig.update_layout(height=640)
+    assert fig._widget_data == [] and "height" not in fig._widget_layout  # what a reload drew
+    keep_for_reload(fig)
+    assert list(fig._widget_data[0]["x"]) == [0, 1, 2] and fig._widget_layout["height"] == 640
+    keep_for_reload(None)  # an explorer without a figure
+    keep_for_reload(go.Figure())  # a static figure has no view state

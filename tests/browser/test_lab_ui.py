@@ -51,6 +51,21 @@ SENT_JS = """(gd) => gd.data.find(t => t.name === 'booked').customdata"""
 WIRE_JS = """(gd) => gd.data.find(t => t.name === 'on the wire').customdata"""
 
 
+# After a restart: outputs that show "Error displaying widget", and how many of them have no
+# note in the same cell saying to run the cell again (lab.panel.live_note).
+MISSING_WIDGETS_JS = """() => {
+    const cells = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')];
+    let errors = 0, unexplained = 0;
+    for (const c of cells) {
+        const n = [...c.querySelectorAll('.jp-OutputArea-output')].filter(
+            o => o.textContent.includes('Error displaying widget')).length;
+        errors += n;
+        if (n && !c.textContent.includes('run this cell again')) unexplained += n;
+    }
+    return {errors, unexplained};
+}"""
+
+
 def choose(scope, description: str, label: str):
     scope.locator(".widget-dropdown", has_text=description).locator("select").select_option(
         label=label)
@@ -165,6 +180,45 @@ def test_start_here_run_all_then_panel_run(lab_server, shots_dir):
             text = page.evaluate("() => document.body.textContent")
             assert "Loading widget" not in text
             assert "Error displaying widget" not in text
+
+            # A page reload with the kernel alive: the widgets come back from the kernel's
+            # state, the panel's figure with both runs' points at its full size.
+            # (saved first, as JupyterLab's autosave would: a reload shows the saved file)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Control+s")
+            page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')",
+                                   timeout=30_000)
+            page.reload()
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=60_000)
+            panel = page.locator(".distlab-panel")
+            panel.scroll_into_view_if_needed()
+            wait_until(lambda: [t["n"] for t in loss_traces(page, ".distlab-panel")]
+                       == [QUICK_STEPS] * 2, 30, "after a reload the panel's runs were not drawn")
+            box = panel.locator(".js-plotly-plot").first.bounding_box()
+            time.sleep(0.5)
+            shot(panel, shots_dir / "03_panel_after_reload.png", shots)
+            assert box["height"] > 300 and box["width"] > 600, box
+
+            # The kernel gone (a server restart): live widgets cannot come back without it.
+            # The cell dashboards' static copies still show, and each live widget that cannot
+            # come back says under it what to do.
+            for k in lab_server.api("/api/kernels"):
+                lab_server.api(f"/api/kernels/{k['id']}", method="DELETE")
+            page.reload()
+            # The first dashboard's static copy: plotly's figure, or the picture of it that
+            # plotly's JupyterLab renderer saved beside it (what it shows until it draws).
+            first_cell = page.locator(".jp-Notebook .jp-CodeCell").nth(2)  # the single run
+            first_cell.scroll_into_view_if_needed()
+            first_cell.locator(".js-plotly-plot, .jp-RenderedPlotly img").first.wait_for(
+                timeout=30_000)
+            # (the widget manager says so once the new kernel has answered that it has none)
+            wait_until(lambda: page.evaluate(MISSING_WIDGETS_JS)["errors"] >= 1, 60,
+                       "the panel's output never said its widget is gone")
+            missing = page.evaluate(MISSING_WIDGETS_JS)
+            assert missing["errors"] >= 1 and missing["unexplained"] == 0, missing
+            broken = page.locator(".jp-OutputArea-child", has_text="Error displaying widget")
+            broken.first.scroll_into_view_if_needed()
+            shot(page, shots_dir / "04_page_after_restart.png", shots)
         finally:
             browser.close()
 

@@ -24,6 +24,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import html
 import itertools
@@ -308,6 +309,9 @@ class Explorer:
                 self._busy = False
                 self.stop_button.disabled = True
             self._launched.set()
+            for fig in (getattr(self, "fig", None),
+                        getattr(getattr(self, "dashboard", None), "fig", None)):
+                keep_for_reload(fig)  # the figure a reload draws: this run's
 
     def _background(self, values: dict):
         try:
@@ -424,6 +428,7 @@ class LiveDashboard:
                 with self._lock:
                     if finished and all(r.done for r in self.runs):  # none added meanwhile
                         self._thread = None
+                        keep_for_reload(self.fig)
                         return
                 time.sleep(self.poll_s)
         except BaseException as e:  # noqa: BLE001 - a thread's exception would vanish or leak
@@ -633,6 +638,19 @@ def _plotly_bundle(fig: go.Figure) -> dict:
     set (outside Jupyter)."""
     return fig._repr_mimebundle_() or {"application/vnd.plotly.v1+json": fig.to_plotly_json(),
                                        "text/plain": f"<{len(fig.data)} traces>"}
+
+
+def keep_for_reload(fig) -> None:
+    """Make what a new view of this FigureWidget starts from the figure as it is now.
+
+    plotly's FigureWidget sends each change to the browser as a delta and keeps the state a new
+    view is built from (`_widget_data`, `_widget_layout`) as it was when first displayed. A page
+    reload with the kernel alive builds new views from that state: the run's figure came back
+    as an empty, squashed grid (issue 25). Setting it again sends the whole figure once (the
+    views already drawn ignore it), so it is done when a run ends, not on every redraw."""
+    if isinstance(fig, go.FigureWidget) and hasattr(fig, "_widget_data"):
+        fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+        fig._widget_data = copy.deepcopy(fig._data)
 
 
 # Under a widget that stays live (a panel, an explorer, a dashboard whose run outlasts its

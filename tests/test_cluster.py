@@ -194,7 +194,7 @@ def test_the_readme_cluster_snippet_runs(tmp_path, monkeypatch, capfd):
     import pathlib
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("## Several nodes on one machine", 1)[1]
-    code = block.split("```python", 1)[1].split("```", 1)[0]
+    code = next(b.split("```", 1)[0] for b in block.split("```python")[1:] if "Cluster(" in b)
     assert '"--steps", "20"' in code, "the README's cluster snippet changed"
     code = code.replace('"--steps", "20"', '"--steps", "3", "--n-layer", "2", "--n-embd", "32",'
                         ' "--n-head", "2", "--seq-len", "16", "--global-batch", "8"')

@@ -151,6 +151,10 @@ class RunConfig:
     straggler_rank: int = -1  # this rank sleeps straggler_delay_s each step (-1: none)
     straggler_delay_s: float = 0.0
     runs_root: str = ""  # "" means $DISTLAB_RUNS or ./runs
+    # simulated nodes (distlab.caller.cluster_run): world_size ranks split evenly over `nodes`
+    # network namespaces joined by links of link_mbit Mbit/s, one torchrun agent per node
+    nodes: int = 1
+    link_mbit: float = 100.0
     name: str = ""
     debug: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: catches mismatched collectives
     detect_nan: bool = False  # name the step and first module that made inf/NaN (distlab.debug.nan)
@@ -270,6 +274,7 @@ class RunConfig:
             raise ValueError("weight_decay and step_delay_s must be >= 0")
         if self.threads_per_rank < 0:
             raise ValueError(f"threads_per_rank={self.threads_per_rank} must be >= 0 (0 = auto)")
+        self._check_nodes()
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend='nccl' needs device='cuda' (or 'auto' on a GPU machine)")
         if self.fault != "none":
@@ -277,6 +282,26 @@ class RunConfig:
                 raise ValueError(f"fault_rank={self.fault_rank} must be in [0, {self.world_size})")
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
+
+    def _check_nodes(self):
+        """Simulated nodes: whole ranks per node, a link with a rate, gloo on the CPU."""
+        if not 1 <= self.nodes <= 32:
+            raise ValueError(f"nodes={self.nodes} must be in [1, 32]")
+        if not self.link_mbit > 0:
+            raise ValueError(f"link_mbit={self.link_mbit} must be > 0 (Mbit/s)")
+        if self.nodes == 1:
+            return
+        if self.processes < 2:
+            raise ValueError(f"nodes={self.nodes}: {self.strategy} runs one process, so there "
+                             "is nothing to place on several nodes")
+        if self.processes % self.nodes:
+            raise ValueError(f"nodes={self.nodes} must divide the {self.processes} rank "
+                             f"processes of {self.strategy} at world_size={self.world_size}: "
+                             "every node runs the same number of ranks")
+        if self.device == "cuda" or self.backend == "nccl":
+            raise ValueError("nodes > 1 simulates nodes on this machine's CPU with gloo: "
+                             "device='cuda' and backend='nccl' are for real GPUs (run torchrun "
+                             "on each node, as the README shows)")
 
     def _check_types(self):
         """Each field holds what it declares: an int is not a bool nor a float, a number is not

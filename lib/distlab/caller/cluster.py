@@ -166,10 +166,12 @@ class Cluster:
         return proc
 
     def torchrun(self, nproc_per_node: int, argv: list[str], port: int = 29400,
-                 env: dict | None = None, **popen) -> list[subprocess.Popen]:
+                 env: dict | None = None, outputs: list | None = None,
+                 **popen) -> list[subprocess.Popen]:
         """One torchrun agent per node, as on a real cluster: c10d rendezvous at node 0's
         address, each agent on its node's address, gloo on its node's link; argv follows
-        torchrun's options (a script, or "-m", "distlab", ...). Returns the agents."""
+        torchrun's options (a script, or "-m", "distlab", ...). outputs: a file per node for
+        its agent's stdout and stderr. Returns the agents."""
         if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={nproc_per_node!r} must be an int >= 1")
         agents = []
@@ -180,6 +182,8 @@ class Cluster:
                    "--rdzv-id", self.tag, "--local-addr", self.address(i)] + list(argv)
             node_env = {"GLOO_SOCKET_IFNAME": self.interface(i), "OMP_NUM_THREADS": "1",
                         **(env or {})}
+            if outputs is not None:
+                popen = {**popen, "stdout": outputs[i], "stderr": subprocess.STDOUT}
             agents.append(self.start(i, cmd, env=node_env, **popen))
         return agents
 

@@ -404,6 +404,10 @@ def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write(cfg.to_json())
+    if cfg.nodes > 1:  # one torchrun agent per simulated node
+        from distlab.caller.cluster_run import launch_on_nodes
+        run = launch_on_nodes(cfg, run_dir)
+        return run.wait() if block else run
     fn, args = train_rank, (cfg.to_dict(),)
     if progress_every > 0:
         from distlab.caller.progress import train_rank_with_progress

@@ -11,7 +11,6 @@ Nothing here runs inside a rank; it reads what the runs logged and what the chec
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -27,26 +26,11 @@ from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
 from distlab.events import LogTail, rank_log_path
 from distlab.caller.launch import launch
+from distlab.__main__ import cli_args
 from distlab.caller.run import Run, RunError
 
 
 # -- torchrun ----------------------------------------------------------------------------------
-def cli_args(cfg: RunConfig) -> list[str]:
-    """`python -m distlab` flags for the fields of cfg that differ from RunConfig's defaults
-    (world_size is torchrun's to set)."""
-    args = []
-    for f in dataclasses.fields(RunConfig):
-        value = getattr(cfg, f.name)
-        if f.name == "world_size" or value == f.default:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):  # --dp-threads / --no-dp-threads
-            args.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            args += [flag, str(value)]
-    return args
-
-
 def torchrun(cfg: RunConfig, run_dir: str, max_restarts: int = 1,
              timeout_s: float = 240) -> subprocess.CompletedProcess:
     """Run cfg under `torchrun --standalone --nproc_per_node=world_size --max-restarts=N -m

@@ -56,6 +56,8 @@ FLOOR_COLOR = "#555555"
 PEAK_COLOR = "#222222"
 BOOKED_COLOR = "#a5d8d3"  # what the algorithm books (distlab.comm), lighter ...
 WIRE_COLOR = "#0b7285"  # ... than what the kernel saw written (distlab.wire)
+LINK_COLOR = "#e8590c"  # a node's link: the slow tier, set apart from the ranks' bars
+LINK_NAME = "node's link (interface counter)"
 PEAK_NAME = "peak in the step"  # memory["peak"] (RunConfig.track_peak), drawn beside the bars
 
 
@@ -93,7 +95,13 @@ def wire_sent(event: dict) -> int | None:
 
 
 def describe(run: Run, label: str) -> str:
-    """One line of plain text on where a run stands (escaped later for HTML)."""
+    """One line of plain text on where a run stands (escaped later for HTML), and what went
+    wrong around it (Run.problems: simulated nodes that could not be made, a full disk)."""
+    where = _stands(run, label)
+    return where + "".join(f"; note: {p}" for p in list(run.problems))
+
+
+def _stands(run: Run, label: str) -> str:
     steps = run.cfg.steps if run.cfg else "?"
     _, losses = loss_curve(run)
     loss = f", loss {losses[-1]:.3f}" if losses else ""
@@ -511,7 +519,8 @@ class LiveDashboard:
         # and on the wire.
         mem_scale, mem_unit = byte_unit([sum(m.get(k, 0) for k, _ in MEMORY_CATEGORIES)
                                          for m in memories], peaks)
-        sent_scale, sent_unit = byte_unit(sent, wire)
+        links = run.link_bytes_per_step() if hasattr(run, "link_bytes_per_step") else None
+        sent_scale, sent_unit = byte_unit(sent, wire + (links or []))
         with self.fig.batch_update():
             for trace, (key, name) in zip(self.fig.data[:len(MEMORY_CATEGORIES)],
                                           MEMORY_CATEGORIES):
@@ -529,6 +538,11 @@ class LiveDashboard:
                 customdata=wire if seen else [], showlegend=any(seen),
                 hovertext=[_wire_breakdown(e) for e in events] if seen else [],
                 hovertemplate=_bytes_hover("on the wire", sent_unit, "<br>%{hovertext}"))
+            nodes = [f"node {i}'s link" for i in range(len(links or []))]
+            self.fig.data[len(MEMORY_CATEGORIES) + 3].update(
+                x=nodes, y=[b / sent_scale for b in links or []], customdata=links or [],
+                showlegend=bool(links),
+                hovertemplate=_bytes_hover(LINK_NAME, sent_unit, "<br>mean per step so far"))
             # With track_peak, each rank's peak of aten allocations in the step: a bar stacks
             # what is held at the step's end, the marker what the step needed at its worst.
             self.fig.data[len(MEMORY_CATEGORIES) + 1].update(
@@ -572,6 +586,9 @@ def _make_figure() -> go.FigureWidget:
                 row=2, col=1)
     # Beside each rank's booked bytes, what the kernel saw it write (distlab.wire).
     fig.add_bar(x=[], y=[], name="on the wire", legend="legend3", marker_color=WIRE_COLOR,
+                offsetgroup="wire", row=3, col=1)
+    # Across simulated nodes: what each node's link carried per step (its interface's counter).
+    fig.add_bar(x=[], y=[], name=LINK_NAME, legend="legend3", marker_color=LINK_COLOR,
                 offsetgroup="wire", row=3, col=1)
     # Each legend right of its own chart, at the chart's top (plotly >= 5.15: legend2, ...).
     tops = [fig.layout[f"yaxis{i or ''}"].domain[1] for i in ("", 2, 3)]

@@ -1,0 +1,194 @@
+"""How far each data-parallel strategy's step is from what this machine allows (issue 28).
+
+    .venv/bin/python benchmarks/step_model.py [--worlds 2 4] [--steps 12] [--repeats 2]
+
+For each world size N:
+
+1. **Compute**, in this process on an idle machine: forward, backward and AdamW's step of the
+   default RunConfig's GPT at one rank's batch (global_batch / N rows), with the threads a rank
+   gets (cores // N); medians of --compute-reps timings.
+2. **α and β per collective kind** (all_reduce, all_gather, reduce_scatter) on N ranks: each
+   kind timed at 16 KiB to 4 MiB, t = α + B/β fitted by least squares (B: the bytes one call
+   sends per rank, the ring's count).
+3. **Each strategy** (allreduce, ddp, zero1, zero2, zero3) trained --repeats times for
+   --steps steps on N ranks (the first --warmup dropped): rank 0's step time and the seconds
+   its collectives blocked it (distlab.comm books a blocking call's whole duration and an
+   async one's wait), medians.
+
+Then prints, per strategy, the measured step against distlab.theory.step_time.predict's
+(compute + the communication its overlap rule leaves exposed), and the exposed communication
+measured against modelled. zero3's line adds the fraction of the step its compute waited on
+parameter all-gathers (target: at most 3%). Runs go to a temporary folder, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from _bench import scratch_runs
+
+STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3")
+SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes per rank's tensor
+
+
+def time_compute(cfg, world: int, reps: int) -> dict:
+    """Forward, backward and optimizer seconds of one rank's shapes, in this process."""
+    import torch
+
+    from distlab.models import factory
+    from distlab.rank.build import build_optimizer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model = factory.build_model(cfg)
+    opt = build_optimizer(cfg, model.parameters())
+    rows = cfg.global_batch // world
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+    out = {"forward": [], "backward": [], "optimizer": []}
+    for i in range(reps + 3):  # the first three warm up the allocator and the threads
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if i >= 3:
+            out["forward"].append(t1 - t0)
+            out["backward"].append(t2 - t1)
+            out["optimizer"].append(t3 - t2)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def time_collectives(rank, world, device, log, sizes: list, repeats: int) -> dict:
+    """Rank function: per kind, (bytes booked per call, median seconds) at each size."""
+    import torch
+    import torch.distributed as dist
+
+    from distlab.comm import Comm
+
+    comm = Comm()
+    out = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for size in sizes:
+        n = size // 4
+        full = torch.ones(n * world)
+        part = torch.ones(n)
+        calls = {"all_reduce": lambda: comm.all_reduce(part),
+                 "all_gather": lambda: comm.all_gather(full, part),
+                 "reduce_scatter": lambda: comm.reduce_scatter(part, full)}
+        for kind, call in calls.items():
+            secs = []
+            comm.take_step_stats()
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                secs.append(time.perf_counter() - t0)
+            booked = comm.take_step_stats()[0][kind]
+            out[kind].append((booked["bytes_sent"] / booked["calls"], statistics.median(secs)))
+    return out
+
+
+def time_strategies(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
+    """Rank function: each config trained `repeats` times (order alternating); per config its
+    steps after warmup: step_s, the collectives' booked calls/bytes and blocked seconds."""
+    from distlab.config import RunConfig
+    from distlab.events import StepRecorder
+    from distlab.rank.train import train
+
+    out = {d["name"]: [] for d in cfg_dicts}
+    for rep in range(repeats):
+        for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
+            rec = StepRecorder(log)
+            train(RunConfig.from_dict(d), rank, world, device, rec)
+            out[d["name"]] += [{"step_s": e["step_s"], "comm": e["comm"],
+                                "prefetch": e.get("zero", {}).get("prefetch")}
+                               for e in rec.steps[warmup:]]
+    return out
+
+
+def median_booked(steps: list) -> dict:
+    """kind -> {"calls", "bytes_sent"} of a step (the median step's; they do not vary)."""
+    kinds = {k for e in steps for k in e["comm"]}
+    return {k: {"calls": statistics.median(e["comm"].get(k, {}).get("calls", 0) for e in steps),
+                "bytes_sent": statistics.median(e["comm"].get(k, {}).get("bytes_sent", 0)
+                                                for e in steps)} for k in kinds}
+
+
+def one_world(args, world, run_ranks, RunConfig, bench):
+    from distlab.comm import fit_alpha_beta
+    from distlab.theory.step_time import AlphaBeta, Compute, predict
+
+    base = RunConfig(world_size=world, steps=args.steps, timeout_s=180)
+    c = Compute(**time_compute(base, world, args.compute_reps))
+    print(f"\n== {world} ranks: GPT {base.n_layer} layers n_embd {base.n_embd}, global batch "
+          f"{base.global_batch} x seq {base.seq_len}, AdamW; cores {os.cpu_count()}, "
+          f"{max(1, (os.cpu_count() or 1) // world)} thread(s) per rank")
+    print(f"compute per rank (one process, {base.global_batch // world} rows): forward "
+          f"{1e3 * c.forward:.2f} ms, backward {1e3 * c.backward:.2f} ms, optimizer "
+          f"{1e3 * c.optimizer:.2f} ms")
+
+    timed = run_ranks(bench.time_collectives, world, list(SIZES), args.coll_reps,
+                      timeout_s=120)[0]
+    fits = {}
+    for kind, points in timed.items():
+        a, b = fit_alpha_beta([p[0] for p in points], [p[1] for p in points],
+                              [1] * len(points))
+        fits[kind] = AlphaBeta(max(a, 0.0), b)
+        worst = max(abs(fits[kind].seconds(1, B) / t - 1) for B, t in points)
+        print(f"  {kind:<15} α {1e6 * fits[kind].alpha:7.1f} µs  β {b / 1e9:6.3f} GB/s  "
+              f"(worst point off the fit by {100 * worst:.0f}%)")
+
+    cfgs = [base.replace(strategy=s, name=s).to_dict() for s in STRATEGIES]
+    res = run_ranks(bench.time_strategies, world, cfgs, args.repeats, args.warmup,
+                    timeout_s=600)[0]
+    print(f"\n{'strategy':<10} {'measured':>9} {'predicted':>9} {'ratio':>6}   "
+          f"{'exposed comm: measured':>22} {'modelled':>8}   modelled terms (ms)")
+    rows = {}
+    for s in res:
+        steps = res[s]
+        measured = statistics.median(e["step_s"] for e in steps)
+        blocked = statistics.median(sum(v["seconds"] for v in e["comm"].values()) for e in steps)
+        p = predict(s, world, c, median_booked(steps), fits)
+        rows[s] = (measured, p)
+        terms = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in p.terms.items()) or "none"
+        print(f"{s:<10} {1e3 * measured:8.2f}  {1e3 * p.total:8.2f}  {measured / p.total:6.2f}"
+              f"   {1e3 * blocked:21.2f}  {1e3 * p.exposed:8.2f}   {terms}")
+        pf = [e["prefetch"] for e in steps if e["prefetch"]]
+        if pf:
+            waited = statistics.median(x["blocked_s"] for x in pf)
+            print(f"{'':<10} zero3 compute blocked on parameter all-gathers: "
+                  f"{1e3 * waited:.2f} ms per step, {100 * waited / measured:.1f}% of the step "
+                  f"(target: at most 3%: {'met' if waited <= 0.03 * measured else 'NOT met'}); "
+                  f"{statistics.median(x['prefetched'] for x in pf):.0f} of {pf[0]['gathers']} "
+                  "issued ahead of need")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--steps", type=int, default=12, help="steps per training (default 12)")
+    p.add_argument("--warmup", type=int, default=3, help="steps dropped per training")
+    p.add_argument("--repeats", type=int, default=2, help="trainings per strategy (default 2)")
+    p.add_argument("--compute-reps", type=int, default=15, help="one-process timings")
+    p.add_argument("--coll-reps", type=int, default=7, help="timings per collective size")
+    args = p.parse_args(argv)
+    with scratch_runs(__file__, "distlab-step-model-") as bench:
+        from distlab import RunConfig, run_ranks
+
+        print(f"load average {os.getloadavg()[0]:.1f} at the start (the figures want an idle "
+              "machine)")
+        for world in args.worlds:
+            one_world(args, world, run_ranks, RunConfig, bench)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

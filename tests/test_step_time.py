@@ -1,0 +1,82 @@
+"""distlab.theory.step_time: the predicted step is compute plus the exposed communication, and
+each strategy's exposed figure is the sum of its named terms, built from the α-β costs as its
+overlap rule says. Pure arithmetic, no processes: the benchmark (benchmarks/step_model.py)
+sets predictions beside measured steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distlab.theory.step_time import (EXPOSED, AlphaBeta, Compute, behind, predict)
+
+FITS = {"all_reduce": AlphaBeta(1e-4, 1e9), "all_gather": AlphaBeta(5e-5, 2e9),
+        "reduce_scatter": AlphaBeta(5e-5, 1e9)}
+C = Compute(forward=0.010, backward=0.020, optimizer=0.004)
+MB = 1_000_000
+
+
+def booked(**kinds):
+    return {k: {"calls": n, "bytes_sent": b} for k, (n, b) in kinds.items()}
+
+
+def test_alpha_beta_is_linear_so_a_kind_costs_calls_alpha_plus_bytes_over_beta():
+    ab = AlphaBeta(1e-4, 1e9)
+    assert ab.seconds(3, 3 * MB) == pytest.approx(3e-4 + 3e-3)
+    # whatever the calls' sizes: one call of 2 MB and one of 1 MB cost what two of 1.5 do
+    assert ab.seconds(1, 2 * MB) + ab.seconds(1, MB) == pytest.approx(ab.seconds(2, 3 * MB))
+
+
+def test_behind_hides_all_but_one_call_behind_the_compute_left():
+    assert behind(total=0.010, unhidden=0.002, compute=0.050) == pytest.approx(0.002)
+    assert behind(total=0.010, unhidden=0.002, compute=0.005) == pytest.approx(0.005)
+    assert behind(total=0.010, unhidden=0.002, compute=0.0) == pytest.approx(0.010)
+    assert behind(total=0.001, unhidden=0.002, compute=0.0) == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("strategy,kinds", [
+    ("allreduce", booked(all_reduce=(37, 4 * MB))),
+    ("ddp", booked(all_reduce=(4, 4 * MB))),
+    ("zero1", booked(reduce_scatter=(5, 2 * MB), all_gather=(5, 2 * MB))),
+    ("zero2", booked(reduce_scatter=(5, 2 * MB), all_gather=(5, 2 * MB))),
+    ("zero3", booked(reduce_scatter=(5, 2 * MB), all_gather=(10, 4 * MB))),
+])
+def test_terms_add_up(strategy, kinds):
+    p = predict(strategy, 2, C, kinds, FITS)
+    assert p.exposed == pytest.approx(sum(p.terms.values()))
+    assert p.total == pytest.approx(p.compute.total + p.exposed)
+    for k, v in kinds.items():
+        assert p.comm[k] == pytest.approx(FITS[k].seconds(v["calls"], v["bytes_sent"]))
+    # communication is never more than exposed in full, and never less than nothing
+    assert 0 <= p.exposed <= p.comm_total + 1e-12
+    # ZeRO steps 1/N of the parameters
+    sharded = strategy.startswith("zero")
+    assert p.compute.optimizer == pytest.approx(C.optimizer / (2 if sharded else 1))
+
+
+def test_rules_differ_where_the_strategies_do():
+    kinds = booked(all_reduce=(4, 4 * MB))
+    comm = FITS["all_reduce"].seconds(4, 4 * MB)  # 4.4 ms: less than backward's 20 ms
+    flat = predict("allreduce", 2, C, kinds, FITS)
+    ddp = predict("ddp", 2, C, kinds, FITS)
+    assert flat.exposed == pytest.approx(comm)  # nothing hides after backward
+    assert ddp.exposed == pytest.approx(comm / 4)  # all but the last bucket hide
+    slow = {**FITS, "all_reduce": AlphaBeta(1e-4, 1e8)}  # 40 ms of buckets: 20 ms stick out
+    ddp_slow = predict("ddp", 2, C, kinds, slow)
+    total = slow["all_reduce"].seconds(4, 4 * MB)
+    assert ddp_slow.exposed == pytest.approx(total - C.backward)
+    z1 = predict("zero1", 2, C, booked(reduce_scatter=(5, 2 * MB), all_gather=(5, 2 * MB)), FITS)
+    z2 = predict("zero2", 2, C, booked(reduce_scatter=(5, 2 * MB), all_gather=(5, 2 * MB)), FITS)
+    assert z2.exposed < z1.exposed  # zero2's reduce-scatters run inside backward
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="prediction exists"):
+        predict("tp", 2, C, {}, FITS)
+    with pytest.raises(ValueError, match="no α-β fit"):
+        predict("ddp", 2, C, booked(all_reduce=(1, MB)), {})
+    with pytest.raises(ValueError, match="world"):
+        predict("ddp", 0, C, {}, FITS)
+    assert set(EXPOSED) >= {"allreduce", "ddp", "zero1", "zero2", "zero3"}
+    assert math.isclose(predict("single", 1, C, {}, FITS).total, C.total)

@@ -39,12 +39,11 @@ def time_compute(cfg, world: int, reps: int) -> dict:
     """Forward, backward and optimizer seconds of one rank's shapes, in this process."""
     import torch
 
-    from distlab.models import factory
-    from distlab.rank.build import build_optimizer
+    from distlab.rank.build import build_model, build_optimizer
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model = factory.build_model(cfg)
+    model = build_model(cfg)
     opt = build_optimizer(cfg, model.parameters())
     rows = cfg.global_batch // world
     x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
@@ -64,6 +63,26 @@ def time_compute(cfg, world: int, reps: int) -> dict:
             out["backward"].append(t2 - t1)
             out["optimizer"].append(t3 - t2)
     return {k: statistics.median(v) for k, v in out.items()}
+
+
+def time_compute_together(rank, world, device, log, cfg_dict: dict, reps: int) -> dict:
+    """Rank function: the same one-rank compute, timed on every rank at once and with no
+    collective: what computing costs while the other ranks compute too (shared cores,
+    caches and memory bandwidth), rank 0's figures."""
+    from distlab.config import RunConfig
+
+    return time_compute(RunConfig.from_dict(cfg_dict), world, reps)
+
+
+def fit_relative(points: list) -> tuple[float, float]:
+    """t = α + B/β fitted to (B, t) points by least squares on the relative error (each row
+    divided by its t): small messages count as much as large ones."""
+    import numpy as np
+    B = np.array([p[0] for p in points], float)
+    t = np.array([p[1] for p in points], float)
+    A = np.stack([np.ones_like(B), B], axis=1) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    return float(alpha), float(1 / inv_beta) if inv_beta > 0 else float("inf")
 
 
 def time_collectives(rank, world, device, log, sizes: list, repeats: int) -> dict:
@@ -122,10 +141,9 @@ def median_booked(steps: list) -> dict:
 
 
 def one_world(args, world, run_ranks, RunConfig, bench):
-    from distlab.comm import fit_alpha_beta
     from distlab.theory.step_time import AlphaBeta, Compute, predict
 
-    base = RunConfig(world_size=world, steps=args.steps, timeout_s=180)
+    base = RunConfig(strategy="ddp", world_size=world, steps=args.steps, timeout_s=180)
     c = Compute(**time_compute(base, world, args.compute_reps))
     print(f"\n== {world} ranks: GPT {base.n_layer} layers n_embd {base.n_embd}, global batch "
           f"{base.global_batch} x seq {base.seq_len}, AdamW; cores {os.cpu_count()}, "
@@ -134,12 +152,17 @@ def one_world(args, world, run_ranks, RunConfig, bench):
           f"{1e3 * c.forward:.2f} ms, backward {1e3 * c.backward:.2f} ms, optimizer "
           f"{1e3 * c.optimizer:.2f} ms")
 
+    shared = Compute(**run_ranks(bench.time_compute_together, world, base.to_dict(),
+                                 args.compute_reps, timeout_s=300)[0])
+    print(f"the same with all {world} ranks computing at once (no collective): forward "
+          f"{1e3 * shared.forward:.2f} ms, backward {1e3 * shared.backward:.2f} ms, optimizer "
+          f"{1e3 * shared.optimizer:.2f} ms ({shared.total / c.total:.2f}x alone)")
+
     timed = run_ranks(bench.time_collectives, world, list(SIZES), args.coll_reps,
                       timeout_s=120)[0]
     fits = {}
     for kind, points in timed.items():
-        a, b = fit_alpha_beta([p[0] for p in points], [p[1] for p in points],
-                              [1] * len(points))
+        a, b = fit_relative(points)
         fits[kind] = AlphaBeta(max(a, 0.0), b)
         worst = max(abs(fits[kind].seconds(1, B) / t - 1) for B, t in points)
         print(f"  {kind:<15} α {1e6 * fits[kind].alpha:7.1f} µs  β {b / 1e9:6.3f} GB/s  "
@@ -148,18 +171,31 @@ def one_world(args, world, run_ranks, RunConfig, bench):
     cfgs = [base.replace(strategy=s, name=s).to_dict() for s in STRATEGIES]
     res = run_ranks(bench.time_strategies, world, cfgs, args.repeats, args.warmup,
                     timeout_s=600)[0]
-    print(f"\n{'strategy':<10} {'measured':>9} {'predicted':>9} {'ratio':>6}   "
-          f"{'exposed comm: measured':>22} {'modelled':>8}   modelled terms (ms)")
-    rows = {}
+    print("\nms per step (medians). predicted: compute alone + modelled exposed communication;"
+          " shared: the same with\nthe compute measured while every rank computes. not "
+          "blocked: the step's time outside collective waits,\nagainst the compute alone; "
+          "extra: not blocked - compute alone, beside all the step's communication as\n"
+          "modelled (on a CPU the collectives that hide behind compute run on the same "
+          "cores: hidden is not free).")
+    print(f"{'strategy':<10} {'measured':>8} {'predicted':>9} {'ratio':>5} {'shared':>7} "
+          f"{'ratio':>5}   {'exposed: measured':>17} {'modelled':>8}   {'not blocked':>11} "
+          f"{'/ compute':>9}   {'extra':>6} {'all comm':>8}")
+    rows, terms_lines = {}, []
     for s in res:
         steps = res[s]
         measured = statistics.median(e["step_s"] for e in steps)
         blocked = statistics.median(sum(v["seconds"] for v in e["comm"].values()) for e in steps)
-        p = predict(s, world, c, median_booked(steps), fits)
-        rows[s] = (measured, p)
-        terms = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in p.terms.items()) or "none"
-        print(f"{s:<10} {1e3 * measured:8.2f}  {1e3 * p.total:8.2f}  {measured / p.total:6.2f}"
-              f"   {1e3 * blocked:21.2f}  {1e3 * p.exposed:8.2f}   {terms}")
+        booked = median_booked(steps)
+        p = predict(s, world, c, booked, fits)
+        q = predict(s, world, shared, booked, fits)
+        rows[s] = (measured, p, q, blocked)
+        print(f"{s:<10} {1e3 * measured:8.2f} {1e3 * p.total:9.2f} {measured / p.total:5.2f} "
+              f"{1e3 * q.total:7.2f} {measured / q.total:5.2f}   {1e3 * blocked:17.2f} "
+              f"{1e3 * p.exposed:8.2f}   {1e3 * (measured - blocked):11.2f} "
+              f"{(measured - blocked) / p.compute.total:9.2f}   "
+              f"{1e3 * (measured - blocked - p.compute.total):6.2f} {1e3 * p.comm_total:8.2f}")
+        terms_lines.append(f"  {s}: " + (", ".join(f"{k} {1e3 * v:.2f}"
+                                                   for k, v in p.terms.items()) or "none"))
         pf = [e["prefetch"] for e in steps if e["prefetch"]]
         if pf:
             waited = statistics.median(x["blocked_s"] for x in pf)
@@ -168,6 +204,7 @@ def one_world(args, world, run_ranks, RunConfig, bench):
                   f"(target: at most 3%: {'met' if waited <= 0.03 * measured else 'NOT met'}); "
                   f"{statistics.median(x['prefetched'] for x in pf):.0f} of {pf[0]['gathers']} "
                   "issued ahead of need")
+    print("modelled exposed communication, its terms (ms):\n" + "\n".join(terms_lines))
     return rows
 
 

@@ -35,22 +35,6 @@ def parse_config(argv) -> tuple[dict, str | None, int]:
     return args, args.pop("run_dir"), args.pop("log_every")
 
 
-def cli_args(cfg) -> list[str]:
-    """parse_config's inverse: `python -m distlab` flags for the fields of cfg that differ
-    from RunConfig's defaults (world_size, nodes and link_mbit are the launcher's to set)."""
-    args = []
-    for f in dataclasses.fields(RunConfig):
-        value = getattr(cfg, f.name)
-        if f.name in ("world_size", "nodes", "link_mbit") or value == f.default:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):  # --dp-threads / --no-dp-threads
-            args.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            args += [flag, str(value)]
-    return args
-
-
 def main(argv=None) -> int:
     from distlab.models import factory
     from distlab.caller.launch import launch, rank_body, runs_root

@@ -27,7 +27,7 @@ import threading
 import time
 
 from distlab.caller import cluster as cluster_mod
-from distlab.__main__ import cli_args
+from distlab.caller.flags import cli_args
 from distlab.caller.run import Run, RunError
 
 LINKS_FILE = "links.json"
@@ -175,9 +175,9 @@ class NodesRun(Run):
         Each reading of the counters keeps its time; the steps done by then are counted later,
         from the ranks' step events' own times (the events reach this process up to a poll
         later than the bytes reach the counters; counting them at reading time would credit a
-        step's bytes to too few steps). The figure is the counters' change between the first
-        reading after a finished step and the last, over the steps between. None until two
-        readings have steps between them; after the run, the last figure."""
+        step's bytes to too few steps). The figure is the slope of the bytes over the steps
+        done, across the readings after the first finished step. None until readings span two
+        step counts; after the run, the last figure."""
         if self.cluster is None:
             return None
         with self._links_lock:
@@ -192,10 +192,20 @@ class NodesRun(Run):
             samples = list(self._link_samples)
         counted = [(self._steps_by(t), sent) for t, sent in samples]
         counted = [(n, sent) for n, sent in counted if n >= 1]
-        if len(counted) < 2 or counted[-1][0] == counted[0][0]:
+        if len({n for n, _ in counted}) < 2:
             return None
-        (s0, b0), (s1, b1) = counted[0], counted[-1]
-        return [(b - a) / (s1 - s0) for a, b in zip(b0, b1)]
+        # The least-squares slope of bytes on steps done: a reading lands anywhere inside a
+        # step, so the counter holds a part of the step in progress; over many readings that
+        # part averages out (two readings alone were 12% low at 25 Mbit/s, 1.7 s a step)
+        n = [c[0] for c in counted]
+        mean_n = sum(n) / len(n)
+        var = sum((x - mean_n) ** 2 for x in n)
+        out = []
+        for node in range(len(counted[0][1])):
+            b = [c[1][node] for c in counted]
+            mean_b = sum(b) / len(b)
+            out.append(sum((x - mean_n) * (y - mean_b) for x, y in zip(n, b)) / var)
+        return out
 
     def _steps_by(self, t: float) -> int:
         """Steps every rank had logged as finished by time t."""

@@ -26,7 +26,7 @@ from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit
 from distlab.events import LogTail, rank_log_path
 from distlab.caller.launch import launch
-from distlab.__main__ import cli_args
+from distlab.caller.flags import cli_args
 from distlab.caller.run import Run, RunError
 
 

@@ -49,38 +49,6 @@ def assert_nothing_left():
 
 
 @needs_nodes
-def test_two_nodes_train_as_one_machine_and_leave_nothing(tmp_path):
-    cfg = RunConfig(strategy="ddp", world_size=4, steps=6, runs_root=str(tmp_path), **TINY)
-    # (a step delay: the links' counters are read at most every 0.5 s, the dashboard's figure
-    # per step needs two readings with steps between them)
-    on_nodes = launch(cfg.replace(nodes=2, link_mbit=200, step_delay_s=0.1), block=True)
-    local = launch(cfg, block=True)
-    assert on_nodes.status == "done" and on_nodes.problems == []
-    assert len(on_nodes.losses()) == 6
-    worst = max(abs(a - b) for a, b in zip(on_nodes.losses(), local.losses()))
-    assert worst < LOSS_TOL, worst
-    # each link carried at least the gradients each step, each way: whatever the all-reduce's
-    # algorithm, each node must learn the other node's sum of them (the ring sends 1.5x that)
-    grads = on_nodes.info("n_params") * 4
-    assert len(on_nodes.links) == 2
-    for link in on_nodes.links:
-        assert link["sent"] >= 6 * grads and link["received"] >= 6 * grads, (link, grads)
-    assert os.path.exists(os.path.join(on_nodes.dir, cluster_run.LINKS_FILE))
-    # per step, what the dashboard draws: a ring's one edge out of each node carries
-    # 2(N-1)/N of the gradients, 1.5x at N = 4, plus TCP/IP headers (measured 1.60-1.65x)
-    per_step = on_nodes.link_bytes_per_step()
-    assert per_step is not None and len(per_step) == 2
-    assert all(1.4 * grads <= b <= 2 * grads for b in per_step), (per_step, grads)
-    from distlab.lab.panel import LINK_NAME, LiveDashboard
-    dash = LiveDashboard([on_nodes])
-    dash.refresh()
-    bars = next(t for t in dash.fig.data if t.name == LINK_NAME)
-    assert list(bars.x) == ["node 0's link", "node 1's link"]
-    assert list(bars.customdata) == per_step
-    assert_nothing_left()
-
-
-@needs_nodes
 def test_a_failing_rank_reaches_the_caller_and_the_nodes_go(tmp_path):
     cfg = RunConfig(strategy="ddp", world_size=4, steps=6, nodes=2, fault="raise",
                     fault_rank=3, fault_step=2, runs_root=str(tmp_path), **TINY)
@@ -106,18 +74,44 @@ def test_stop_ends_every_node(tmp_path):
 
 
 @needs_nodes
-def test_the_readme_snippet_runs(tmp_path, monkeypatch):
-    """The README's launch across nodes as written, on a smaller model and fewer steps."""
+def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
+    """The README's launch across nodes as written (a smaller model, fewer steps; a step delay:
+    the links' counters are read at most every 0.5 s, the figure per step needs readings
+    across steps): the losses one machine gets, the links' bytes, the dashboard's link bars,
+    and nothing left."""
     import pathlib
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("## Several nodes on one machine", 1)[1]
     code = next(b.split("```", 1)[0] for b in block.split("```python")[1:] if "nodes=2" in b)
     assert "steps=20))" in code, "the README's snippet changed"
-    code = code.replace("steps=20))", "steps=3, runs_root=ROOT, **TINY))")
+    code = code.replace("steps=20))", "steps=6, step_delay_s=0.1, runs_root=ROOT, **TINY))")
     scope = {"ROOT": str(tmp_path), "TINY": TINY}
     exec(compile(code, "README.md", "exec"), scope)
-    run = scope["run"]
-    assert run.status == "done" and len(run.losses()) == 3 and len(run.links) == 2
+    on_nodes = scope["run"]
+    assert on_nodes.status == "done" and on_nodes.problems == []
+    assert len(on_nodes.losses()) == 6
+    local = launch(on_nodes.cfg.replace(nodes=1), block=True)
+    worst = max(abs(a - b) for a, b in zip(on_nodes.losses(), local.losses()))
+    assert worst < LOSS_TOL, worst
+    # each link carried at least the gradients each step, each way: whatever the all-reduce's
+    # algorithm, each node must learn the other node's sum of them (the ring sends 1.5x that)
+    grads = on_nodes.info("n_params") * 4
+    assert len(on_nodes.links) == 2
+    for link in on_nodes.links:
+        assert link["sent"] >= 6 * grads and link["received"] >= 6 * grads, (link, grads)
+    assert os.path.exists(os.path.join(on_nodes.dir, cluster_run.LINKS_FILE))
+    # per step, what the dashboard draws: a ring's one edge out of each node carries
+    # 2(N-1)/N of the gradients, 1.5x at N = 4, plus TCP/IP headers (measured 1.60-1.65x on
+    # this model); gloo may pick another algorithm for small messages (1.37x seen on another)
+    per_step = on_nodes.link_bytes_per_step()
+    assert per_step is not None and len(per_step) == 2
+    assert all(1.2 * grads <= b <= 2 * grads for b in per_step), (per_step, grads)
+    from distlab.lab.panel import LINK_NAME, LiveDashboard
+    dash = LiveDashboard([on_nodes])
+    dash.refresh()
+    bars = next(t for t in dash.fig.data if t.name == LINK_NAME)
+    assert list(bars.x) == ["node 0's link", "node 1's link"]
+    assert list(bars.customdata) == per_step
     assert_nothing_left()
 
 

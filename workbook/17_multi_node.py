@@ -111,13 +111,13 @@ if WHY is None:
 # **t(L) = t0 + (bits each link carries per step) / L**. The runs below sweep L; the slope of
 # the dashed line is not fitted to the times but counted on the links (the bytes per step
 # above), so the measured points can disagree with it. t0, the step with an infinitely fast
-# link, is the fit's intercept.
+# link, is the fit's intercept. Section 1's run is the point at its link speed.
 
 # %%
 if WHY is None:
     sweep_cfg = RunConfig(strategy="ddp", world_size=4, nodes=2, steps=SWEEP_STEPS,
                           timeout_s=300)
-    rows = link_sweep(sweep_cfg, LINKS, warmup=WARMUP)
+    rows = link_sweep(sweep_cfg, LINKS, warmup=WARMUP, done=[on_nodes])  # reuses section 1's
     fit = fit_link(rows)
     link_figure(rows, fit).show()
     table(["link (Mbit/s)", "step (ms, median)", "t0 + bits / L (ms)", "measured / model",

@@ -45,23 +45,29 @@ class LinkFit:
         return self.t0 + self.counted / link_mbit
 
 
-def link_sweep(cfg, links, warmup: int = 2) -> list[LinkRow]:
-    """Train cfg (nodes >= 2) once per link speed; each run ends before the next starts."""
+def link_sweep(cfg, links, warmup: int = 2, done=()) -> list[LinkRow]:
+    """Train cfg (nodes >= 2) once per link speed; each run ends before the next starts.
+    `done`: finished runs of the same model across nodes to reuse as points (their own link
+    speed), so a notebook's earlier run is not trained again."""
     if cfg.nodes < 2:
         raise ValueError(f"cfg.nodes={cfg.nodes}: a link sweep needs at least 2 nodes")
     if cfg.steps <= warmup:
         raise ValueError(f"steps={cfg.steps} must exceed warmup={warmup}")
-    rows = []
-    for link in links:
-        run = launch(cfg.replace(link_mbit=float(link)), block=True)
-        steps = [e["step_s"] for e in run.history("step", rank=0)][warmup:]
-        per_step = run.link_bytes_per_step()
-        if per_step is None:  # fewer than two counter readings with steps between them
-            raise RuntimeError(f"link {link} Mbit/s: the run was too short to count its "
-                               "links' bytes per step; give it more steps")
-        rows.append(LinkRow(float(link), statistics.median(steps), statistics.mean(per_step),
-                            run.info("n_params") * 4, run.dir))
-    return rows
+    have = {r.cfg.link_mbit: r for r in done}
+    runs = [have.get(float(link)) or launch(cfg.replace(link_mbit=float(link)), block=True)
+            for link in links]
+    return [link_row(run, warmup) for run in runs]
+
+
+def link_row(run, warmup: int) -> LinkRow:
+    """A finished run across nodes as one point of the sweep."""
+    steps = [e["step_s"] for e in run.history("step", rank=0)][warmup:]
+    per_step = run.link_bytes_per_step()
+    if per_step is None:  # fewer than two counter readings with steps between them
+        raise RuntimeError(f"link {run.cfg.link_mbit:g} Mbit/s: the run was too short to count "
+                           "its links' bytes per step; give it more steps")
+    return LinkRow(run.cfg.link_mbit, statistics.median(steps), statistics.mean(per_step),
+                   run.info("n_params") * 4, run.dir)
 
 
 def fit_link(rows: list[LinkRow]) -> LinkFit:

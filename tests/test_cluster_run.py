@@ -115,6 +115,48 @@ def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
     assert_nothing_left()
 
 
+@needs_nodes
+def test_a_node_that_never_joins_is_named_within_the_timeout(tmp_path):
+    """Node 1's agent dies before the rendezvous completes: node 0's agent waits
+    RunConfig.timeout_s (torchrun's join timeout, set from it), and the error names node 1."""
+    import time
+    cfg = RunConfig(strategy="ddp", world_size=4, steps=6, nodes=2, runs_root=str(tmp_path),
+                    **{**TINY, "timeout_s": 5})
+    run = launch(cfg)
+    run.agents[1].kill()  # the node never joins
+    t0 = time.time()
+    with pytest.raises(RunError, match=r"node\(s\) 1 left before it completed") as e:
+        run.wait(timeout=120)
+    assert time.time() - t0 < cfg.timeout_s + 30
+    assert "waited 5 s" in str(e.value) and "node(s) 0 waited" in str(e.value)
+    assert_nothing_left()
+
+
+@needs_nodes
+def test_a_link_that_goes_down_fails_the_run_within_the_collective_timeout(tmp_path):
+    """Node 1's link goes down mid-run: the ranks' collectives time out after
+    RunConfig.timeout_s, the run fails with a rank's traceback, and nothing is left."""
+    import time
+    cfg = RunConfig(strategy="ddp", world_size=4, steps=500, nodes=2, step_delay_s=0.05,
+                    runs_root=str(tmp_path), **{**TINY, "timeout_s": 5})
+    run = launch(cfg)
+    deadline = time.time() + 90
+    while run.steps_done() < 2 and time.time() < deadline and not run.done:
+        time.sleep(0.2)
+    assert run.steps_done() >= 2, run.problems
+    run.cluster.link_down(1)
+    t0 = time.time()
+    with pytest.raises(RunError) as e:
+        run.wait(timeout=120)
+    took = time.time() - t0
+    assert took < cfg.timeout_s + 30, took
+    assert "node 1's link is down" in str(e.value), str(e.value)[:2000]
+    assert "timed out" in str(e.value), str(e.value)[:2000]
+    assert e.value.traceback, "no rank's traceback reached the caller"
+    assert run.steps_done() < cfg.steps
+    assert_nothing_left()
+
+
 def test_without_nodes_the_run_goes_on_loopback_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(cluster, "available", lambda: "simulated nodes need root (a test)")
     cfg = RunConfig(strategy="ddp", world_size=2, steps=3, nodes=2,

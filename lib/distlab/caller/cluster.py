@@ -167,19 +167,24 @@ class Cluster:
 
     def torchrun(self, nproc_per_node: int, argv: list[str], port: int = 29400,
                  env: dict | None = None, outputs: list | None = None,
+                 join_timeout_s: float | None = None, nodes=None,
                  **popen) -> list[subprocess.Popen]:
         """One torchrun agent per node, as on a real cluster: c10d rendezvous at node 0's
         address, each agent on its node's address, gloo on its node's link; argv follows
         torchrun's options (a script, or "-m", "distlab", ...). outputs: a file per node for
-        its agent's stdout and stderr. Returns the agents."""
+        its agent's stdout and stderr. join_timeout_s: how long an agent waits for every node
+        to join (torchrun's own default is 600 s). nodes: start agents on these nodes only
+        (the others never join). Returns the agents."""
         if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={nproc_per_node!r} must be an int >= 1")
         agents = []
-        for i in range(self.nodes):
+        conf = ([] if join_timeout_s is None
+                else ["--rdzv-conf", f"join_timeout={max(1, round(join_timeout_s))}"])
+        for i in (range(self.nodes) if nodes is None else nodes):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes),
                    "--nproc-per-node", str(nproc_per_node),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}",
-                   "--rdzv-id", self.tag, "--local-addr", self.address(i)] + list(argv)
+                   "--rdzv-id", self.tag, "--local-addr", self.address(i)] + conf + list(argv)
             node_env = {"GLOO_SOCKET_IFNAME": self.interface(i), "OMP_NUM_THREADS": "1",
                         **(env or {})}
             if outputs is not None:
@@ -191,6 +196,16 @@ class Cluster:
         """The node fails: every process inside it is killed (SIGKILL), its agent and ranks
         alike; its namespace and link stay (down() removes them)."""
         _end_processes_in(self.namespace(node))
+
+    def link_down(self, node: int) -> None:
+        """The node's link fails: its interface goes down, nothing crosses it (the processes
+        live on; collectives across it wait until their timeout)."""
+        _ip("ip", "link", "set", self.interface(node), "down", ns=self.namespace(node))
+
+    def link_is_up(self, node: int) -> bool:
+        """Whether the node's link interface is up (its operational state)."""
+        out = _ip("ip", "-j", "link", "show", self.interface(node), ns=self.namespace(node)).stdout
+        return json.loads(out)[0].get("operstate") != "DOWN"
 
     def link_bytes(self, node: int) -> dict:
         """Bytes the node's link carried (its interface's own counters): {"sent", "received"}."""

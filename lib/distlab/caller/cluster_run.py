@@ -60,13 +60,14 @@ def launch_on_nodes(cfg, run_dir: str) -> "NodesRun":
         if why is None:
             cl = cluster_mod.Cluster(cfg.nodes, cfg.link_mbit).up()
             try:
-                agents = cl.torchrun(per_node, argv, port=RDZV_PORT, outputs=logs)
+                agents = cl.torchrun(per_node, argv, port=RDZV_PORT, outputs=logs,
+                                     join_timeout_s=cfg.timeout_s)
             except BaseException:
                 cl.down()
                 raise
             note = None
         else:
-            cl, agents = None, _host_agents(cfg.nodes, per_node, argv, logs)
+            cl, agents = None, _host_agents(cfg.nodes, per_node, argv, logs, cfg.timeout_s)
             note = (f"simulated nodes are not available here ({why}): the {cfg.nodes} nodes "
                     "ran on this machine's loopback with no link limit, so no figure of this "
                     "run measures a slow link")
@@ -79,7 +80,8 @@ def launch_on_nodes(cfg, run_dir: str) -> "NodesRun":
     return run
 
 
-def _host_agents(nodes: int, per_node: int, argv: list[str], logs: list) -> list:
+def _host_agents(nodes: int, per_node: int, argv: list[str], logs: list,
+                 join_timeout_s: float) -> list:
     """The fallback: one agent per "node", all on 127.0.0.1, nothing throttled."""
     port, tag = _free_port(), f"distlab-{os.getpid()}-{_free_port()}"
     agents = []
@@ -87,7 +89,8 @@ def _host_agents(nodes: int, per_node: int, argv: list[str], logs: list) -> list
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
-               "--local-addr", "127.0.0.1"] + argv
+               "--local-addr", "127.0.0.1",
+               "--rdzv-conf", f"join_timeout={max(1, round(join_timeout_s))}"] + argv
         agents.append(subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT,
                                        env={**os.environ, "OMP_NUM_THREADS": "1"},
                                        start_new_session=True))
@@ -215,6 +218,49 @@ class NodesRun(Run):
                 done[e["rank"]] += 1
         return min(done)
 
+    def _behind_a_timeout(self, codes: dict):
+        """Run's diagnosis of a collective that timed out, with what only the cluster knows:
+        a node whose link is down. And, since torchrun's workers dump no stack, the traceback
+        of the rank that waited."""
+        err = super()._behind_a_timeout(codes)
+        if err is None:
+            return None
+        down = []
+        if self.cluster is not None and self.cluster.made:
+            try:
+                down = [i for i in range(self.cluster.nodes) if not self.cluster.link_is_up(i)]
+            except (OSError, RuntimeError, ValueError):
+                pass
+        msg = err.message
+        if down:
+            msg = (f"node {', '.join(map(str, down))}'s link is down: no collective across it "
+                   f"can complete, so the ranks timed out waiting for their peers. {msg}")
+        if err.traceback:
+            return RunError(err.rank, msg, err.traceback, err.step)
+        # no stack of the rank behind: the traceback of the first rank that timed out waiting
+        # for it, under that rank's number (RunError prints "traceback of rank <rank>")
+        msg = msg.replace("; its stack below", "")
+        waited = [e for e in self.history("error") if e.get("traceback")]
+        if not waited:
+            return RunError(err.rank, msg, "", err.step)
+        first = min(waited, key=lambda e: e["time"])
+        return RunError(first["rank"], f"{msg}. Rank {first['rank']} timed out first",
+                        first["traceback"], first.get("step"))
+
+    def _never_joined(self) -> RunError:
+        """Which node never joined: its agent ended before the rendezvous did; the others
+        waited RunConfig.timeout_s for it and gave up (torchrun's join timeout)."""
+        logs = {i: _tail(node_log_path(self.dir, i), 20000) for i in range(len(self.agents))}
+        waited = [i for i, t in logs.items() if "RendezvousTimeoutError" in t]
+        gone = [i for i in range(len(self.agents)) if i not in waited]
+        codes = {i: self.agents[i].returncode for i in gone}
+        said = "\n".join(f"node {i}'s agent: {logs[i][-1500:]}" for i in gone)
+        return RunError(0, f"the nodes never all joined the rendezvous: node(s) "
+                           f"{', '.join(map(str, gone))} left before it completed (agent exit "
+                           f"codes {codes}); node(s) {', '.join(map(str, waited))} waited "
+                           f"{self.cfg.timeout_s:g} s (RunConfig.timeout_s) and gave up. No "
+                           f"rank started.\n{said}", "", 0)
+
     def _read_links(self) -> list:
         """Bytes each node's link carried, from its interface's own counters."""
         try:
@@ -230,6 +276,8 @@ class NodesRun(Run):
         return ""  # torchrun's workers install no stack dumper; their node logs say more
 
     def _root_cause(self, codes: dict):
+        if not self.history("start"):  # no rank started: the rendezvous never completed
+            return self._never_joined()
         err = super()._root_cause(codes)
         if err.traceback:
             return err

@@ -15,6 +15,10 @@ For each world size N:
    its collectives blocked it (distlab.comm books a blocking call's whole duration and an
    async one's wait), medians.
 
+With --scale instead: ddp's step and bytes per rank over ranks (1, 2, 4 at n_embd 128) and over
+width (n_embd 64 to 384 at 2 ranks), each against the prediction and against the serial sum
+(compute + all the communication, nothing hidden), with each curve's worst deviation.
+
 Then prints, per strategy, the measured step against distlab.theory.step_time.predict's
 (compute + the communication its overlap rule leaves exposed), and the exposed communication
 measured against modelled. zero3's line adds the fraction of the step its compute waited on
@@ -140,8 +144,74 @@ def median_booked(steps: list) -> dict:
                                                 for e in steps)} for k in kinds}
 
 
+def fit_world(args, world, run_ranks, bench) -> dict:
+    """α and β per collective kind on `world` ranks, printed with the fit's worst point."""
+    from distlab.theory.step_time import AlphaBeta
+
+    timed = run_ranks(bench.time_collectives, world, list(SIZES), args.coll_reps,
+                      timeout_s=120)[0]
+    fits = {}
+    for kind, points in timed.items():
+        a, b = fit_relative(points)
+        fits[kind] = AlphaBeta(max(a, 0.0), b)
+        worst = max(abs(fits[kind].seconds(1, B) / t - 1) for B, t in points)
+        print(f"  {kind:<15} α {1e6 * fits[kind].alpha:7.1f} µs  β {b / 1e9:6.3f} GB/s  "
+              f"(worst point off the fit by {100 * worst:.0f}%)")
+    return fits
+
+
+def scaling(args, run_ranks, RunConfig, bench):
+    """Issue 28 item 3: ddp's step and bytes per rank over ranks (at the default width) and
+    over width (at 2 ranks), each against the prediction; the worst deviation of each curve."""
+    from distlab.theory.step_time import Compute, predict
+
+    def point(world, n_embd):
+        strategy = "single" if world == 1 else "ddp"
+        cfg = RunConfig(strategy=strategy, world_size=world, steps=args.steps, n_embd=n_embd,
+                        timeout_s=300)
+        c = Compute(**time_compute(cfg, world, args.compute_reps))
+        steps = run_ranks(bench.time_strategies, world, [cfg.replace(name="x").to_dict()],
+                          args.repeats, args.warmup, timeout_s=600)[0]["x"]
+        measured = statistics.median(e["step_s"] for e in steps)
+        booked = median_booked(steps)
+        p = predict(strategy, world, c, booked, fits.get(world, {}))
+        sent = sum(v["bytes_sent"] for v in booked.values())
+        n_params = sum(v.numel() for v in _model(cfg).parameters())
+        formula = 2 * (world - 1) / world * 4 * n_params
+        return measured, p, sent, formula
+
+    fits = {}
+    curves = {"ranks (n_embd 128)": [(w, 128) for w in args.scale_worlds],
+              "width (2 ranks)": [(2, e) for e in args.widths]}
+    for name, points in curves.items():
+        print(f"\n== scaling over {name}: ddp (single at 1 rank). predicted: compute + the "
+              "exposed communication; serial: compute + all of it (nothing hidden)")
+        worst, worst_serial = 0.0, 0.0
+        for world, width in points:
+            if world > 1 and world not in fits:
+                print(f"  α-β on {world} ranks:")
+                fits[world] = fit_world(args, world, run_ranks, bench)
+            measured, p, sent, formula = point(world, width)
+            serial = p.compute.total + p.comm_total
+            worst = max(worst, abs(measured / p.total - 1))
+            worst_serial = max(worst_serial, abs(measured / serial - 1))
+            print(f"  {world} rank(s), n_embd {width:4d}: measured {1e3 * measured:8.2f} ms, "
+                  f"predicted {1e3 * p.total:8.2f} ({measured / p.total:.2f}x), serial "
+                  f"{1e3 * serial:8.2f} ({measured / serial:.2f}x); compute "
+                  f"{1e3 * p.compute.total:.2f}, comm {1e3 * p.comm_total:.2f} of which exposed "
+                  f"{1e3 * p.exposed:.2f}; bytes sent per rank per step {sent:,.0f} "
+                  f"(2(N-1)/N x 4 x params: {formula:,.0f})")
+        print(f"  worst deviation over {name}: predicted {100 * worst:.0f}%, serial "
+              f"{100 * worst_serial:.0f}%")
+
+
+def _model(cfg):
+    from distlab.rank.build import build_model
+    return build_model(cfg)
+
+
 def one_world(args, world, run_ranks, RunConfig, bench):
-    from distlab.theory.step_time import AlphaBeta, Compute, predict
+    from distlab.theory.step_time import Compute, predict
 
     base = RunConfig(strategy="ddp", world_size=world, steps=args.steps, timeout_s=180)
     c = Compute(**time_compute(base, world, args.compute_reps))
@@ -158,15 +228,7 @@ def one_world(args, world, run_ranks, RunConfig, bench):
           f"{1e3 * shared.forward:.2f} ms, backward {1e3 * shared.backward:.2f} ms, optimizer "
           f"{1e3 * shared.optimizer:.2f} ms ({shared.total / c.total:.2f}x alone)")
 
-    timed = run_ranks(bench.time_collectives, world, list(SIZES), args.coll_reps,
-                      timeout_s=120)[0]
-    fits = {}
-    for kind, points in timed.items():
-        a, b = fit_relative(points)
-        fits[kind] = AlphaBeta(max(a, 0.0), b)
-        worst = max(abs(fits[kind].seconds(1, B) / t - 1) for B, t in points)
-        print(f"  {kind:<15} α {1e6 * fits[kind].alpha:7.1f} µs  β {b / 1e9:6.3f} GB/s  "
-              f"(worst point off the fit by {100 * worst:.0f}%)")
+    fits = fit_world(args, world, run_ranks, bench)
 
     cfgs = [base.replace(strategy=s, name=s).to_dict() for s in STRATEGIES]
     res = run_ranks(bench.time_strategies, world, cfgs, args.repeats, args.warmup,
@@ -216,12 +278,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="trainings per strategy (default 2)")
     p.add_argument("--compute-reps", type=int, default=15, help="one-process timings")
     p.add_argument("--coll-reps", type=int, default=7, help="timings per collective size")
+    p.add_argument("--scale", action="store_true",
+                   help="instead: ddp's step over ranks and over width against the prediction")
+    p.add_argument("--scale-worlds", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 384])
     args = p.parse_args(argv)
     with scratch_runs(__file__, "distlab-step-model-") as bench:
         from distlab import RunConfig, run_ranks
 
         print(f"load average {os.getloadavg()[0]:.1f} at the start (the figures want an idle "
               "machine)")
+        if args.scale:
+            scaling(args, run_ranks, RunConfig, bench)
+            return 0
         for world in args.worlds:
             one_world(args, world, run_ranks, RunConfig, bench)
         return 0

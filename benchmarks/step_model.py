@@ -131,9 +131,28 @@ def time_strategies(rank, world, device, log, cfg_dicts: list, repeats: int, war
             rec = StepRecorder(log)
             train(RunConfig.from_dict(d), rank, world, device, rec)
             out[d["name"]] += [{"step_s": e["step_s"], "comm": e["comm"],
-                                "prefetch": e.get("zero", {}).get("prefetch")}
+                                "prefetch": e.get("zero", {}).get("prefetch"),
+                                "timeline": e.get("ddp")}
                                for e in rec.steps[warmup:]]
     return out
+
+
+def last_bucket_line(timelines: list, blocked: float, fits: dict, world: int) -> str:
+    """DDP's exposed all-reduce time beside its last bucket's: the bucket issued last, its
+    all-reduce's issue-to-done time as measured and by the α-β fit, and how long after
+    backward ended it finished (medians over steps). The model says the exposed time is at
+    least the last bucket's all-reduce."""
+    last = [max(t["buckets"], key=lambda b: b["start"]) for t in timelines]
+    took = statistics.median(b["done"] - b["start"] for b in last)
+    after = statistics.median(max(b["done"] for b in t["buckets"]) - t["backward"][1]
+                              for t in timelines)
+    nbytes = statistics.median(b["bytes"] for b in last)
+    # the fit is per booked byte: an all-reduce books 2(N-1)/N of its buffer
+    modelled = fits["all_reduce"].seconds(1, nbytes * 2 * (world - 1) / world)
+    return (f"{'':<10} ddp: exposed (blocked) {1e3 * blocked:.2f} ms; last bucket "
+            f"({nbytes:,.0f} B) issued to done {1e3 * took:.2f} ms measured, "
+            f"{1e3 * modelled:.2f} ms by α-β; all buckets done {1e3 * after:.2f} ms after "
+            "backward ended")
 
 
 def median_booked(steps: list) -> dict:
@@ -258,6 +277,9 @@ def one_world(args, world, run_ranks, RunConfig, bench):
               f"{1e3 * (measured - blocked - p.compute.total):6.2f} {1e3 * p.comm_total:8.2f}")
         terms_lines.append(f"  {s}: " + (", ".join(f"{k} {1e3 * v:.2f}"
                                                    for k, v in p.terms.items()) or "none"))
+        lines = [e["timeline"] for e in steps if e.get("timeline") and e["timeline"].get("buckets")]
+        if lines:
+            print(last_bucket_line(lines, blocked, fits, world))
         pf = [e["prefetch"] for e in steps if e["prefetch"]]
         if pf:
             waited = statistics.median(x["blocked_s"] for x in pf)

@@ -157,6 +157,41 @@ def test_a_link_that_goes_down_fails_the_run_within_the_collective_timeout(tmp_p
     assert_nothing_left()
 
 
+@needs_nodes
+def test_the_readme_slurm_launch_line_runs_in_simulated_nodes(tmp_path):
+    """The README's SLURM script: its `srun` line's command, run once in each of two simulated
+    nodes (what srun does with one task per node) with SLURM's variables set, trains what one
+    machine trains (a smaller model and fewer steps than the README's)."""
+    import pathlib
+    import shlex
+    import sys
+    from distlab.caller.run import Run
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    script = next(b.split("```", 1)[0] for b in readme.split("```bash")[1:] if "#SBATCH" in b)
+    line = next(x for x in script.splitlines() if x.startswith("srun "))
+    assert "--steps 100" in line, "the README's SLURM line changed"
+    small = "--steps 4 --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --global-batch 8"
+    command = line.removeprefix("srun ").replace("--steps 100", small)
+    job = str(os.getpid())
+    bin_dir = os.path.dirname(sys.executable)  # the environment's torchrun
+    with cluster.Cluster(nodes=2, link_mbit=200) as c:
+        procs = [c.start(i, ["bash", "-c", command], cwd=tmp_path, env={
+            "SLURM_NNODES": "2", "SLURM_JOB_ID": job,
+            "SLURM_LAUNCH_NODE_IPADDR": c.address(0), "SLURMD_NODENAME": c.address(i),
+            "GLOO_SOCKET_IFNAME": c.interface(i), "OMP_NUM_THREADS": "1",
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+        codes = [p.wait(timeout=240) for p in procs]
+    assert codes == [0, 0], (codes, shlex.split(command)[:6])
+    run = Run.load(str(tmp_path / "runs" / f"slurm-{job}"))
+    cfg = RunConfig(strategy="ddp", world_size=4, steps=4, n_layer=1, n_embd=32, n_head=2,
+                    seq_len=16, global_batch=8, runs_root=str(tmp_path / "local"))
+    local = launch(cfg, block=True)
+    assert len(run.losses()) == 4
+    assert max(abs(a - b) for a, b in zip(run.losses(), local.losses())) < LOSS_TOL
+    assert_nothing_left()
+
+
 def test_without_nodes_the_run_goes_on_loopback_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(cluster, "available", lambda: "simulated nodes need root (a test)")
     cfg = RunConfig(strategy="ddp", world_size=2, steps=3, nodes=2,

@@ -25,7 +25,7 @@ pytest.importorskip("ipywidgets")
 
 WORLDS = (1, 2, 4)
 TINY = dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, threads_per_rank=1, steps=2)
-GENERAL = ("strategy", "world_size", "steps", "lr", "precision", "global_batch")
+GENERAL = ("strategy", "world_size", "steps", "lr", "precision", "global_batch", "nodes")
 
 
 def _panel(**defaults):
@@ -236,3 +236,20 @@ def test_the_loss_axis_says_what_the_loss_is_a_mean_over():
     assert loss_axis_title(RunConfig(model="bnnet")) == "loss (nats/sample)"
     spec = RunConfig(model="pkg.mod:make_model", data="pkg.mod:make_data")
     assert loss_axis_title(spec) == "loss"
+
+
+def test_nodes_and_their_link_are_knobs_checked_like_the_rest():
+    """The simulated nodes' two knobs: the link shows only between nodes, the config carries
+    both, and a layout RunConfig refuses (one process on two nodes) is said, Run disabled."""
+    panel = _panel()
+    k = panel.knobs
+    assert k["nodes"].value == 1 and k["link_mbit"].layout.display == "none"
+    k["strategy"].value, k["world_size"].value = "ddp", 4
+    k["nodes"].value = 2
+    assert k["link_mbit"].layout.display is None and "link_mbit" in panel.shown()
+    k["link_mbit"].value = 25.0
+    cfg = panel.config()
+    assert (cfg.nodes, cfg.link_mbit, cfg.processes) == (2, 25.0, 4)
+    k["strategy"].value = "single"  # one process: nothing to place on two nodes
+    assert panel.run_button.disabled
+    assert "one process" in html.unescape(panel.status.value)

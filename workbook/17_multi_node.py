@@ -33,7 +33,8 @@
 # 1. DDP on 2 nodes × 2 ranks against the same run on one machine, with each node's link on
 #    the dashboard;
 # 2. the step time over a sweep of link speeds, against t(L) = t0 + bits per step / L;
-# 3. the closing table: what the textbook says, what this run measured.
+# 3. the closing table: what the textbook says, what this run measured;
+# 4. a control panel with the nodes and the link as knobs, to try other layouts.
 
 # %% tags=["parameters"]
 import os
@@ -162,3 +163,17 @@ if WHY is None:
     ]
     claims_table(rows_claims)
     assert rows_claims[0]["holds"]
+
+
+# %% [markdown]
+# ## Try it
+#
+# The control panel has the nodes and the link as knobs (the link shows once there are two
+# nodes): change the link's speed, the strategy or the world size and press **Run**; each run
+# stays on the dashboard, with each node's link beside the ranks' bytes. Without root the
+# runs go on this machine's loopback and the status line says so.
+
+# %%
+panel = lab.ControlPanel(strategy="ddp", world_size=4, nodes=2, link_mbit=100.0, steps=STEPS,
+                         timeout_s=300)
+panel

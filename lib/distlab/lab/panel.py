@@ -52,6 +52,8 @@ from distlab.step_event import bytes_sent, comm, memory
 # (plotly 7 has no streaming API), and a faster rate only adds traffic, not information.
 POLL_S = 0.25
 WORLD_SIZES = (1, 2, 4)
+NODES = (1, 2)  # simulated nodes the panel offers (RunConfig.nodes)
+LINKS_MBIT = (25.0, 100.0, 400.0, 1000.0)  # their link's rate
 FLOOR_COLOR = "#555555"
 PEAK_COLOR = "#222222"
 BOOKED_COLOR = "#a5d8d3"  # what the algorithm books (distlab.comm), lighter ...
@@ -908,6 +910,9 @@ class ControlPanel:
             for name, widget in self.knobs.items():
                 read = name not in strategy_knobs() or reads(strategy, name)
                 widget.layout.display = None if read else "none"
+            if "link_mbit" in self.knobs and "nodes" in self.knobs:  # a link only between nodes
+                one = self.knobs["nodes"].value == 1
+                self.knobs["link_mbit"].layout.display = "none" if one else None
             self._fit(changed)
         finally:
             self._syncing = False
@@ -1086,6 +1091,12 @@ def _make_knobs(cfg: RunConfig) -> dict:
         "precision": choice("precision", PRECISIONS, "precision"),
         "global_batch": num(W.BoundedIntText, "global_batch", "global batch", min=1,
                             max=1 << 16),
+        # simulated nodes (distlab.caller.cluster_run; root only, else the host's loopback,
+        # said in the status): the ranks split over them, a link of link_mbit between
+        "nodes": W.Dropdown(options=sorted({*NODES, cfg.nodes}), value=cfg.nodes,
+                            description="nodes (simulated)", style=style),
+        "link_mbit": W.Dropdown(options=sorted({*LINKS_MBIT, cfg.link_mbit}),
+                                value=cfg.link_mbit, description="link (Mbit/s)", style=style),
         # the strategy knobs (distlab.parallel.strategy_knobs), in PANEL_FEATURES and KNOBS
         "allreduce": choice("allreduce", ALLREDUCE_ALGORITHMS, "all-reduce"),
         "tp": choice("tp", [cfg.tp], "tp (tensor-parallel ranks)"),

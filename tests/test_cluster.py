@@ -121,38 +121,6 @@ ARGS = {"strategy": "ddp", "steps": 6, "global_batch": 8, "n_layer": 2, "n_embd"
         "n_head": 2, "seq_len": 16}
 
 
-def test_torchrun_agents_one_per_node_train_as_one_process(tmp_path):
-    """Two nodes, one rank each, a 100 Mbit/s link: `torchrun -m distlab` started in each
-    node's namespace (c10d rendezvous at node 0) trains DDP to the losses of one process on
-    the same global batch, and the link's own counter saw at least every byte rank 0 wrote
-    (tolerance 1e-5: fp32, two 4-row means averaged against one 8-row mean)."""
-    from distlab import RunConfig, launch
-    from distlab.caller.run import Run
-    argv = ["-m", "distlab", "--run-dir", str(tmp_path / "run"), "--log-every", "0"]
-    for k, v in ARGS.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    with C.Cluster(nodes=2, link_mbit=100) as cluster:
-        agents = cluster.torchrun(1, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
-        outs = [a.communicate(timeout=180) for a in agents]
-        link = cluster.link_bytes(0)["sent"]
-    assert [a.returncode for a in agents] == [0, 0], [e[-2000:] for _, e in outs]
-    run = Run.load(str(tmp_path / "run"))
-    steps = run.history("step", rank=0)
-    # each rank logs the mean loss of its own 4 rows: their mean is the global batch's
-    mean = [(a["loss"] + b["loss"]) / 2 for a, b in zip(steps, run.history("step", rank=1))]
-    one = launch(RunConfig(**{**ARGS, "strategy": "single"}), block=True)
-    ref = [e["loss"] for e in one.history("step")]
-    assert len(mean) == len(ref) == ARGS["steps"]
-    assert max(abs(m - r) for m, r in zip(mean, ref)) <= 1e-5, (mean, ref)
-    wrote = sum(e["wire"]["sent"] for e in steps)  # the kernel's count of rank 0's writes
-    print(f"\nlosses within {max(abs(m - r) for m, r in zip(mean, ref)):.1e} of one process; "
-          f"node 0's link sent {link:,} bytes; rank 0 wrote {wrote:,} in its steps")
-    # the setup (broadcast of the weights: about one step's bytes), rendezvous and headers
-    assert wrote <= link <= 1.2 * wrote * (ARGS["steps"] + 1) / ARGS["steps"] + 65536
-    assert not ours()
-
-
 def test_a_node_that_dies_mid_run_ends_the_run_and_leaves_no_process(tmp_path):
     """Node 1 fails at step 3 (every process in it SIGKILLed): node 0's rank fails in its next
     collective and its agent exits non-zero. Killing only a torchrun agent leaves its rank

@@ -8,8 +8,8 @@ For each world size N:
    default RunConfig's GPT at one rank's batch (global_batch / N rows), with the threads a rank
    gets (cores // N); medians of --compute-reps timings.
 2. **α and β per collective kind** (all_reduce, all_gather, reduce_scatter) on N ranks: each
-   kind timed at 16 KiB to 4 MiB, t = α + B/β fitted by least squares (B: the bytes one call
-   sends per rank, the ring's count).
+   kind timed at 16 KiB to 4 MiB, t = α + B/β fitted by least squares on the relative error
+   (B: the bytes one call sends per rank, the ring's count).
 3. **Each strategy** (allreduce, ddp, zero1, zero2, zero3) trained --repeats times for
    --steps steps on N ranks (the first --warmup dropped): rank 0's step time and the seconds
    its collectives blocked it (distlab.comm books a blocking call's whole duration and an
@@ -76,17 +76,6 @@ def time_compute_together(rank, world, device, log, cfg_dict: dict, reps: int) -
     from distlab.config import RunConfig
 
     return time_compute(RunConfig.from_dict(cfg_dict), world, reps)
-
-
-def fit_relative(points: list) -> tuple[float, float]:
-    """t = α + B/β fitted to (B, t) points by least squares on the relative error (each row
-    divided by its t): small messages count as much as large ones."""
-    import numpy as np
-    B = np.array([p[0] for p in points], float)
-    t = np.array([p[1] for p in points], float)
-    A = np.stack([np.ones_like(B), B], axis=1) / t[:, None]
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
-    return float(alpha), float(1 / inv_beta) if inv_beta > 0 else float("inf")
 
 
 def time_collectives(rank, world, device, log, sizes: list, repeats: int) -> dict:
@@ -165,13 +154,15 @@ def median_booked(steps: list) -> dict:
 
 def fit_world(args, world, run_ranks, bench) -> dict:
     """α and β per collective kind on `world` ranks, printed with the fit's worst point."""
+    from distlab.comm import fit_alpha_beta
     from distlab.theory.step_time import AlphaBeta
 
     timed = run_ranks(bench.time_collectives, world, list(SIZES), args.coll_reps,
                       timeout_s=120)[0]
     fits = {}
     for kind, points in timed.items():
-        a, b = fit_relative(points)
+        a, b = fit_alpha_beta([p[0] for p in points], [p[1] for p in points],
+                              [1] * len(points), relative=True)
         fits[kind] = AlphaBeta(max(a, 0.0), b)
         worst = max(abs(fits[kind].seconds(1, B) / t - 1) for B, t in points)
         print(f"  {kind:<15} α {1e6 * fits[kind].alpha:7.1f} µs  β {b / 1e9:6.3f} GB/s  "

@@ -467,10 +467,14 @@ def naive_allreduce_time(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * (link.alpha_s + nbytes / link.bandwidth_Bps)
 
 
-def fit_alpha_beta(nbytes, seconds, n_messages) -> tuple[float, float]:
+def fit_alpha_beta(nbytes, seconds, n_messages, relative: bool = False) -> tuple[float, float]:
     """Least-squares fit of t = m·α + B/β to measurements, where m messages carried B bytes on
-    the busiest link. Returns (α seconds, β bytes/s)."""
+    the busiest link. Returns (α seconds, β bytes/s). relative: minimise the relative error
+    (each row divided by its t), so small messages count as much as large ones."""
     import numpy as np
+    t = np.asarray(seconds, float)
     A = np.stack([np.asarray(n_messages, float), np.asarray(nbytes, float)], axis=1)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.asarray(seconds, float), rcond=None)
+    if relative:
+        A, t = A / t[:, None], np.ones_like(t)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, t, rcond=None)
     return float(alpha), float(1.0 / inv_beta) if inv_beta > 0 else float("inf")

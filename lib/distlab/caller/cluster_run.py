@@ -29,6 +29,7 @@ import time
 from distlab.caller import cluster as cluster_mod
 from distlab.caller.flags import cli_args
 from distlab.caller.run import Run, RunError
+from distlab.events import tail
 
 LINKS_FILE = "links.json"
 LINK_SAMPLE_S = 0.5
@@ -193,7 +194,7 @@ class NodesRun(Run):
                 except (OSError, RuntimeError, ValueError):  # going down meanwhile
                     pass
             samples = list(self._link_samples)
-        counted = [(self._steps_by(t), sent) for t, sent in samples]
+        counted = [(self.steps_done(until=t), sent) for t, sent in samples]
         counted = [(n, sent) for n, sent in counted if n >= 1]
         if len({n for n, _ in counted}) < 2:
             return None
@@ -209,14 +210,6 @@ class NodesRun(Run):
             mean_b = sum(b) / len(b)
             out.append(sum((x - mean_n) * (y - mean_b) for x, y in zip(n, b)) / var)
         return out
-
-    def _steps_by(self, t: float) -> int:
-        """Steps every rank had logged as finished by time t."""
-        done = [0] * self.world_size
-        for e in self.history("step"):
-            if e["time"] <= t:
-                done[e["rank"]] += 1
-        return min(done)
 
     def _behind_a_timeout(self, codes: dict):
         """Run's diagnosis of a collective that timed out, with what only the cluster knows:
@@ -250,7 +243,8 @@ class NodesRun(Run):
     def _never_joined(self) -> RunError:
         """Which node never joined: its agent ended before the rendezvous did; the others
         waited RunConfig.timeout_s for it and gave up (torchrun's join timeout)."""
-        logs = {i: _tail(node_log_path(self.dir, i), 20000) for i in range(len(self.agents))}
+        logs = {i: tail(node_log_path(self.dir, i), 20000).strip() or "(nothing)"
+                for i in range(len(self.agents))}
         waited = [i for i, t in logs.items() if "RendezvousTimeoutError" in t]
         gone = [i for i in range(len(self.agents)) if i not in waited]
         codes = {i: self.agents[i].returncode for i in gone}
@@ -281,14 +275,7 @@ class NodesRun(Run):
         err = super()._root_cause(codes)
         if err.traceback:
             return err
-        said = "\n".join(f"node {i}'s agent: " + _tail(node_log_path(self.dir, i))
+        said = "\n".join(f"node {i}'s agent: "
+                         + (tail(node_log_path(self.dir, i), 2000).strip() or "(nothing)")
                          for i in range(len(self.agents)))
         return RunError(err.rank, f"{err.message}\n{said}", "", err.step)
-
-
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:].strip() or "(nothing)"
-    except OSError:
-        return "(no log)"

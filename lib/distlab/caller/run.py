@@ -138,11 +138,12 @@ class Run:
                 by_step.setdefault(e["step"], []).append(e["loss"])
         return [sum(v) / len(v) for _, v in sorted(by_step.items())]
 
-    def steps_done(self) -> int:
-        """Steps every rank has finished."""
+    def steps_done(self, until: float | None = None) -> int:
+        """Steps every rank has finished (by time `until`, from the events' own times)."""
         last = {r: -1 for r in range(self.world_size)}
         for e in self.history("step"):
-            last[e["rank"]] = max(last[e["rank"]], e["step"])
+            if until is None or e["time"] <= until:
+                last[e["rank"]] = max(last[e["rank"]], e["step"])
         return min(last.values()) + 1
 
     def info(self, key: str, default=None):

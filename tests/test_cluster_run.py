@@ -117,8 +117,8 @@ def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
 
 @needs_nodes
 def test_a_node_that_never_joins_is_named_within_the_timeout(tmp_path):
-    """Node 1's agent dies before the rendezvous completes: node 0's agent waits
-    RunConfig.timeout_s (torchrun's join timeout, set from it), and the error names node 1."""
+    """Node 1's agent dies before the rendezvous completes: the run fails at once (not after
+    the join timeout node 0 would wait), the error naming node 1."""
     import time
     cfg = RunConfig(strategy="ddp", world_size=4, steps=6, nodes=2, runs_root=str(tmp_path),
                     **{**TINY, "timeout_s": 5})
@@ -128,7 +128,7 @@ def test_a_node_that_never_joins_is_named_within_the_timeout(tmp_path):
     with pytest.raises(RunError, match=r"node\(s\) 1 left before it completed") as e:
         run.wait(timeout=120)
     assert time.time() - t0 < cfg.timeout_s + 30
-    assert "waited 5 s" in str(e.value) and "node(s) 0 waited" in str(e.value)
+    assert "node(s) 0 were still waiting" in str(e.value)
     assert_nothing_left()
 
 
@@ -138,7 +138,7 @@ def test_a_link_that_goes_down_fails_the_run_within_the_collective_timeout(tmp_p
     RunConfig.timeout_s, the run fails with a rank's traceback, and nothing is left."""
     import time
     cfg = RunConfig(strategy="ddp", world_size=4, steps=500, nodes=2, step_delay_s=0.05,
-                    runs_root=str(tmp_path), **{**TINY, "timeout_s": 5})
+                    runs_root=str(tmp_path), **{**TINY, "timeout_s": 8})
     run = launch(cfg)
     deadline = time.time() + 90
     while run.steps_done() < 2 and time.time() < deadline and not run.done:

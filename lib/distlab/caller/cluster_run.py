@@ -33,7 +33,15 @@ from distlab.events import tail
 
 LINKS_FILE = "links.json"
 LINK_SAMPLE_S = 0.5
+JOIN_MIN_S = 30.0
 RDZV_PORT = 29400  # torchrun's default; free inside a node's own namespace
+
+
+def join_timeout(cfg) -> float:
+    """How long an agent waits for every node (torchrun's join timeout; its default is 600 s):
+    RunConfig.timeout_s, but never under JOIN_MIN_S, the time an agent's own start (importing
+    torch) can take on a loaded machine."""
+    return max(cfg.timeout_s, JOIN_MIN_S)
 
 
 def node_log_path(run_dir: str, node: int) -> str:
@@ -62,13 +70,13 @@ def launch_on_nodes(cfg, run_dir: str) -> "NodesRun":
             cl = cluster_mod.Cluster(cfg.nodes, cfg.link_mbit).up()
             try:
                 agents = cl.torchrun(per_node, argv, port=RDZV_PORT, outputs=logs,
-                                     join_timeout_s=cfg.timeout_s)
+                                     join_timeout_s=join_timeout(cfg))
             except BaseException:
                 cl.down()
                 raise
             note = None
         else:
-            cl, agents = None, _host_agents(cfg.nodes, per_node, argv, logs, cfg.timeout_s)
+            cl, agents = None, _host_agents(cfg.nodes, per_node, argv, logs, join_timeout(cfg))
             note = (f"simulated nodes are not available here ({why}): the {cfg.nodes} nodes "
                     "ran on this machine's loopback with no link limit, so no figure of this "
                     "run measures a slow link")
@@ -240,19 +248,30 @@ class NodesRun(Run):
         return RunError(first["rank"], f"{msg}. Rank {first['rank']} timed out first",
                         first["traceback"], first.get("step"))
 
+    def _stalled(self):
+        """Also: an agent that ended before any rank started, seen at once (the others would
+        wait out the join timeout for its node)."""
+        if not self.history("start") and any(a.poll() not in (None, 0) for a in self.agents):
+            return self._never_joined()
+        return super()._stalled()
+
     def _never_joined(self) -> RunError:
         """Which node never joined: its agent ended before the rendezvous did; the others
-        waited RunConfig.timeout_s for it and gave up (torchrun's join timeout)."""
+        were still waiting, or waited the join timeout and gave up."""
         logs = {i: tail(node_log_path(self.dir, i), 20000).strip() or "(nothing)"
                 for i in range(len(self.agents))}
         waited = [i for i, t in logs.items() if "RendezvousTimeoutError" in t]
-        gone = [i for i in range(len(self.agents)) if i not in waited]
+        waiting = [i for i, a in enumerate(self.agents) if a.poll() is None]
+        gone = [i for i in range(len(self.agents)) if i not in waited and i not in waiting]
         codes = {i: self.agents[i].returncode for i in gone}
         said = "\n".join(f"node {i}'s agent: {logs[i][-1500:]}" for i in gone)
+        others = ([f"node(s) {', '.join(map(str, waiting))} were still waiting for it"]
+                  if waiting else [])
+        others += ([f"node(s) {', '.join(map(str, waited))} waited {join_timeout(self.cfg):g} s "
+                    "(torchrun's join timeout) and gave up"] if waited else [])
         return RunError(0, f"the nodes never all joined the rendezvous: node(s) "
                            f"{', '.join(map(str, gone))} left before it completed (agent exit "
-                           f"codes {codes}); node(s) {', '.join(map(str, waited))} waited "
-                           f"{self.cfg.timeout_s:g} s (RunConfig.timeout_s) and gave up. No "
+                           f"codes {codes}); {'; '.join(others) or 'no other node waited'}. No "
                            f"rank started.\n{said}", "", 0)
 
     def _read_links(self) -> list:

@@ -50,11 +50,13 @@ def assert_nothing_left():
 
 @needs_nodes
 def test_a_failing_rank_reaches_the_caller_and_the_nodes_go(tmp_path):
-    cfg = RunConfig(strategy="ddp", world_size=4, steps=6, nodes=2, fault="raise",
-                    fault_rank=3, fault_step=2, runs_root=str(tmp_path), **TINY)
-    with pytest.raises(RunError, match="rank 3") as e:
+    # one rank per node (as in the tests below): the fewest processes that still cross the
+    # link; each torchrun agent and rank imports torch, seconds of CI's 2 cores apiece
+    cfg = RunConfig(strategy="ddp", world_size=2, steps=6, nodes=2, fault="raise",
+                    fault_rank=1, fault_step=2, runs_root=str(tmp_path), **TINY)
+    with pytest.raises(RunError, match="rank 1") as e:
         launch(cfg, block=True)
-    assert e.value.rank == 3 and e.value.step == 2
+    assert e.value.rank == 1 and e.value.step == 2
     assert_nothing_left()
 
 
@@ -102,10 +104,12 @@ def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
     assert os.path.exists(os.path.join(on_nodes.dir, cluster_run.LINKS_FILE))
     # per step, what the dashboard draws: a ring's one edge out of each node carries
     # 2(N-1)/N of the gradients, 1.5x at N = 4, plus TCP/IP headers (measured 1.60-1.65x on
-    # this model); gloo may pick another algorithm for small messages (1.37x seen on another)
+    # this model under the suite's load); gloo picks its algorithm by size and timing, and on
+    # this 69 KB message it has also sent 1.37x and, on an idle machine, 1.08-1.10x. No
+    # algorithm sends less than the gradients (each node needs the other's sum), nor 2x
     per_step = on_nodes.link_bytes_per_step()
     assert per_step is not None and len(per_step) == 2
-    assert all(1.2 * grads <= b <= 2 * grads for b in per_step), (per_step, grads)
+    assert all(grads <= b <= 2 * grads for b in per_step), (per_step, grads)
     from distlab.lab.panel import LINK_NAME, LiveDashboard
     dash = LiveDashboard([on_nodes])
     dash.refresh()
@@ -120,7 +124,7 @@ def test_a_node_that_never_joins_is_named_within_the_timeout(tmp_path):
     """Node 1's agent dies before the rendezvous completes: the run fails at once (not after
     the join timeout node 0 would wait), the error naming node 1."""
     import time
-    cfg = RunConfig(strategy="ddp", world_size=4, steps=6, nodes=2, runs_root=str(tmp_path),
+    cfg = RunConfig(strategy="ddp", world_size=2, steps=6, nodes=2, runs_root=str(tmp_path),
                     **{**TINY, "timeout_s": 5})
     run = launch(cfg)
     run.agents[1].kill()  # the node never joins
@@ -137,7 +141,7 @@ def test_a_link_that_goes_down_fails_the_run_within_the_collective_timeout(tmp_p
     """Node 1's link goes down mid-run: the ranks' collectives time out after
     RunConfig.timeout_s, the run fails with a rank's traceback, and nothing is left."""
     import time
-    cfg = RunConfig(strategy="ddp", world_size=4, steps=500, nodes=2, step_delay_s=0.05,
+    cfg = RunConfig(strategy="ddp", world_size=2, steps=500, nodes=2, step_delay_s=0.05,
                     runs_root=str(tmp_path), **{**TINY, "timeout_s": 8})
     run = launch(cfg)
     deadline = time.time() + 90

@@ -7,6 +7,10 @@ parallelize_module with the model's own plan (Llama's config.base_model_tp_plan;
 Conv1D MLP layers). Optional: skipped where transformers is not installed (distlab does
 not depend on it; `pip install transformers` runs it).
 
+One launch of 2 ranks per model trains every way in turn, each from a freshly built model
+(building an HF model imports most of transformers, seconds per process on the 2-core CI
+machine: one launch per way cost 12 launches).
+
 Tolerance ATOL = 1e-5 as in tests/test_real_shapes.py: fp32, SGD lr 0.1, 3 steps; only the
 summation order differs (two 4-row means against one 8-row mean, equal token counts).
 """
@@ -19,6 +23,8 @@ from distlab import DistributedDataParallel, ZeroOptimizer, fully_shard, run_ran
 transformers = pytest.importorskip("transformers")
 
 ATOL, LR, ROWS, T, VOCAB = 1e-5, 0.1, 8, 16, 64
+WAYS = ("ddp", "zero1", "zero2", "fully_shard", "fully_shard, torch.optim.SGD",
+        "tensor parallel")
 
 
 def build(kind):
@@ -42,7 +48,7 @@ def train(model, opt, rank, world):
         opt.zero_grad()
 
 
-def sharded(rank, world, device, log, kind, how):
+def sharded(kind, how, rank, world):
     model = build(kind)
     if how == "ddp":
         model = DistributedDataParallel(model)
@@ -60,23 +66,11 @@ def sharded(rank, world, device, log, kind, how):
     return {k: v.clone() for k, v in inner.state_dict().items()}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_models_train_under_the_public_api_as_one_process(kind):
-    model = build(kind)
-    train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
-    ref = model.state_dict()
-    for how in ("ddp", "zero1", "zero2", "fully_shard", "fully_shard, torch.optim.SGD"):
-        for r, state in enumerate(run_ranks(sharded, 2, kind, how, timeout_s=120)):
-            worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
-            assert worst <= ATOL, (kind, how, r, worst)
-
-
-def tensor_parallel(rank, world, device, log, kind):
+def tensor_parallel(kind, world):
     """The model's own plan (Llama: config.base_model_tp_plan, strings relative to the base
     model) or GPT-2's Conv1D layers, its fused q|k|v c_attn split part by part (GPT-2 then
     splits the output by attn.split_size, set to this rank's width); every rank feeds the
-    whole batch under TP."""
+    whole batch under TP. The base model's full state (the lm_head is not split)."""
     from distlab import ColwiseParallel, parallelize_module
     from distlab.parallel.tensor.tp import full_state_dict
     model = build(kind)
@@ -92,13 +86,24 @@ def tensor_parallel(rank, world, device, log, kind):
     return {k: v.clone() for k, v in full_state_dict(base).items()}
 
 
+def every_way(rank, world, device, log, kind):
+    return {how: tensor_parallel(kind, world) if how == "tensor parallel"
+            else sharded(kind, how, rank, world) for how in WAYS}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_models_train_tensor_parallel_with_their_own_plan_as_one_process(kind):
+def test_hf_models_train_every_way_as_one_process(kind):
     model = build(kind)
     train(model, torch.optim.SGD(model.parameters(), lr=LR), 0, 1)
-    ref = (model.transformer if kind == "gpt2" else model.model).state_dict()
-    for r, state in enumerate(run_ranks(tensor_parallel, 2, kind, timeout_s=120)):
-        assert state.keys() == ref.keys(), (kind, r)
-        worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
-        assert worst <= ATOL, (kind, r, worst)
+    ref = model.state_dict()
+    base = model.transformer if kind == "gpt2" else model.model
+    ref_base = base.state_dict()
+    for r, states in enumerate(run_ranks(every_way, 2, kind, timeout_s=120)):
+        assert list(states) == list(WAYS)
+        for how, state in states.items():
+            want = ref_base if how == "tensor parallel" else ref
+            if how == "tensor parallel":  # TP's gathered names are the base model's own
+                assert state.keys() == want.keys(), (kind, r)
+            worst = max((state[k] - want[k]).abs().max().item() for k in want)
+            assert worst <= ATOL, (kind, how, r, worst)

@@ -9,7 +9,8 @@ counter. Prints seconds and link bytes per algorithm, the bytes the formula pred
 0's link (flat ring: 2(N-1)/N x S per ring edge that leaves the node, one per node; hierarchical:
 2(n-1)/n x S for the node's g ranks together), and the target:
 
-    hierarchical at least 1.3x faster than the flat ring (the link bytes predict 1.5x at 2 x 2)
+    hierarchical at least 1.3x faster than the flat ring (the link bytes predict 1.5x at 2 x 2),
+    both variants (g rings across the link, and one flow of the node's leaders)
 
 Exit status 0 when met, 1 when missed, 0 with a line saying why where simulated nodes cannot be
 made (not root).
@@ -58,12 +59,13 @@ def main() -> int:
         link = "n/a" if r["link_sent"] is None else f"{r['link_sent'] / 2**20:.2f}"
         print(f"{name:<24}{r['seconds']:>9.3f}{link:>15}"
               f"{'-' if p is None else f'{p / 2**20:.2f}':>13}")
-    best = min(("hierarchical", "hierarchical, one flow"), key=lambda k: res[k]["seconds"])
-    speedup = res["flat ring"]["seconds"] / res[best]["seconds"]
-    ok = speedup >= TARGET
-    print(f"{best} / flat ring speed-up {speedup:.2f}x (target at least {TARGET}x; the "
-          f"formula's bytes predict {predicted['flat ring'] / predicted[best]:.2f}x): "
-          f"{'met' if ok else 'NOT met'}")
+    ok = True
+    for name in ("hierarchical", "hierarchical, one flow"):
+        speedup = res["flat ring"]["seconds"] / res[name]["seconds"]
+        ok &= speedup >= TARGET
+        print(f"{name}: {speedup:.2f}x faster than the flat ring (target at least {TARGET}x; "
+              f"the formula's bytes predict {predicted['flat ring'] / predicted[name]:.2f}x): "
+              f"{'met' if speedup >= TARGET else 'NOT met'}")
     return 0 if ok else 1
 
 

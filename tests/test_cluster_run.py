@@ -106,10 +106,12 @@ def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
     # 2(N-1)/N of the gradients, 1.5x at N = 4, plus TCP/IP headers (measured 1.60-1.65x on
     # this model under the suite's load); gloo picks its algorithm by size and timing, and on
     # this 69 KB message it has also sent 1.37x and, on an idle machine, 1.08-1.10x. No
-    # algorithm sends less than the gradients (each node needs the other's sum), nor 2x
+    # algorithm sends less than the gradients (each node needs the other's sum), nor 2x; the
+    # figure is a slope fitted to counter readings, a few percent noisy (17's quick run, where
+    # the ring sends exactly the gradients, read 0.99x), hence 0.9
     per_step = on_nodes.link_bytes_per_step()
     assert per_step is not None and len(per_step) == 2
-    assert all(grads <= b <= 2 * grads for b in per_step), (per_step, grads)
+    assert all(0.9 * grads <= b <= 2 * grads for b in per_step), (per_step, grads)
     from distlab.lab.panel import LINK_NAME, LiveDashboard
     dash = LiveDashboard([on_nodes])
     dash.refresh()

@@ -30,7 +30,7 @@
 # byte crosses the throttled link. It needs root (network namespaces); without it this
 # notebook says so and measures nothing. Sections:
 #
-# 1. DDP on 2 nodes × 2 ranks against the same run on one machine, with each node's link on
+# 1. DDP on 2 nodes × 2 ranks (one each in CI's quick run) against the same run on one machine, with each node's link on
 #    the dashboard;
 # 2. the step time over a sweep of link speeds, against t(L) = t0 + bits per step / L;
 # 3. the closing table: what the textbook says, what this run measured;
@@ -44,6 +44,9 @@ QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
 # Every run trains RunConfig's GPT (0.82M parameters, 3.3 MB of fp32 gradients): enough bytes
 # that the transfer, not the compute, sets the step over these links
 STEPS = 8 if QUICK else 30  # section 1's run
+# Ranks: two per node; CI's quick run puts one on each node (each torchrun agent and rank
+# imports torch: seconds of its 2 cores apiece). The ring's factor 2(N−1)/N follows N.
+WORLD = 2 if QUICK else 4
 LINK = 100.0  # Mbit/s, section 1
 # Section 2: link speeds (Mbit/s) and steps per run
 LINKS = (100, 400) if QUICK else (25, 50, 100, 200, 400)
@@ -66,7 +69,7 @@ say("simulated nodes: available (root, iproute2)" if WHY is None else
 # %% [markdown]
 # ## 1. DDP on two nodes
 #
-# `RunConfig(nodes=2, link_mbit=...)` puts the world's ranks on two nodes, two each. The
+# `RunConfig(nodes=2, link_mbit=...)` puts the world's ranks on two nodes, half on each. The
 # dashboard is the usual one, with one more pair of bars in the bytes chart: **each node's
 # link**, from the link interface's own byte counter (per step), beside each rank's bytes.
 # The same config then runs on one machine: DDP computes the same thing wherever its ranks
@@ -74,7 +77,7 @@ say("simulated nodes: available (root, iproute2)" if WHY is None else
 
 # %%
 if WHY is None:
-    cfg = RunConfig(strategy="ddp", world_size=4, steps=STEPS, timeout_s=300)
+    cfg = RunConfig(strategy="ddp", world_size=WORLD, steps=STEPS, timeout_s=300)
     on_nodes = launch(cfg.replace(nodes=2, link_mbit=LINK))
     lab.watch(on_nodes)
     on_nodes.wait()
@@ -116,7 +119,7 @@ if WHY is None:
 
 # %%
 if WHY is None:
-    sweep_cfg = RunConfig(strategy="ddp", world_size=4, nodes=2, steps=SWEEP_STEPS,
+    sweep_cfg = RunConfig(strategy="ddp", world_size=WORLD, nodes=2, steps=SWEEP_STEPS,
                           timeout_s=300)
     rows = link_sweep(sweep_cfg, LINKS, warmup=WARMUP, done=[on_nodes])  # reuses section 1's
     fit = fit_link(rows)
@@ -136,18 +139,20 @@ if WHY is None:
 # %%
 if WHY is None:
     per_link = [b / grads for b in crossing]
+    ring = 2 * (WORLD - 1) / WORLD  # the ring's bytes per rank, in gradients (1.5 at N = 4)
     shares = [fit.counted / r.link_mbit / r.step_s for r in rows]
     rows_claims = [
         claim("DDP across nodes computes what it computes on one machine",
               "Li et al. 2020 (PyTorch DDP)",
-              f"2 nodes × 2 ranks vs one machine, {STEPS} steps: largest loss difference "
+              f"2 nodes × {WORLD // 2} rank(s) vs one machine, {STEPS} steps: largest loss "
+              f"difference "
               f"{loss_diff:.1e} (tolerance {LOSS_TOL:g})", loss_diff < LOSS_TOL),
         claim("each node's link carries 2(N−1)/N of the gradients per step, as a ring "
               "all-reduce sends", "Patarasuk & Yuan 2009",
-              f"each link sent {' and '.join(f'{x:.2f}' for x in per_link)}× the gradient "
-              "bytes per step (1.50× by the ring's formula, TCP/IP headers on top; gloo picks "
-              "its algorithm by message size)",
-              all(abs(x / 1.5 - 1) < 0.1 for x in per_link)),
+              f"N = {WORLD}: each link sent {' and '.join(f'{x:.2f}' for x in per_link)}× the "
+              f"gradient bytes per step ({ring:.2f}× by the ring's formula, TCP/IP headers on "
+              "top; gloo picks its algorithm by message size)",
+              all(abs(x / ring - 1) < 0.1 for x in per_link)),
         claim("over a slow link the step is compute plus bits / rate (α-β, β the link)",
               "Hockney 1994",
               f"fitted slope / counted bits per step = {fit.ratio:.2f} over "

@@ -231,6 +231,11 @@ def test_torchrun_restarts_workers_that_resume_on_their_own(refs, tmp_path):
     assert [e["kind"] for e in events].count("start") == 2  # torchrun started workers twice
     i = next(i for i, e in enumerate(events) if e["kind"] == "resume")
     assert events[i]["steps_done"] == 6  # the second attempt found step_000006 on its own
+    # torchrun's workers (env:// rendezvous, `python -m distlab`) train what a spawned launch
+    # trains, bit for bit: same data, same initial weights, gloo's all-reduce over the same
+    # two ranks; before the kill and after the resume
+    before = [e["loss"] for e in events[:i] if e["kind"] == "step"]
+    assert len(before) >= 6 and before == refs["allreduce"]["rank0_losses"][:len(before)]
     assert [e["loss"] for e in events[i:] if e["kind"] == "step"] == refs["allreduce"][
         "rank0_losses"][6:]
     assert_bitwise(final_tensors(str(run_dir / "checkpoints")),

@@ -279,6 +279,13 @@ def one_world(args, world, run_ranks, RunConfig, bench):
                   f"(target: at most 3%: {'met' if waited <= 0.03 * measured else 'NOT met'}); "
                   f"{statistics.median(x['prefetched'] for x in pf):.0f} of {pf[0]['gathers']} "
                   "issued ahead of need")
+            first = statistics.median(x["blocked_unprefetched_s"] for x in pf)
+            late = statistics.median(x["blocked_prefetched_s"] for x in pf)
+            worst = statistics.median(x["blocked_prefetched_max_s"] for x in pf)
+            print(f"{'':<10} of which: gathers issued only when needed (the step's first) "
+                  f"{1e3 * first:.2f} ms; prefetches that arrived late {1e3 * late:.2f} ms, "
+                  f"the longest wait {1e3 * worst:.2f} ms (a prefetch issued a unit ahead is "
+                  "late when gloo's thread waits for one of the cores the ranks compute on)")
     print("modelled exposed communication, its terms (ms):\n" + "\n".join(terms_lines))
     return rows
 

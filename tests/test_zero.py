@@ -311,6 +311,10 @@ def test_zero3_prefetches_and_frees(runs):
             p = e["zero"]["prefetch"]
             assert p["gathers"] == 2 * len(units)
             assert p["prefetched"] == 2 * len(units) - 1  # all but the first unit's in forward
+            # the blocked time splits into the gathers issued when needed and late prefetches
+            assert p["blocked_unprefetched_s"] + p["blocked_prefetched_s"] == pytest.approx(
+                p["blocked_s"], abs=1e-9)
+            assert 0 <= p["blocked_prefetched_max_s"] <= p["blocked_prefetched_s"] + 1e-12
             assert e["zero"]["gathered_peak_bytes"] <= 3 * biggest
             assert e["zero"]["grad_buffer_peak_bytes"] <= 2 * biggest
     e = out["zero3"]["events"][0][-1]["zero"]

@@ -93,7 +93,8 @@ bytes are reported as "optim_offloaded" instead of "optim", where they would liv
 **What a step event gets** (`step_info()["zero"]`): the stage, Ψ, ΣP_u and ΣS_u, the units
 (name, Ψ_u, P_u), the peak bytes of gathered parameters and of flat gradient buffers alive
 during the step, and for zero3 the all-gathers: how many were prefetched (issued before the
-compute needed them) and the seconds the compute was blocked waiting for them.
+compute needed them) and the seconds the compute was blocked waiting for them, split into the
+gathers issued only when needed and the prefetches that arrived late (with the longest wait).
 """
 
 from __future__ import annotations
@@ -266,9 +267,16 @@ class ZeRO(Strategy):
                             else "none")}
         if fsdp is not None:
             done = [g for g in fsdp.gathers if "blocked_s" in g]
+            late = [g["blocked_s"] for g in done if g["prefetched"]]
             info["prefetch"] = {"gathers": len(done),
                                 "prefetched": sum(g["prefetched"] for g in done),
-                                "blocked_s": sum(g["blocked_s"] for g in done)}
+                                "blocked_s": sum(g["blocked_s"] for g in done),
+                                # the split: gathers issued only when needed (the step's
+                                # first), and prefetches that had not arrived in time
+                                "blocked_unprefetched_s": sum(g["blocked_s"] for g in done
+                                                              if not g["prefetched"]),
+                                "blocked_prefetched_s": sum(late),
+                                "blocked_prefetched_max_s": max(late, default=0.0)}
             fsdp.gathers = []
             fsdp.peak = dict(fsdp.live)
         grads.grad_bytes_peak = grads.grad_bytes_live

@@ -145,8 +145,7 @@ if WHY is None:
         claim("DDP across nodes computes what it computes on one machine",
               "Li et al. 2020 (PyTorch DDP)",
               f"2 nodes × {WORLD // 2} rank(s) vs one machine, {STEPS} steps: largest loss "
-              f"difference "
-              f"{loss_diff:.1e} (tolerance {LOSS_TOL:g})", loss_diff < LOSS_TOL),
+              f"difference {loss_diff:.1e} (tolerance {LOSS_TOL:g})", loss_diff < LOSS_TOL),
         claim("each node's link carries 2(N−1)/N of the gradients per step, as a ring "
               "all-reduce sends", "Patarasuk & Yuan 2009",
               f"N = {WORLD}: each link sent {' and '.join(f'{x:.2f}' for x in per_link)}× the "

@@ -22,7 +22,7 @@ from distlab.parallel import FEATURES, KNOBS, strategies, strategy_class
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 MODELS = ("gpt", "bnnet")
-COMPRESSIONS = ("none", "topk")
+COMPRESSIONS = ("none", "topk", "powersgd")  # topk: ddp's; powersgd: ddp-torch's (torch's hook)
 LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
 CHECKPOINTING = ("none", "full", "selective")
 ALLREDUCE_ALGORITHMS = ("torch", "ring", "naive")
@@ -106,8 +106,15 @@ class RunConfig:
     dp_gather: str = "logits"  # dp: replicas return logits (loss on replica 0), or their "loss"
     pp_op_delay_s: float = 0.0  # pp/3d: a sleep per forward and backward op (bubble demos)
     bucket_mb: float = 0.25  # ddp: gradient bucket size cap, MiB (torch's default is 25)
-    compress: str = "none"  # ddp: gradient compression ("topk": top-k with error feedback)
+    # gradient compression: ddp "topk" (top-k with error feedback), ddp-torch "powersgd"
+    compress: str = "none"
     topk_ratio: float = 0.01  # fraction of each bucket's entries that topk sends
+    powersgd_rank: int = 2  # the rank r of PowerSGD's factors
+    # diloco: inner steps between averages, and the outer optimizer (SGD, Nesterov momentum);
+    # outer_lr=1, outer_momentum=0 is local SGD (distlab.parallel.data_parallel.diloco)
+    sync_every: int = 8
+    outer_lr: float = 0.7  # DiLoCo's (Douillard et al. 2023)
+    outer_momentum: float = 0.9
     backup_workers: int = 0  # ps-sync: extra workers; each step uses the first gradients to arrive
     # model: the tiny GPT (distlab.models.gpt), a small BatchNorm net (distlab.models.bnnet),
     # or yours: "package.module:function" or "file.py:function" (distlab.models.factory)

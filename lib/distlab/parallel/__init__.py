@@ -31,6 +31,7 @@ REGISTRY = {
     "ps-async": "distlab.parallel.data_parallel.ps:AsyncParameterServer",
     "ddp": "distlab.parallel.data_parallel.ddp:DDP",
     "ddp-torch": "distlab.parallel.data_parallel.ddp_torch:TorchDDP",
+    "diloco": "distlab.parallel.data_parallel.diloco:DiLoCo",
     # ZeRO and FSDP (parallel/zero/)
     "zero1": "distlab.parallel.zero.stages:ZeRO1",
     "zero2": "distlab.parallel.zero.stages:ZeRO2",
@@ -55,7 +56,9 @@ STRATEGIES = tuple(REGISTRY)
 KNOBS = {
     "allreduce": ("allreduce",),
     "dp_threads": ("dp",), "dp_gather": ("dp",),
-    "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp",), "topk_ratio": ("ddp",),
+    "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp", "ddp-torch"), "topk_ratio": ("ddp",),
+    "powersgd_rank": ("ddp-torch",),
+    "sync_every": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
     "microbatches": ("pp", "pp-torch", "3d"), "schedule": ("pp", "pp-torch", "3d"),
     "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
     "cp_ranks": ("cp",), "cp_layout": ("cp",), "cp_attention": ("cp",),

@@ -23,6 +23,8 @@ so the all-gather grows with N where the all-reduce does not: top-k pays off at 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 VALUE_BYTES = 4  # float32 value
@@ -67,3 +69,24 @@ class TopK:
         idx = rows[:, k:].contiguous().view(torch.int32).reshape(-1).long()
         out.zero_().index_add_(0, idx, values.to(out.dtype))  # scatter-add, rank order
         return out.div_(world)
+
+
+def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Entries PyTorch's PowerSGD hook all-reduces per step (torch's powerSGD_hook, after its
+    plain first steps): each gradient seen as an n×m matrix (n = its first dimension) travels as
+    P (n×r') and Q (m×r'), r' = min(n, m, rank), when that shrinks it by min_compression_rate;
+    vectors and the matrices it would not shrink enough travel whole."""
+    total = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = math.prod(shape) // n
+        r = min(n, m, rank)
+        compress = len(shape) > 1 and (n + m) * r * min_compression_rate < n * m
+        total += (n + m) * r if compress else n * m
+    return total
+
+
+def powersgd_bytes_per_rank(shapes, rank: int, world: int) -> float:
+    """Bytes one rank sends per step: ring all-reduces of those float32 entries,
+    2(N-1)/N x 4 x powersgd_numel (Patarasuk & Yuan 2009 for the ring's factor)."""
+    return 2 * (world - 1) / world * VALUE_BYTES * powersgd_numel(shapes, rank)

@@ -360,6 +360,12 @@ class DDP(ReplicatedDP):
     supports = ReplicatedDP.supports | {"no_buffer_broadcast"}
     _buffer_sum: float | None = None
 
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.compress not in ("none", "topk"):
+            raise ValueError(f"compress={cfg.compress!r}: ddp compresses with top-k ('topk'); "
+                             "PowerSGD is PyTorch's hook, under ddp-torch ('powersgd')")
+
     def wrap(self, model):
         cfg = self.cfg
         self.model = DistributedDataParallel(

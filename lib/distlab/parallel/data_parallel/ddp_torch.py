@@ -15,10 +15,26 @@ A communication hook replaces the Reducer's all-reduce with the same one through
 so the bytes and calls per rank are booked exactly as `ddp` books them (calls = buckets, bytes
 = the ring's 2(N-1)/N·S). Its `seconds` stay 0: the Reducer waits on the futures itself, inside
 backward.
+
+compress="powersgd": PyTorch's own PowerSGD hook (Vogels et al. 2019, "PowerSGD: Practical
+Low-Rank Gradient Compression for Distributed Optimization") replaces that one: each gradient
+matrix n×m travels as two rank-r factors P (n×r) and Q (m×r), one power iteration per step,
+warm-started from the last step's Q, with error feedback (what the factors missed is added to the
+next step's gradient); vectors (biases, norms) and matrices that r would not shrink at least 2×
+are all-reduced whole. r = RunConfig.powersgd_rank. Its first two steps are plain all-reduces
+(start_powerSGD_iter=2, the smallest torch allows with error feedback: the Reducer rebuilds its
+buckets after the first step). torch sends those bytes itself, unbooked: the kernel's counter
+sees them (distlab.wire); powersgd_bytes_per_rank (compression.py) is the formula.
+The hook issues each bucket's three all-reduces (whole tensors, P, Q) from the callbacks of the
+one before, on gloo's threads; with several buckets the ranks can interleave them in different
+orders, and gloo's pairs then receive a message of the wrong size (seen here, torch 2.13: "Received
+data size doesn't match expected size" at the first compressed step with 0.25 MiB buckets). So
+under powersgd the whole model is one bucket, whatever bucket_mb says.
 """
 
 from __future__ import annotations
 
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from distlab.parallel.data_parallel.allreduce import ReplicatedDP, read_batch
@@ -38,16 +54,34 @@ class TorchDDP(ReplicatedDP):
     name = "ddp-torch"
     books_all_traffic = False  # torch sends bytes of its own
 
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.compress not in ("none", "powersgd"):
+            raise ValueError(f"compress={cfg.compress!r}: ddp-torch compresses with PyTorch's "
+                             "PowerSGD hook ('powersgd'); top-k is ddp's ('topk')")
+        if not isinstance(cfg.powersgd_rank, int) or cfg.powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank={cfg.powersgd_rank!r} must be an integer >= 1")
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.bucket_bytes: list[int] = []  # this step's buckets, in launch order
 
     def wrap(self, model):
         device = next(model.parameters()).device
+        bucket_mb = self.cfg.bucket_mb
+        if self.cfg.compress == "powersgd":  # one bucket (the module's doc says why)
+            bucket_mb = max(bucket_mb, 1.01 * sum(p.numel() * p.element_size()
+                                                  for p in model.parameters()) / 2**20)
         ddp = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=self.cfg.bucket_mb, process_group=self.comm.group)
-        ddp.register_comm_hook(self, booked_allreduce_hook)
+            bucket_cap_mb=bucket_mb, process_group=self.comm.group)
+        if self.cfg.compress == "powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=self.comm.group, matrix_approximation_rank=self.cfg.powersgd_rank,
+                start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            ddp.register_comm_hook(self, booked_allreduce_hook)
         attach_comm(model, self.comm)  # our SyncBatchNorm (torch's needs a GPU to train)
         return ddp
 

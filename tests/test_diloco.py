@@ -65,11 +65,13 @@ def ours_and_torchs(rank, world, device, log, cfg_dicts):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     single = run_ranks(train_with_state, 1, [BASE.to_dict()], timeout_s=60)[0][0]
     cfgs = [EVERY_STEP, LOCAL_SGD, DILOCO, POWERSGD, POWERSGD.replace(compress="none")]
-    out = run_ranks(ours_and_torchs, 2, [c.to_dict() for c in cfgs], timeout_s=90)
-    return single, [o[0] for o in out], [o[1] for o in out]
+    run_dir = str(tmp_path_factory.mktemp("diloco"))
+    out = run_ranks(ours_and_torchs, 2, [c.to_dict() for c in cfgs], timeout_s=90,
+                    run_dir=run_dir)
+    return single, [o[0] for o in out], [o[1] for o in out], run_dir
 
 
 def _worst(a: dict, b: dict) -> float:
@@ -77,7 +79,7 @@ def _worst(a: dict, b: dict) -> float:
 
 
 def test_averaging_every_sgd_step_is_data_parallel(runs):
-    single, ours, _ = runs
+    single, ours, _, _ = runs
     for rank in ours:
         worst = _worst(rank[0]["state"], single["state"])
         print(f"diloco H=1, outer lr 1: worst parameter diff vs single {worst:.1e}")
@@ -85,7 +87,7 @@ def test_averaging_every_sgd_step_is_data_parallel(runs):
 
 
 def test_local_sgd_equals_torchs_periodic_model_averager(runs):
-    _, ours, torchs = runs
+    _, ours, torchs, _ = runs
     for rank, ref in zip(ours, torchs):
         worst = _worst(rank[1]["state"], ref)
         print(f"local SGD H={H}: worst parameter diff vs torch's averager {worst:.1e}")
@@ -98,7 +100,7 @@ def test_local_sgd_equals_torchs_periodic_model_averager(runs):
 
 
 def test_only_averaging_steps_communicate_the_whole_model(runs):
-    _, ours, _ = runs
+    _, ours, _, _ = runs
     model_bytes = 4 * sum(t.numel() for t in ours[0][1]["state"].values())
     for i in (1, 2):  # local SGD and DiLoCo move the same bytes
         for rank in ours:
@@ -114,7 +116,7 @@ def test_only_averaging_steps_communicate_the_whole_model(runs):
 
 
 def test_powersgd_starts_dense_then_sends_its_factors(runs):
-    _, ours, _ = runs
+    _, ours, _, _ = runs
     for rank in ours:
         compressed, dense = rank[3], rank[4]
         # the first two steps are plain all-reduces (start_powerSGD_iter=2): the same losses
@@ -123,14 +125,12 @@ def test_powersgd_starts_dense_then_sends_its_factors(runs):
         assert compressed["losses"][3:] != pytest.approx(dense["losses"][3:], abs=1e-6)
 
 
-def test_powersgd_bytes_on_the_wire_equal_the_formula(tmp_path):
-    run_dir = str(tmp_path)
-    run_ranks(train_with_state, 2, [POWERSGD.replace(steps=5).to_dict()], timeout_s=60,
-              run_dir=run_dir)
+def test_powersgd_bytes_on_the_wire_equal_the_formula(runs):
+    run_dir = runs[3]
     shapes = [tuple(p.shape) for p in GPT(GPTConfig.from_run(BASE)).parameters()]
     formula = powersgd_bytes_per_rank(shapes, POWERSGD.powersgd_rank, 2)
     for rank in range(2):
-        sent = [e["wire"]["sent"] for e in step_events_per_run(run_dir, rank)[0]]
+        sent = [e["wire"]["sent"] for e in step_events_per_run(run_dir, rank)[3]]
         print(f"rank {rank}: wire bytes per step {sent}; formula after step 1: {formula:.0f}")
         for s in sent[2:]:
             # on top of the formula, gloo's headers: a fixed size per message, not per byte

@@ -1,9 +1,13 @@
 """Notebook 17's helpers: DDP across simulated nodes over a sweep of link speeds, and the
-model the sweep tests, t(L) = t0 + (bits each link carries per step) / L.
+model the sweep tests, t(L) = t0 + (bits each link carries per step) / L; then the ways of
+sending fewer bytes over the link, raced as loss against time.
 
     rows = link_sweep(cfg, links=(25, 50, 100, 200), warmup=2)
     fit = fit_link(rows)          # t0, the measured slope, the slope the counted bytes predict
     link_figure(rows, fit).show()
+
+    race = slow_link_race(slow_link_ways(cfg))     # ddp, top-k, PowerSGD, local SGD, DiLoCo
+    race_figure(race, cfg.link_mbit).show()
 
 Every figure is measured: the step time is rank 0's step_s (a median after warm-up), the bytes
 are each node's link interface counter per step (distlab.caller.cluster_run). The model's one
@@ -97,3 +101,93 @@ def link_figure(rows: list[LinkRow], fit: LinkFit) -> go.Figure:
                       xaxis=dict(title="link speed (Mbit/s, log)", type="log"),
                       yaxis=dict(title="step time (ms, log)", type="log"))
     return fig
+
+
+@dataclass
+class RaceRow:
+    """One way of training over the slow link, measured."""
+    name: str
+    seconds: list[float]  # rank 0's wall clock at each step's end, from the first step's start
+    losses: list[float]  # per step, the mean over the ranks (each its own rows)
+    link_bytes: float  # bytes each node's link sent per step (mean over the nodes and steps)
+    grad_bytes: int
+    run_dir: str
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per step over the whole run (averaging steps included)."""
+        return self.seconds[-1] / len(self.seconds)
+
+    def final_loss(self, last: int = 5) -> float:
+        """The mean of the last `last` steps' losses (one step's loss is one batch's: noisy)."""
+        return statistics.mean(self.losses[-last:])
+
+
+def slow_link_ways(base, names=None) -> dict:
+    """The ways of training the race compares (name -> RunConfig), all from `base` (its
+    model, batch, steps, nodes and link): `names` picks some, in this order."""
+    ways = {
+        "ddp": base.replace(strategy="ddp"),
+        "ddp, top-k 1%": base.replace(strategy="ddp", compress="topk", topk_ratio=0.01),
+        "ddp-torch, PowerSGD r=2": base.replace(strategy="ddp-torch", compress="powersgd",
+                                                powersgd_rank=2),
+        "local SGD, H=8": base.replace(strategy="diloco", sync_every=8, outer_lr=1.0,
+                                       outer_momentum=0.0),
+        "DiLoCo, H=8": base.replace(strategy="diloco", sync_every=8),  # outer 0.7, Nesterov 0.9
+    }
+    return ways if names is None else {n: ways[n] for n in names}
+
+
+def slow_link_race(ways: dict, done: dict | None = None) -> list[RaceRow]:
+    """Train each RunConfig of `ways` (name -> config across nodes) in turn; `done`: name ->
+    a finished run to reuse. Every way trains the same model on the same global batches."""
+    done = done or {}
+    rows = []
+    for name, cfg in ways.items():
+        if cfg.nodes < 2:
+            raise ValueError(f"{name}: nodes={cfg.nodes}; the race runs across nodes (>= 2)")
+        run = done.get(name) or launch(cfg, block=True)
+        rows.append(race_row(name, run))
+    return rows
+
+
+def race_row(name: str, run) -> RaceRow:
+    events = run.history("step", rank=0)
+    start = events[0]["time"] - events[0]["step_s"]
+    per_step = run.link_bytes_per_step()
+    if per_step is None:
+        raise RuntimeError(f"{name}: the run was too short to count its links' bytes per step")
+    return RaceRow(name, [e["time"] - start for e in events], run.losses(),
+                   statistics.mean(per_step), run.info("n_params") * 4, run.dir)
+
+
+def race_figure(rows: list[RaceRow], link_mbit: float) -> go.Figure:
+    """Loss against wall-clock time, one line per way of training."""
+    fig = go.Figure()
+    for r in rows:
+        fig.add_scatter(x=r.seconds, y=r.losses, mode="lines+markers", marker=dict(size=4),
+                        name=f"{r.name}: {r.link_bytes / r.grad_bytes:.3f}x gradients per step",
+                        hovertemplate="%{x:.1f} s: loss %{y:.3f}<extra>" + r.name + "</extra>")
+    fig.update_layout(template="plotly_white", height=440, width=820,
+                      title=f"Training over a {link_mbit:g} Mbit/s link: loss against time "
+                            "(measured)",
+                      xaxis=dict(title="wall-clock seconds since the first step"),
+                      yaxis=dict(title="loss (mean over the ranks' rows)"))
+    return fig
+
+
+def race_target(row: RaceRow, window: int = 5) -> float:
+    """A loss the row's run reached: its loss half-way through, averaged over `window` steps
+    (the mean of the window ending at the middle step)."""
+    middle = max(len(row.losses) // 2, min(window, len(row.losses))) - 1
+    return statistics.mean(row.losses[max(0, middle - window + 1):middle + 1])
+
+
+def reach_time(row: RaceRow, target: float, window: int = 5) -> float | None:
+    """Wall-clock seconds at the first step where the loss, averaged over the last `window`
+    steps, is at most `target`; None if it never is."""
+    window = min(window, len(row.losses))
+    for i in range(window - 1, len(row.losses)):
+        if statistics.mean(row.losses[i - window + 1:i + 1]) <= target:
+            return row.seconds[i]
+    return None

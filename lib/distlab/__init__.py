@@ -12,7 +12,8 @@ from distlab.caller.launch import launch, run_ranks
 from distlab.caller.run import Run, RunError, RunStopped
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
-from distlab.parallel.zero.fsdp import MixedPrecisionPolicy, full_grad, fully_shard, grad_shard
+from distlab.parallel.zero.fsdp import (MixedPrecisionPolicy, full_grad, fully_shard, grad_shard,
+                                       replicate_gradients)
 from distlab.parallel.tensor.tp import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                         SequenceParallel, full_state_dict, parallelize_module)
 from distlab.parallel.pipeline.pp import PipelineSchedule
@@ -22,7 +23,7 @@ from distlab.parallel.expert.dispatch import (expert_parallel, expert_parallel_s
                                               reduce_expert_parallel_grads)
 
 __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "RunStopped", "resume",
-           "CheckpointError", "DistributedDataParallel", "ZeroOptimizer", "fully_shard",
+           "CheckpointError", "DistributedDataParallel", "ZeroOptimizer", "fully_shard", "replicate_gradients",
            "MixedPrecisionPolicy", "grad_shard", "full_grad", "parallelize_module",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
            "PipelineSchedule", "ContextParallel", "MoE", "expert_parallel",

@@ -80,6 +80,9 @@ class RunConfig:
     # zero3's units, comma-separated module names (a ModuleList's name: each of its items);
     # "": the model's own `fsdp_units` attribute if it has one, else the repeated blocks
     fsdp_units: str = ""
+    # fsdp-torch: ranks each shard group spans (0: all of them, FSDP; fewer: HSDP, shard inside
+    # groups of that many consecutive ranks, a node's, and replicate across the groups)
+    shard_ranks: int = 0
     grad_clip: float = 0.0  # clip gradients to this global norm (0: off)
     # model parallelism (distlab.parallel.tensor.tp / pipeline / mesh)
     tp: int = 1  # tensor-parallel degree

@@ -1125,6 +1125,8 @@ def _make_knobs(cfg: RunConfig) -> dict:
         "compress": choice("compress", COMPRESSIONS, "compression"),
         "topk_ratio": num(W.BoundedFloatText, "topk_ratio", "top-k ratio", min=1e-4, max=1,
                           step=0.01),
+        "shard_ranks": num(W.BoundedIntText, "shard_ranks", "shard ranks (0: all; HSDP)",
+                           min=0, max=1024),
         "powersgd_rank": num(W.BoundedIntText, "powersgd_rank", "PowerSGD rank", min=1,
                              max=1024),
         "sync_every": num(W.BoundedIntText, "sync_every", "steps between averages", min=1,

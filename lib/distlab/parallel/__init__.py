@@ -63,6 +63,7 @@ KNOBS = {
     "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
     "cp_ranks": ("cp",), "cp_layout": ("cp",), "cp_attention": ("cp",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
+    "shard_ranks": ("fsdp-torch",),
 }
 
 

@@ -8,6 +8,7 @@ algorithms distlab.comm books (an all-reduce 2(N-1)/N·S, a reduce-scatter or al
                                             Korthikanti et al. 2022
     predicted_bytes(cfg, rank)              `3d`: per group (dp, tp, pp) of the mesh
     messages_per_step, link_seconds         the α-β model's message counts and time on a link
+    hsdp_link_bytes(shard_bytes, g, n)      HSDP: what crosses from one node per step
 """
 
 from __future__ import annotations
@@ -142,3 +143,11 @@ def messages_per_step(cfg: RunConfig, rank: int) -> dict[str, int]:
 def link_seconds(nbytes: float, messages: int, link) -> float:
     """α-β: messages·α + bytes/β on one link (distlab.comm.Link)."""
     return messages * link.alpha_s + nbytes / link.bandwidth_Bps
+
+
+def hsdp_link_bytes(shard_bytes: float, ranks_per_node: int, nodes: int) -> float:
+    """Bytes one node sends to the others per step under HSDP (shard inside a node, replicate
+    across; Zhao et al. 2023, Section 3.2.2): each of its g ranks all-reduces its gradient
+    shards with the ranks holding the same shard on the n nodes, a ring's 2(n-1)/n of them;
+    the all-gathers and reduce-scatters stay inside the node."""
+    return ranks_per_node * 2 * (nodes - 1) / nodes * shard_bytes

@@ -404,8 +404,11 @@ def fsdp2_model_state_bytes(cfg: RunConfig, rank: int = 0) -> dict:
     rank r gets chunk r (an empty one past the last row), unpadded. fp32, 4 bytes a value.
     AdamW keeps exp_avg and exp_avg_sq of the local shard (8 bytes a value) and a 4-byte `step`
     counter for every parameter tensor on every rank (each rank steps every tensor's shard).
-    cfg.offload (CPUOffloadPolicy): the same bytes, all three under "*_offloaded"."""
-    n = cfg.world_size
+    cfg.offload (CPUOffloadPolicy): the same bytes, all three under "*_offloaded".
+    HSDP (cfg.shard_ranks = g): N = g, and the rank holds chunk r mod g (its group's ranks are
+    consecutive: init_device_mesh's (replicate, shard) layout)."""
+    n = cfg.shard_ranks or cfg.world_size
+    rank %= n
     with torch.device("meta"):
         params = list(GPT(GPTConfig.from_run(cfg)).parameters())
     local = 0

@@ -38,6 +38,12 @@ before fully_shard raises at step() (optimizer.py's guard rail): its parameters'
 (gradients live in the shards), so it would move nothing. `grad_shard(p)` is this rank's piece
 of p's mean gradient (a view of the unit's gradient shard), `full_grad(p)` the whole of it.
 
+**HSDP** (hybrid sharding; Zhao et al. 2023, Section 3.2.2): fully_shard over each node's ranks
+(comm = the node's group) and, between backward and the optimizer's step,
+`replicate_gradients(model, across)`: each gradient shard averaged over the ranks holding the same
+shard on the other nodes (across = distlab.parallel.data_parallel.hierarchical's inter group).
+The all-gathers and reduce-scatters then stay inside a node; only the shards' all-reduce crosses.
+
 **State dict.** `model.state_dict()` (every rank calls it) all-gathers each unit's shards:
 full tensors in the shards' dtype (fp32 under a bf16 policy), as FSDP2's full state dict.
 """
@@ -122,6 +128,33 @@ def full_grad(param: nn.Parameter) -> torch.Tensor:
     whole = u.grad_shard.new_empty(u.padded)
     state.comm.all_gather(whole, u.grad_shard)
     return u.piece(whole, i).view(param.shape).clone()
+
+
+def replicate_gradients(module: nn.Module, across: Comm) -> None:
+    """HSDP: average every unit's gradient shard over `across`, the ranks on the other nodes
+    that hold the same shard (one all-reduce per unit, 2(n-1)/n of the shard per rank). The
+    shards were each node's mean; equal rows per node make this the global batch's mean. Every
+    rank calls it after backward, before the optimizer's step (which then has nothing to
+    reduce)."""
+    state = _state(module, "replicate_gradients")
+    state.reduce_gradients()  # each node's reduce-scatters first
+    for u in state.units:
+        across.all_reduce(u.grad_shard, op="avg")
+
+
+def shard_bytes(module: nn.Module) -> int:
+    """Bytes of this rank's gradient shards (each unit's padded shard): what HSDP's
+    replicate_gradients all-reduces per step."""
+    return sum(u.grad_shard.numel() * u.grad_shard.element_size()
+               for u in _state(module, "shard_bytes").units)
+
+
+def _state(module: nn.Module, caller: str):
+    state = next((p._distlab_fsdp for p in module.parameters()
+                  if getattr(p, "_distlab_fsdp", None) is not None), None)
+    if state is None:
+        raise ValueError(f"{caller}: the module is not sharded by distlab.fully_shard")
+    return state
 
 
 def _reduced(param: nn.Parameter, caller: str):

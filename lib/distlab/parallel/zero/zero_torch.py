@@ -25,6 +25,15 @@ per group. RunConfig.precision bf16/fp16 sets MixedPrecisionPolicy(param_dtype=t
 reduce_dtype=float32); cfg.offload sets CPUOffloadPolicy(pin_memory=False) (pinned memory needs
 an accelerator). Its collectives are torch's own, not counted by Comm.
 
+HSDP (RunConfig.shard_ranks = g, fewer than the world): the mesh is 2-D, world/g replicas ×
+g shards (init_device_mesh((world // g, g), ("replicate", "shard"))), so each group of g
+consecutive ranks (a node, when a node holds g ranks) shards the model among itself and the
+groups replicate it: the all-gathers and reduce-scatters stay inside a group, and only the
+gradient shards' all-reduce crosses between groups, 2(n−1)/n × S/g per rank, n = world/g (Zhao
+et al. 2023, "PyTorch FSDP", Section 3.2.2, hybrid sharding). hsdp_bytes_per_link is that
+formula (distlab.theory.comm_bytes.hsdp_link_bytes)
+over FSDP2's padded shards (fsdp2_shard_bytes).
+
 Memory for both comes from local tensors: a DTensor counts its local shard (`to_local()`).
 With FSDP2's CPU offload, sharded parameters, gradients and optimizer state all live on the CPU:
 they are reported as params_offloaded / grads_offloaded / optim_offloaded.
@@ -36,6 +45,7 @@ all-gather on every rank), so `train_with_state` compares plain tensors with `si
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -113,12 +123,20 @@ class TorchZeRO1(TorchDDP):
 
 
 class TorchFSDP(Strategy):
-    """FSDP2: fully_shard per block, then the root."""
+    """FSDP2: fully_shard per block, then the root (HSDP with shard_ranks)."""
     name = "fsdp-torch"
     books_all_traffic = False  # torch sends bytes of its own
     supports = Strategy.supports | {"offload"}
     checkpoint_layout = "FSDP2 DTensors"
     checkpoint_format = "sharded"
+
+    @classmethod
+    def check_config(cls, cfg):
+        g = cfg.shard_ranks
+        if not isinstance(g, int) or g < 0 or (g and cfg.world_size % g):
+            raise ValueError(f"shard_ranks={g!r} must be 0 (shard over all {cfg.world_size} "
+                             f"ranks) or divide world_size={cfg.world_size} (HSDP: shard inside "
+                             "groups of that many ranks, replicate across the groups)")
 
     def wrap(self, model):
         from torch.distributed.device_mesh import init_device_mesh
@@ -129,7 +147,10 @@ class TorchFSDP(Strategy):
         with torch.no_grad():  # every rank starts from rank 0's weights
             for t in list(model.parameters()) + list(model.buffers()):
                 self.comm.broadcast(t.data, src=0)
-        mesh = init_device_mesh(device.type, (self.world,))
+        g = self.cfg.shard_ranks or self.world
+        mesh = (init_device_mesh(device.type, (self.world // g, g),
+                                 mesh_dim_names=("replicate", "shard"))  # HSDP
+                if g < self.world else init_device_mesh(device.type, (self.world,)))
         dtype = None if self.cfg.precision == "fp32" else dtype_of(self.cfg.precision)
         kwargs = {"mesh": mesh,
                   "mp_policy": (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -190,3 +211,12 @@ def _full_tensors(sd: dict):
     for k, v in sd.items():
         if hasattr(v, "full_tensor"):
             sd[k] = v.full_tensor()
+
+
+
+def fsdp2_shard_bytes(shapes, shard_ranks: int, element_bytes: int = 4) -> int:
+    """Bytes of one rank's gradient shards under FSDP2 sharding over `shard_ranks` ranks: each
+    parameter cut on dim 0, padded up to a multiple of the ranks (what its reduce-scatter
+    returns, and HSDP's all-reduce then sends)."""
+    return sum(-(-(s[0] if s else 1) // shard_ranks) * math.prod(s[1:])
+               for s in shapes) * element_bytes

@@ -18,11 +18,10 @@ status 0 when met, 1 when missed, 0 with a line saying why where simulated nodes
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
-from distlab.caller.cluster import Cluster, available
+from distlab.caller.cluster import available
+from distlab.lab.multi_node import hsdp_study
 
 TARGET = 0.02
 
@@ -38,16 +37,7 @@ def main() -> int:
     if why is not None:
         print(f"no simulated nodes here: {why}")
         return 0
-    with Cluster(args.nodes, args.mbit) as cluster:
-        agents = cluster.torchrun(args.ranks, ["-m", "distlab.studies.hsdp",
-                                               "--steps", str(args.steps)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        outs = [a.communicate(timeout=600) for a in agents]
-    if any(a.returncode for a in agents):
-        print("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs), file=sys.stderr)
-        return 1
-    res = json.loads(next(line for o, _ in outs for line in o.splitlines()
-                          if line.startswith("{")))["ways"]
+    res = hsdp_study(args.nodes, args.ranks, args.mbit, args.steps)
     print(f"{args.nodes} nodes x {args.ranks} ranks, {args.mbit:g} Mbit/s links; per step, "
           "node 0's link:")
     print(f"{'way':<24}{'seconds':>9}{'frames MB':>11}{'payload MB':>12}{'formula MB':>12}"

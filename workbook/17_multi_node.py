@@ -35,8 +35,9 @@
 # 2. the step time over a sweep of link speeds, against t(L) = t0 + bits per step / L;
 # 3. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
 #    as loss against time;
-# 4. the closing table: what the textbook says, what this run measured;
-# 5. a control panel with the nodes and the link as knobs, to try other layouts.
+# 4. HSDP: shard inside a node, replicate across, against sharding over every rank;
+# 5. the closing table: what the textbook says, what this run measured;
+# 6. a control panel with the nodes and the link as knobs, to try other layouts.
 
 # %% tags=["parameters"]
 import os
@@ -58,6 +59,8 @@ WARMUP = 2
 # CI's quick run races two of them
 RACE = (("ddp, top-k 1%", "DiLoCo, H=8") if QUICK else
         ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8"))
+# Section 4: steps per way of sharding (the first two are warm-up; the figures are medians)
+HSDP_STEPS = 3 if QUICK else 8
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same
 # four gradients may round differently in fp32's last bit across nodes; tests measure < 1e-5
 LOSS_TOL = 1e-5
@@ -66,8 +69,8 @@ LOSS_TOL = 1e-5
 from distlab import RunConfig, lab, launch
 from distlab.caller import cluster
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
-from distlab.lab.multi_node import (fit_link, link_figure, link_sweep, race_figure, race_target,
-                                    reach_time, slow_link_race, slow_link_ways)
+from distlab.lab.multi_node import (fit_link, hsdp_study, link_figure, link_sweep, race_figure,
+                                    race_target, reach_time, slow_link_race, slow_link_ways)
 
 WHY = cluster.available()  # None: simulated nodes can be made here
 say("simulated nodes: available (root, iproute2)" if WHY is None else
@@ -177,14 +180,46 @@ if WHY is None:
 
 # %% [markdown]
 # Reading it: each way sends a small fraction of DDP's bytes, so its steps are several times
-# shorter. (Bytes per step are the slope of each link's counter over the steps done; for the
-# ways that send in bursts, every 8th step, that slope moves by up to a fifth from run to run:
-# local SGD and DiLoCo send the same bytes.) Whether that buys time depends on how much worse each step's update is: top-k's
+# shorter. (Bytes per step: each node's link counter, read by its ranks at every step's end,
+# from the end of the first step to the end of the last, over the steps between.) Whether that buys time depends on how much worse each step's update is: top-k's
 # error memory delivers every gradient entry eventually; PowerSGD was designed and measured
 # with SGD and momentum, and here the optimizer is AdamW, whose per-entry scaling
 # (1/√v) turns a low-rank gradient's small entries into full-size steps; local SGD and
 # DiLoCo move the replicas apart for H steps and pay once for the whole model.
 #
+# ## 4. HSDP: shard inside a node, replicate across
+#
+# Sharding the model over every rank (ZeRO-3, FSDP) puts its all-gathers and reduce-scatters
+# on the slow link: each step crosses it with the parameters twice (forward and backward) and
+# the gradients once. **HSDP** (hybrid sharding; Zhao et al. 2023, PyTorch FSDP, §3.2.2)
+# shards inside each node and keeps a replica per node: the gathers stay on the node's fast
+# tier, and only the gradient shards are all-reduced across nodes. A node's g ranks each send
+# 2(n−1)/n of their shard, so the node sends **g · 2(n−1)/n · (its shard's bytes)** per step:
+# the whole gradient once at n = 2.
+#
+# Four ways train the same GPT with SGD on the same batches, on 2 nodes × 2 ranks over the
+# same 100 Mbit/s link: our `fully_shard` over a node's ranks plus `replicate_gradients`
+# across nodes, FSDP2's `fully_shard` on a 2-D device mesh (`RunConfig(strategy="fsdp-torch",
+# shard_ranks=2)` is the same in the training loop), and both sharding over all four ranks.
+# Each step's bytes come from node 0's link counters read by its rank between barriers;
+# **payload** is the frames less their headers (66 bytes a packet: Ethernet, IPv4, TCP with
+# timestamps).
+
+# %%
+if WHY is None:
+    hsdp = hsdp_study(nodes=2, ranks=2, link_mbit=LINK, steps=HSDP_STEPS)
+    table(["way", "step (ms)", "link frames per step", "payload per step", "formula",
+           "payload / formula"],
+          [[name, f"{1e3 * r['seconds']:.0f}", fmt_bytes(r["frames"]), fmt_bytes(r["payload"]),
+            "—" if r["formula"] is None else fmt_bytes(r["formula"]),
+            "—" if r["formula"] is None else f"{r['payload'] / r['formula']:.4f}"]
+           for name, r in hsdp.items()])
+    hsdp_losses = [r["losses"] for r in hsdp.values()]
+    hsdp_diff = max(abs(a - b) for run in hsdp_losses for a, b in zip(run, hsdp_losses[0]))
+    say(f"largest loss difference between the four ways over {HSDP_STEPS} steps: "
+        f"{hsdp_diff:.1e} (the same SGD steps, summed in other orders)")
+
+# %% [markdown]
 # ## What the textbook says, what this run measured
 
 # %%
@@ -219,7 +254,6 @@ if WHY is None:
     by = {r.name: r for r in race}
     topk, diloco = by["ddp, top-k 1%"], by["DiLoCo, H=8"]
     H = slow_link_ways(on_nodes.cfg)["DiLoCo, H=8"].sync_every
-    averages = -(-len(diloco.losses) // H)  # every H-th step and the last
     rows_claims += [
         claim("gradient compression (top-k sparsification) speeds up training over a slow "
               "network (an interview answer)", "Lin et al. 2018 (Deep Gradient Compression)",
@@ -230,17 +264,32 @@ if WHY is None:
               reach[topk.name] is not None and reach[topk.name] < reach["ddp"]),
         claim("averaging every H steps sends H× fewer bytes than averaging every step",
               "Douillard et al. 2023 (DiLoCo); Stich 2019 (local SGD)",
-              f"H = {H}, {len(diloco.losses)} steps, {averages} averages (the last step "
-              f"averages too): DDP's link bytes per step / DiLoCo's = "
-              f"{ddp_row.link_bytes / diloco.link_bytes:.2f}, steps / averages = "
-              f"{len(diloco.losses) / averages:.2f} (within 15%)",
-              abs(ddp_row.link_bytes / diloco.link_bytes / (len(diloco.losses) / averages) - 1)
-              < 0.15),
+              f"H = {H}: over steps 2–{len(diloco.losses)}, DDP averaged at each of "
+              f"{len(diloco.losses) - 1} steps, DiLoCo at {diloco.averages} (the last step "
+              f"averages too): DDP's link bytes / DiLoCo's = "
+              f"{ddp_row.link_bytes / diloco.link_bytes:.2f}, against "
+              f"{(len(diloco.losses) - 1) / diloco.averages:.2f} (within 5%)",
+              abs(ddp_row.link_bytes / diloco.link_bytes
+                  / ((len(diloco.losses) - 1) / diloco.averages) - 1) < 0.05),
         claim("DiLoCo reaches the loss of synchronous training with far less communication",
               "Douillard et al. 2023",
               f"{len(diloco.losses)} steps, H = {H}: final loss {diloco.final_loss():.3f} "
               f"against DDP's {ddp_row.final_loss():.3f} (within 5%)",
               diloco.final_loss() <= 1.05 * ddp_row.final_loss()),
+    ]
+    hsdp_ratios = {k: r["payload"] / r["formula"] for k, r in hsdp.items() if r["formula"]}
+    full_shard = hsdp["FSDP2, over all ranks"]
+    rows_claims += [
+        claim("HSDP sends across nodes only the gradient shards' all-reduce: "
+              "g · 2(n−1)/n · shard bytes per node and step", "Zhao et al. 2023 (PyTorch FSDP)",
+              "payload / formula: " + ", ".join(f"{k} {v:.4f}" for k, v in hsdp_ratios.items())
+              + " (within 2%)", all(abs(v - 1) <= 0.02 for v in hsdp_ratios.values())),
+        claim("across a slow link, shard inside a node and replicate across (HSDP) rather than "
+              "shard over every rank", "Zhao et al. 2023 (PyTorch FSDP)",
+              f"FSDP2: HSDP's link payload {hsdp['FSDP2, HSDP']['payload'] / full_shard['payload']:.2f}× "
+              f"and step {hsdp['FSDP2, HSDP']['seconds'] / full_shard['seconds']:.2f}× "
+              "sharding over all 4 ranks'",
+              hsdp["FSDP2, HSDP"]["seconds"] < full_shard["seconds"]),
     ]
     if "ddp-torch, PowerSGD r=2" in by:
         power = by["ddp-torch, PowerSGD r=2"]

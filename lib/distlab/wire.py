@@ -124,3 +124,18 @@ class Ledger:
 
 
 LEDGER = Ledger()  # one per process: a rank's Comm objects (one per mesh group) share it
+
+
+def link_counters(dev: str | None) -> dict | None:
+    """What the network interface `dev` has sent: {"dev", "sent": bytes, "packets": frames}, from its
+    own counters (/sys/class/net/<dev>/statistics). In a simulated node (distlab.caller.cluster)
+    GLOO_SOCKET_IFNAME names the node's link, so two readings bracket what every rank of the
+    node sent across it. None without a device or where it cannot be read."""
+    if not dev:
+        return None
+    try:
+        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as b, \
+                open(f"/sys/class/net/{dev}/statistics/tx_packets") as p:
+            return {"dev": dev, "sent": int(b.read()), "packets": int(p.read())}
+    except OSError:
+        return None

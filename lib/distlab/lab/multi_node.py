@@ -112,6 +112,7 @@ class RaceRow:
     link_bytes: float  # bytes each node's link sent per step (mean over the nodes and steps)
     grad_bytes: int
     run_dir: str
+    averages: int  # diloco: steps after the first that averaged (the bytes' window); else 0
 
     @property
     def step_s(self) -> float:
@@ -154,11 +155,33 @@ def slow_link_race(ways: dict, done: dict | None = None) -> list[RaceRow]:
 def race_row(name: str, run) -> RaceRow:
     events = run.history("step", rank=0)
     start = events[0]["time"] - events[0]["step_s"]
-    per_step = run.link_bytes_per_step()
+    per_step = steps_link_bytes(run)
     if per_step is None:
-        raise RuntimeError(f"{name}: the run was too short to count its links' bytes per step")
+        raise RuntimeError(f"{name}: its step events carry no link counters (a run across "
+                           "simulated nodes logs them) or it ran fewer than 2 steps")
+    averages = sum(1 for e in events[1:] if e.get("diloco", {}).get("synced"))
     return RaceRow(name, [e["time"] - start for e in events], run.losses(),
-                   statistics.mean(per_step), run.info("n_params") * 4, run.dir)
+                   statistics.mean(per_step), run.info("n_params") * 4, run.dir, averages)
+
+
+def steps_link_bytes(run) -> list[float] | None:
+    """Bytes each node's link sent per step, from the counters its ranks read at each step's
+    end (distlab.rank.step_meter): per node (link device), the lowest rank's readings, from the
+    end of the first step to the end of the last, over the steps between. Every step after
+    the first is in it whole, whatever it sends when (a DiLoCo average every 8th step)."""
+    first_rank: dict[str, int] = {}
+    for e in run.history("step"):
+        if "link" in e:
+            dev = e["link"]["dev"]
+            first_rank[dev] = min(first_rank.get(dev, e["rank"]), e["rank"])
+    out = []
+    for dev, rank in sorted(first_rank.items()):
+        ev = [e for e in run.history("step", rank=rank) if "link" in e]
+        if len(ev) < 2:
+            return None
+        sent = ev[-1]["link"]["sent"] - ev[0]["link"]["sent"]
+        out.append(sent / (ev[-1]["step"] - ev[0]["step"]))
+    return out or None
 
 
 def race_figure(rows: list[RaceRow], link_mbit: float) -> go.Figure:
@@ -191,3 +214,23 @@ def reach_time(row: RaceRow, target: float, window: int = 5) -> float | None:
         if statistics.mean(row.losses[i - window + 1:i + 1]) <= target:
             return row.seconds[i]
     return None
+
+
+def hsdp_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0, steps: int = 6,
+               timeout_s: float = 600) -> dict:
+    """distlab.studies.hsdp in simulated nodes: one torchrun agent per node, the four ways of
+    sharding (ours and FSDP2's, HSDP and over all ranks) timed with node 0's link counted.
+    Returns the study's result per way ("seconds", "frames", "payload", "formula", "losses");
+    raises RuntimeError with the nodes' output if one failed. Needs root (the cluster)."""
+    import json
+    import subprocess
+
+    from distlab.caller.cluster import Cluster
+    with Cluster(nodes, link_mbit) as cluster:
+        agents = cluster.torchrun(ranks, ["-m", "distlab.studies.hsdp", "--steps", str(steps)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = [a.communicate(timeout=timeout_s) for a in agents]
+    if any(a.returncode for a in agents):
+        raise RuntimeError("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs))
+    return json.loads(next(line for o, _ in outs for line in o.splitlines()
+                           if line.startswith("{")))["ways"]

@@ -12,10 +12,16 @@ activations saved for backward (ActivationMeter), communication buffers (distlab
 opt-in extras: autocast's weight copies, the per-step peak of aten-allocated bytes
 (RunConfig.track_peak, ~20% step time on this CPU), torch.cuda.max_memory_allocated on a GPU
 (and memory_allocated at the step's end).
+
+Across nodes (GLOO_SOCKET_IFNAME names the node's link, as distlab.caller.cluster sets it), each
+step event also carries the link's counters at the step's end ("link": bytes and frames sent,
+distlab.wire.link_counters): the difference between two steps' readings on one node is what
+the node's ranks sent across the link between them, with no sampling from outside.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -33,6 +39,7 @@ class StepMeter:
         if self.peak is not None:
             self.peak.adopt([*model.parameters(), *model.buffers()])
         self.t0 = 0.0
+        self.link = os.environ.get("GLOO_SOCKET_IFNAME")  # the node's link, across nodes
 
     @property
     def peak_label(self) -> str | None:
@@ -73,4 +80,8 @@ class StepMeter:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
             # live at the step's end (before zero_grad): what stays on the device between steps
             memory["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
-        return {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire}
+        out = {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire}
+        link = wire.link_counters(self.link)
+        if link is not None:
+            out["link"] = link
+        return out

@@ -40,18 +40,9 @@ from distlab.parallel.zero.fsdp import fully_shard, replicate_gradients, shard_b
 from distlab.parallel.zero.stages import find_units
 from distlab.parallel.zero.zero_torch import fsdp2_shard_bytes
 from distlab.theory.comm_bytes import hsdp_link_bytes
+from distlab.wire import link_counters
 
 WAYS = ("ours, HSDP", "FSDP2, HSDP", "ours, over all ranks", "FSDP2, over all ranks")
-
-
-def link_counters(dev: str) -> tuple[int, int] | None:
-    """(bytes, packets) the interface has sent; None where it cannot be read."""
-    try:
-        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as b, \
-                open(f"/sys/class/net/{dev}/statistics/tx_packets") as p:
-            return int(b.read()), int(p.read())
-    except OSError:
-        return None
 
 
 @dataclass
@@ -122,8 +113,8 @@ def measure(way: str, cfg: RunConfig, steps: int, warmup: int) -> dict:
         seconds.append(time.perf_counter() - t0)
         c1 = link_counters(dev)
         if c0 is not None:
-            frames.append(c1[0] - c0[0])
-            payload.append(c1[0] - c0[0] - FRAME_HEADER_BYTES * (c1[1] - c0[1]))
+            frames.append(c1["sent"] - c0["sent"])
+            payload.append(frames[-1] - FRAME_HEADER_BYTES * (c1["packets"] - c0["packets"]))
         loss_sum = loss.clone()
         dist.all_reduce(loss_sum)  # the global batch's loss: the mean of equal slices
         losses.append(loss_sum.item() / world)

@@ -26,14 +26,7 @@ import torch.distributed as dist
 from distlab.comm import Comm
 from distlab.parallel.data_parallel.hierarchical import (hierarchical_all_reduce,
                                                         leader_all_reduce, node_groups)
-
-
-def _link_sent(dev: str) -> int | None:
-    try:
-        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return None
+from distlab.wire import link_counters
 
 
 def measure(mib: float, repeats: int) -> dict:
@@ -54,14 +47,14 @@ def measure(mib: float, repeats: int) -> dict:
             # the counter is read before the barrier: after it, the other ranks may already be
             # sending (CI caught 53 KB of a 1.5 MB ring missed that way); the barrier's own few
             # hundred bytes are counted instead
-            b0 = _link_sent(dev)
+            b0 = link_counters(dev)
             dist.barrier()
             t0 = time.perf_counter()
             run()
             dist.barrier()  # every rank done: the slowest rank's time is the all-reduce's
             seconds.append(time.perf_counter() - t0)
-            b1 = _link_sent(dev)
-            link.append(None if b0 is None else b1 - b0)
+            b1 = link_counters(dev)
+            link.append(None if b0 is None else b1["sent"] - b0["sent"])
         out[name] = {"seconds": statistics.median(seconds),
                      "link_sent": None if None in link else statistics.median(link)}
     return out

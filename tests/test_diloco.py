@@ -59,19 +59,35 @@ def torch_local_sgd(cfg, rank, world):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def one_process(cfg) -> dict:
+    """`single`'s run of cfg written out: the whole global batch, one model, SGD."""
+    from distlab.data.dataset import make_data
+    from distlab.rank.build import build_model, build_optimizer
+    torch.manual_seed(cfg.seed)
+    model, data = build_model(cfg), make_data(cfg)
+    optimizer = build_optimizer(cfg, model.parameters())
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        model(*data.rank_batch(step, cfg.global_batch, 0, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
 def ours_and_torchs(rank, world, device, log, cfg_dicts):
     ours = train_with_state(rank, world, device, log, cfg_dicts)
-    return ours, torch_local_sgd(LOCAL_SGD, rank, world)
+    single = one_process(BASE) if rank == 0 else None  # in the same launch: one fewer
+    return ours, torch_local_sgd(LOCAL_SGD, rank, world), single
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    single = run_ranks(train_with_state, 1, [BASE.to_dict()], timeout_s=60)[0][0]
     cfgs = [EVERY_STEP, LOCAL_SGD, DILOCO, POWERSGD, POWERSGD.replace(compress="none")]
     run_dir = str(tmp_path_factory.mktemp("diloco"))
     out = run_ranks(ours_and_torchs, 2, [c.to_dict() for c in cfgs], timeout_s=90,
                     run_dir=run_dir)
-    return single, [o[0] for o in out], [o[1] for o in out], run_dir
+    return out[0][2], [o[0] for o in out], [o[1] for o in out], run_dir
 
 
 def _worst(a: dict, b: dict) -> float:

@@ -28,7 +28,7 @@ CFG = RunConfig(optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2, 
 
 def every_way_and_one_process(rank, world, device, log):
     from distlab.data.dataset import make_data
-    from distlab.studies.hsdp import WAYS, build
+    from distlab.studies.hsdp import WAYS, build, measure
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it: 2 nodes of 2
     data = make_data(CFG)
     out = {}
@@ -38,6 +38,8 @@ def every_way_and_one_process(rank, world, device, log):
             way.step(*data.rank_batch(step, CFG.global_batch, rank, world))
         out[name] = {"state": way.full_state(), "shard_bytes": way.shard_bytes,
                      "across": None if way.across is None else way.across.snapshot()}
+    # benchmarks/hsdp_link.py's rank side, on loopback (lo carries every rank's bytes)
+    out["measured"] = {name: measure(name, CFG, 3, 1) for name in WAYS}
     # the training loop's HSDP: RunConfig(strategy="fsdp-torch", shard_ranks=2)
     loop = CFG.replace(strategy="fsdp-torch", world_size=4, shard_ranks=2, steps=STEPS)
     out["fsdp-torch, shard_ranks=2"] = train_with_state(rank, world, device, log,
@@ -63,7 +65,7 @@ def test_every_way_matches_one_process(ranks):
     single = ranks[0]["single"]
     for r, out in enumerate(ranks):
         for name, res in out.items():
-            if name == "single":
+            if name in ("single", "measured"):
                 continue  # the training loop's fsdp-torch with shard_ranks is among the others
             worst = max((res["state"][k] - v).abs().max().item() for k, v in single.items())
             print(f"rank {r} {name}: worst parameter diff vs one process {worst:.1e}")
@@ -86,6 +88,21 @@ def test_only_the_shards_all_reduce_crosses_nodes_and_it_is_the_formula(ranks):
     grads = 4 * sum(torch.Size(s).numel() for s in shapes)
     assert hsdp_link_bytes(ranks[0]["FSDP2, HSDP"]["shard_bytes"], 2, 2) == grads
     assert hsdp_link_bytes(ranks[0]["ours, HSDP"]["shard_bytes"], 2, 2) == grads
+
+
+def test_the_link_study_times_each_way_and_reads_the_counter(ranks):
+    """distlab.studies.hsdp's measure: on lo every rank's bytes pass the one counter, so each
+    way's frames per step are at least its own shards' all-reduce (the HSDP formula)."""
+    measured = ranks[0]["measured"]
+    for name, r in measured.items():
+        assert r["seconds"] > 0 and len(r["losses"]) == 3, name
+        assert r["payload"] <= r["frames"], name  # headers come off
+        if r["formula"] is not None:
+            assert r["payload"] >= r["formula"], (name, r)
+    # the same SGD steps whichever way: the losses agree
+    first = measured["ours, HSDP"]["losses"]
+    for r in measured.values():
+        assert r["losses"] == pytest.approx(first, abs=1e-5)
 
 
 def test_bad_shard_ranks_are_refused_before_anything_starts():

@@ -12,6 +12,7 @@ packets for the payload, distlab.caller.cluster.FRAME_HEADER_BYTES each):
 benchmarks/hsdp_link.py runs it in simulated nodes (distlab.caller.cluster):
 
     torchrun --nnodes 2 --nproc-per-node 2 ... -m distlab.studies.hsdp --steps 6
+             [--ways "FSDP2, HSDP" ...] [--n-layer 4 --n-embd 128]  (RunConfig's GPT, SGD)
 
 Rank 0 prints one JSON line: per way, node 0's link frames and payload per step (medians after
 --warmup steps), the seconds per step, the losses, and for the HSDP ways the formula's bytes
@@ -131,12 +132,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    ap.add_argument("--n-layer", type=int, default=RunConfig.n_layer)
+    ap.add_argument("--n-embd", type=int, default=RunConfig.n_embd)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    cfg = RunConfig(optimizer="sgd", lr=0.1)  # the default GPT, 0.82M parameters
+    cfg = RunConfig(optimizer="sgd", lr=0.1, n_layer=args.n_layer, n_embd=args.n_embd)
     result = {"world": dist.get_world_size(), "ranks_per_node": os.environ.get("LOCAL_WORLD_SIZE"),
               "interface": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-              "ways": {way: measure(way, cfg, args.steps, args.warmup) for way in WAYS}}
+              "ways": {way: measure(way, cfg, args.steps, args.warmup) for way in args.ways}}
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.barrier()

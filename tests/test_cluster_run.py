@@ -112,6 +112,17 @@ def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
     per_step = on_nodes.link_bytes_per_step()
     assert per_step is not None and len(per_step) == 2
     assert all(0.9 * grads <= b <= 2 * grads for b in per_step), (per_step, grads)
+    # the same from the counters the ranks read at each step's end (notebook 17's race): no
+    # sampling, so the physical floor holds exactly (each node needs the other's sum)
+    from distlab.lab.multi_node import race_row, race_target, reach_time, steps_link_bytes
+    by_ranks = steps_link_bytes(on_nodes)
+    assert by_ranks is not None and len(by_ranks) == 2
+    assert all(grads <= b <= 2 * grads for b in by_ranks), (by_ranks, grads)
+    row = race_row("ddp", on_nodes)
+    assert row.link_bytes == pytest.approx(sum(by_ranks) / 2) and row.averages == 0
+    assert row.seconds == sorted(row.seconds) and len(row.seconds) == 6
+    target = race_target(row)
+    assert reach_time(row, target) <= row.seconds[-1]  # a loss the run itself reached
     from distlab.lab.panel import LINK_NAME, LiveDashboard
     dash = LiveDashboard([on_nodes])
     dash.refresh()

@@ -30,12 +30,12 @@
 # byte crosses the throttled link. It needs root (network namespaces); without it this
 # notebook says so and measures nothing. Sections:
 #
-# 1. DDP on 2 nodes × 2 ranks (one each in CI's quick run) against the same run on one machine, with each node's link on
-#    the dashboard;
+# 1. DDP on 2 nodes × 2 ranks (one each in CI's quick run) against the same run on one
+#    machine, with each node's link on the dashboard;
 # 2. the step time over a sweep of link speeds, against t(L) = t0 + bits per step / L;
 # 3. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
-#    as loss against time;
-# 4. HSDP: shard inside a node, replicate across, against sharding over every rank;
+#    as loss against time (full mode);
+# 4. HSDP: shard inside a node, replicate across, against sharding over every rank (full mode);
 # 5. the closing table: what the textbook says, what this run measured;
 # 6. a control panel with the nodes and the link as knobs, to try other layouts.
 
@@ -55,14 +55,12 @@ LINK = 100.0  # Mbit/s, section 1
 LINKS = (100, 400) if QUICK else (25, 50, 100, 200, 400)
 SWEEP_STEPS = 6 if QUICK else 10
 WARMUP = 2
-# Section 3: the ways raced against section 1's DDP run (same model, batches, link and steps);
-# CI's quick run races top-k alone
-RACE = (("ddp, top-k 1%",) if QUICK else
-        ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8"))
-# Section 4 (HSDP) needs two ranks per node: six more processes importing torch, so CI's quick
-# run leaves it out (its code runs on loopback in the test suite); steps per way of sharding,
-# the first two warm-up, the figures medians
-HSDP = not QUICK
+# Sections 3 and 4 start four and one more clusters (each agent and rank imports torch: seconds
+# of CPU apiece), so CI's quick run leaves them out; the test suite runs their code on this
+# machine's loopback (tests/test_diloco.py, tests/test_hsdp.py, tests/test_cluster_run.py).
+# Section 3: the ways raced against section 1's DDP run (same model, batches, link and steps)
+RACE = ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8")
+# Section 4: steps per way of sharding (the first two warm-up; the figures are medians)
 HSDP_STEPS = 8
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same
 # four gradients may round differently in fp32's last bit across nodes; tests measure < 1e-5
@@ -167,7 +165,9 @@ if WHY is None:
 # DDP's own, half-way through its run, averaged over 5 steps.
 
 # %%
-if WHY is None:
+if WHY is None and QUICK:
+    say("quick mode: sections 3 and 4 run in full mode only (five more clusters)")
+if WHY is None and not QUICK:
     race = slow_link_race(slow_link_ways(on_nodes.cfg, ("ddp", *RACE)), done={"ddp": on_nodes})
     race_figure(race, LINK).show()
     ddp_row = race[0]
@@ -184,11 +184,12 @@ if WHY is None:
 # %% [markdown]
 # Reading it: each way sends a small fraction of DDP's bytes, so its steps are several times
 # shorter. (Bytes per step: each node's link counter, read by its ranks at every step's end,
-# from the end of the first step to the end of the last, over the steps between.) Whether that buys time depends on how much worse each step's update is: top-k's
-# error memory delivers every gradient entry eventually; PowerSGD was designed and measured
-# with SGD and momentum, and here the optimizer is AdamW, whose per-entry scaling
-# (1/√v) turns a low-rank gradient's small entries into full-size steps; local SGD and
-# DiLoCo move the replicas apart for H steps and pay once for the whole model.
+# from the end of the first step to the end of the last, over the steps between.) Whether
+# that buys time depends on how much worse each step's update is: top-k's error memory
+# delivers every gradient entry eventually; PowerSGD was designed and measured with SGD and
+# momentum, and here the optimizer is AdamW, which rescales every entry by its own history
+# (1/√v), a setting its error feedback was not shown in; local SGD and DiLoCo let the replicas
+# drift apart for H steps and pay once for the whole model.
 #
 # ## 4. HSDP: shard inside a node, replicate across
 #
@@ -209,9 +210,7 @@ if WHY is None:
 # timestamps).
 
 # %%
-if WHY is None and not HSDP:
-    say("quick mode: this section runs in full mode only (six more processes)")
-if WHY is None and HSDP:
+if WHY is None and not QUICK:
     hsdp = hsdp_study(nodes=2, ranks=2, link_mbit=LINK, steps=HSDP_STEPS)
     table(["way", "step (ms)", "link frames per step", "payload per step", "formula",
            "payload / formula"],
@@ -256,16 +255,17 @@ if WHY is None:
               "link gets faster or the compute per byte grows",
               min(shares) > 0.5),
     ]
-    by = {r.name: r for r in race}
-    topk = by["ddp, top-k 1%"]
-    rows_claims.append(
-        claim("gradient compression (top-k sparsification) speeds up training over a slow "
-              "network (an interview answer)", "Lin et al. 2018 (Deep Gradient Compression)",
-              f"top-k 1% reached DDP's half-way loss {target:.3f} at "
-              + ("never" if reach[topk.name] is None else f"{reach[topk.name]:.1f} s")
-              + f", DDP at {reach['ddp']:.1f} s; {topk.link_bytes / ddp_row.link_bytes:.3f}× "
-              "DDP's bytes per step",
-              reach[topk.name] is not None and reach[topk.name] < reach["ddp"]))
+    by = {r.name: r for r in race} if not QUICK else {}
+    if by:
+        topk = by["ddp, top-k 1%"]
+        rows_claims.append(
+            claim("gradient compression (top-k sparsification) speeds up training over a slow "
+                  "network (an interview answer)", "Lin et al. 2018 (Deep Gradient Compression)",
+                  f"top-k 1% reached DDP's half-way loss {target:.3f} at "
+                  + ("never" if reach[topk.name] is None else f"{reach[topk.name]:.1f} s")
+                  + f", DDP at {reach['ddp']:.1f} s; {topk.link_bytes / ddp_row.link_bytes:.3f}× "
+                  "DDP's bytes per step",
+                  reach[topk.name] is not None and reach[topk.name] < reach["ddp"]))
     if "DiLoCo, H=8" in by:
         diloco = by["DiLoCo, H=8"]
         H = slow_link_ways(on_nodes.cfg)["DiLoCo, H=8"].sync_every
@@ -285,7 +285,7 @@ if WHY is None:
                   f"against DDP's {ddp_row.final_loss():.3f} (within 5%)",
                   diloco.final_loss() <= 1.05 * ddp_row.final_loss()),
         ]
-    if HSDP:
+    if not QUICK:
         hsdp_ratios = {k: r["payload"] / r["formula"] for k, r in hsdp.items() if r["formula"]}
         full_shard = hsdp["FSDP2, over all ranks"]
         rows_claims += [

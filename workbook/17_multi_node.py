@@ -70,8 +70,9 @@ LOSS_TOL = 1e-5
 from distlab import RunConfig, lab, launch
 from distlab.caller import cluster
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
-from distlab.lab.multi_node import (fit_link, hsdp_study, link_figure, link_sweep, race_figure,
-                                    race_target, reach_time, slow_link_race, slow_link_ways)
+from distlab.lab.multi_node import (fit_link, hsdp_figure, hsdp_study, link_figure, link_sweep,
+                                    race_figure, race_target, reach_time, slow_link_race,
+                                    slow_link_ways)
 
 WHY = cluster.available()  # None: simulated nodes can be made here
 say("simulated nodes: available (root, iproute2)" if WHY is None else
@@ -169,9 +170,9 @@ if WHY is None and QUICK:
     say("quick mode: sections 3 and 4 run in full mode only (five more clusters)")
 if WHY is None and not QUICK:
     race = slow_link_race(slow_link_ways(on_nodes.cfg, ("ddp", *RACE)), done={"ddp": on_nodes})
-    race_figure(race, LINK).show()
     ddp_row = race[0]
     target = race_target(ddp_row)
+    race_figure(race, LINK, target).show()
     reach = {r.name: reach_time(r, target) for r in race}
     table(["way", "step (ms, mean)", "link per step", "per step / DDP's",
            "final loss (last 5)", f"reaches {target:.3f} at (s)", "speed-up to it"],
@@ -212,6 +213,7 @@ if WHY is None and not QUICK:
 # %%
 if WHY is None and not QUICK:
     hsdp = hsdp_study(nodes=2, ranks=2, link_mbit=LINK, steps=HSDP_STEPS)
+    hsdp_figure(hsdp).show()
     table(["way", "step (ms)", "link frames per step", "payload per step", "formula",
            "payload / formula"],
           [[name, f"{1e3 * r['seconds']:.0f}", fmt_bytes(r["frames"]), fmt_bytes(r["payload"]),

@@ -184,9 +184,13 @@ def steps_link_bytes(run) -> list[float] | None:
     return out or None
 
 
-def race_figure(rows: list[RaceRow], link_mbit: float) -> go.Figure:
-    """Loss against wall-clock time, one line per way of training."""
+def race_figure(rows: list[RaceRow], link_mbit: float, target: float | None = None) -> go.Figure:
+    """Loss against wall-clock time, one line per way of training; `target`: a loss to race
+    to, drawn as a dotted line."""
     fig = go.Figure()
+    if target is not None:
+        fig.add_hline(y=target, line=dict(dash="dot", color="gray"),
+                      annotation_text=f"target {target:.3f}", annotation_position="top right")
     for r in rows:
         fig.add_scatter(x=r.seconds, y=r.losses, mode="lines+markers", marker=dict(size=4),
                         name=f"{r.name}: {r.link_bytes / r.grad_bytes:.3f}x gradients per step",
@@ -234,3 +238,22 @@ def hsdp_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0, steps: 
         raise RuntimeError("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs))
     return json.loads(next(line for o, _ in outs for line in o.splitlines()
                            if line.startswith("{")))["ways"]
+
+
+def hsdp_figure(ways: dict) -> go.Figure:
+    """Each way's link payload per step (measured bars) beside HSDP's formula (markers)."""
+    names = list(ways)
+    fig = go.Figure()
+    fig.add_bar(x=names, y=[ways[n]["payload"] / 2**20 for n in names],
+                name="payload on node 0's link per step (measured)",
+                customdata=[1e3 * ways[n]["seconds"] for n in names],
+                hovertemplate="%{x}: %{y:.2f} MiB a step, step %{customdata:.0f} ms<extra></extra>")
+    formula = [n for n in names if ways[n]["formula"]]
+    fig.add_scatter(x=formula, y=[ways[n]["formula"] / 2**20 for n in formula], mode="markers",
+                    marker=dict(symbol="line-ew-open", size=40, line=dict(width=3)),
+                    name="modelled: g · 2(n−1)/n · shard bytes")
+    fig.update_layout(template="plotly_white", height=400, width=760,
+                      title="What crosses the slow link per step: HSDP against sharding over "
+                            "every rank",
+                      yaxis=dict(title="MiB per step"))
+    return fig

@@ -22,7 +22,6 @@ Rank 0 prints one JSON line: per way, node 0's link frames and payload per step 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -40,6 +39,7 @@ from distlab.parallel.data_parallel.hierarchical import node_groups
 from distlab.parallel.zero.fsdp import fully_shard, replicate_gradients, shard_bytes
 from distlab.parallel.zero.stages import find_units
 from distlab.parallel.zero.zero_torch import fsdp2_shard_bytes
+from distlab.studies import report
 from distlab.theory.comm_bytes import hsdp_link_bytes
 from distlab.wire import link_counters
 
@@ -141,10 +141,7 @@ def main() -> None:
     result = {"world": dist.get_world_size(), "ranks_per_node": os.environ.get("LOCAL_WORLD_SIZE"),
               "interface": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
               "ways": {way: measure(way, cfg, args.steps, args.warmup) for way in args.ways}}
-    if dist.get_rank() == 0:
-        print(json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    report(result)
 
 
 if __name__ == "__main__":

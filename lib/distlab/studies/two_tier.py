@@ -15,7 +15,6 @@ node's own ranks alone (the fast tier). Several --mib sizes: one such result per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from distlab.comm import Comm
 from distlab.parallel.data_parallel.hierarchical import (hierarchical_all_reduce,
                                                         leader_all_reduce, node_groups)
+from distlab.studies import report
 from distlab.wire import link_counters
 
 
@@ -69,10 +69,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = [measure(m, args.repeats) for m in args.mib]
     result = results[0] if len(results) == 1 else {"sizes": results}
-    if dist.get_rank() == 0:
-        print(json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    report(result)
 
 
 if __name__ == "__main__":

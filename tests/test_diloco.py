@@ -131,6 +131,18 @@ def test_only_averaging_steps_communicate_the_whole_model(runs):
     assert _worst(ours[0][1]["state"], ours[0][2]["state"]) > 1e-3
 
 
+def test_the_outer_optimizer_is_counted_in_memory_as_estimated(runs):
+    """Each step event's optim bytes include θ_global (4Ψ) and, once the first average made it,
+    the outer momentum buffer (4Ψ more): what distlab.theory.estimate says."""
+    from distlab.theory.estimate import run_model_state_bytes
+    run_dir = runs[3]
+    for i, cfg in ((1, LOCAL_SGD), (2, DILOCO)):
+        for rank in range(2):
+            last = step_events_per_run(run_dir, rank)[i][-1]["memory"]
+            want = run_model_state_bytes(cfg, rank)
+            assert {k: last[k] for k in want} == want, (cfg.outer_momentum, last, want)
+
+
 def test_powersgd_starts_dense_then_sends_its_factors(runs):
     _, ours, _, _ = runs
     for rank in ours:

@@ -231,9 +231,10 @@ def run_model_state_bytes(cfg, rank: int = 0, partition: str | None = None) -> d
     """Bytes of parameters, gradients and optimizer state that rank `rank` of a run of `cfg`
     holds after an optimizer step: what the step event's memory reports (fp32 master weights).
 
-    Replicated strategies (single, allreduce, ddp, ddp-torch): every rank holds all of it:
+    Replicated strategies (single, allreduce, ddp, ddp-torch, diloco): every rank holds all of it:
         params 4Ψ, grads 4Ψ, optim: AdamW 8Ψ + 4 bytes per parameter tensor (its `step`
-        counter is a float32 tensor), SGD (no momentum) 0.
+        counter is a float32 tensor), SGD (no momentum) 0; diloco's outer optimizer adds its
+        θ_global and, from the first average on, its momentum buffer: 4Ψ each (under optim).
     ZeRO (zero1/2/3, world N), the paper's partitions over padded flat buffers: a buffer of
     Ψ_u values is padded to P_u = N·ceil(Ψ_u/N) and each rank owns S_u = P_u/N of it:
         stage 1  params 4ΣP_u   grads 4ΣP_u   optim 8ΣS_u + 4 per buffer (AdamW)
@@ -256,7 +257,9 @@ def run_model_state_bytes(cfg, rank: int = 0, partition: str | None = None) -> d
 
     declared = strategy_class(cfg.strategy)  # what the strategy says it holds (parallel/base.py)
     if declared.replicated:
-        return {"params": 4 * psi, "grads": 4 * psi, "optim": optim(psi, n_tensors)}
+        # diloco also keeps θ_global (4Ψ) and, with outer momentum, its buffer (4Ψ more)
+        outer = (4 * psi * (1 + (cfg.outer_momentum > 0)) if cfg.strategy == "diloco" else 0)
+        return {"params": 4 * psi, "grads": 4 * psi, "optim": optim(psi, n_tensors) + outer}
     stage = declared.zero_stage
     if not stage:  # dp, parameter servers, torch's ZeRO-1 (a greedy uneven partition), FSDP
         known = [s for s in strategies()

@@ -91,5 +91,14 @@ class DiLoCo(Strategy):
             p.copy_(a)
         return float(delta.norm())
 
+    def state_bytes(self, model, optimizer) -> dict:
+        """The inner model states, plus the outer optimizer's under "optim": θ_global and, with
+        outer momentum, its buffer (each the model's size)."""
+        held = super().state_bytes(model, optimizer)
+        outer = list(self.anchor) + [v for st in self.outer.state.values() for v in st.values()
+                                     if torch.is_tensor(v)]
+        held["optim"] = held.get("optim", 0) + sum(t.numel() * t.element_size() for t in outer)
+        return held
+
     def step_info(self) -> dict:
         return {"diloco": self._info}

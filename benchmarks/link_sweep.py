@@ -33,27 +33,19 @@ prediction. Exit status 1 when missed.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
-from distlab.caller.cluster import Cluster, available
+from distlab.caller.cluster import available
 from distlab.comm import fit_alpha_beta
+from distlab.studies import run_in_nodes
 
 NODES, RANKS = 2, 2
 TARGET = 1.3  # every collective within this factor of the two-tier model
 
 
 def one_speed(mbit: float, mibs: list[float]) -> list[dict]:
-    with Cluster(NODES, mbit) as cluster:
-        agents = cluster.torchrun(RANKS, ["-m", "distlab.studies.two_tier", "--mib",
-                                          *[str(m) for m in mibs]],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        outs = [a.communicate(timeout=900) for a in agents]
-    if any(a.returncode for a in agents):
-        raise RuntimeError("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs))
-    res = json.loads(next(line for o, _ in outs for line in o.splitlines()
-                          if line.startswith("{")))
+    res = run_in_nodes("distlab.studies.two_tier", ["--mib", *[str(m) for m in mibs]], NODES,
+                       RANKS, mbit)
     return res["sizes"] if "sizes" in res else [res]
 
 

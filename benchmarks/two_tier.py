@@ -19,11 +19,10 @@ made (not root).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
-from distlab.caller.cluster import Cluster, available
+from distlab.caller.cluster import available
+from distlab.studies import run_in_nodes
 
 TARGET = 1.3
 
@@ -39,16 +38,12 @@ def main() -> int:
     if why is not None:
         print(f"no simulated nodes here: {why}")
         return 0
-    with Cluster(args.nodes, args.mbit) as cluster:
-        agents = cluster.torchrun(args.ranks, ["-m", "distlab.studies.two_tier",
-                                               "--mib", str(args.mib)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        outs = [a.communicate(timeout=600) for a in agents]
-    if any(a.returncode for a in agents):
-        print("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs), file=sys.stderr)
+    try:
+        res = run_in_nodes("distlab.studies.two_tier", ["--mib", str(args.mib)], args.nodes,
+                           args.ranks, args.mbit, timeout_s=600)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
         return 1
-    res = json.loads(next(line for o, _ in outs for line in o.splitlines()
-                          if line.startswith("{")))
     S, N, n, g = args.mib * 2**20, args.nodes * args.ranks, args.nodes, args.ranks
     predicted = {"flat ring": 2 * (N - 1) / N * S, "hierarchical": 2 * (n - 1) / n * S,
                  "hierarchical, one flow": 2 * (n - 1) / n * S, "backend": None}

@@ -126,6 +126,12 @@ class Ledger:
 LEDGER = Ledger()  # one per process: a rank's Comm objects (one per mesh group) share it
 
 
+# What each packet on a link carries besides its payload: Ethernet 14 + IPv4 20 + TCP 20 + the
+# timestamp option Linux adds to every segment (net.ipv4.tcp_timestamps=1), padded to 12. (A SYN
+# carries a few more option bytes, an ARP packet is smaller: a few packets per run.)
+FRAME_HEADER_BYTES = 66
+
+
 def link_counters(dev: str | None) -> dict | None:
     """What the network interface `dev` has sent: {"dev", "sent": bytes, "packets": frames}, from its
     own counters (/sys/class/net/<dev>/statistics). In a simulated node (distlab.caller.cluster)

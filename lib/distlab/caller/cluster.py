@@ -36,10 +36,6 @@ import time
 
 SUBNET = "127.100.0"  # node i has SUBNET.(i+1); never a private or public address
 PREFIX = "distlab-"
-# What each packet on a node's link carries besides its payload: Ethernet 14 + IPv4 20 + TCP 20
-# + the timestamp option Linux adds to every segment (net.ipv4.tcp_timestamps=1), padded to 12.
-# (A SYN carries a few more option bytes, an ARP packet is smaller: a few packets per run.)
-FRAME_HEADER_BYTES = 66
 _counter = itertools.count()
 _LIVE: list["Cluster"] = []  # clusters not yet down (removed at the interpreter's exit)
 
@@ -212,16 +208,11 @@ class Cluster:
         return json.loads(out)[0].get("operstate") != "DOWN"
 
     def link_bytes(self, node: int) -> dict:
-        """Bytes the node's link carried (its interface's own counters): {"sent", "received"},
-        frames with their headers; and "payload_sent", "payload_received": the same less
-        FRAME_HEADER_BYTES per packet, the bytes the programs wrote and read."""
+        """Bytes the node's link carried (its interface's own counters): {"sent", "received"}."""
         out = _ip("ip", "-s", "-j", "link", "show", self.interface(node),
                   ns=self.namespace(node)).stdout
         stats = json.loads(out)[0]["stats64"]
-        tx, rx = stats["tx"], stats["rx"]
-        return {"sent": tx["bytes"], "received": rx["bytes"],
-                "payload_sent": tx["bytes"] - FRAME_HEADER_BYTES * tx["packets"],
-                "payload_received": rx["bytes"] - FRAME_HEADER_BYTES * rx["packets"]}
+        return {"sent": stats["tx"]["bytes"], "received": stats["rx"]["bytes"]}
 
 
 def processes_in(namespace: str) -> list[int]:

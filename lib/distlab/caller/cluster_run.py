@@ -147,7 +147,7 @@ class NodesRun(Run):
     def __init__(self, run_dir: str, cfg, agents: list, cluster=None):
         self.agents, self.cluster = agents, cluster
         self.links: list = []  # per node {"sent", "received"} bytes, once the run has ended
-        self._link_samples: list = []  # (time, each node's link counters) as the run goes
+        self._link_samples: list = []  # (steps done, bytes sent per node) as the run goes
         self._sampled = 0.0  # when the counters were last read
         self._links_lock = threading.Lock()
         per_node = cfg.processes // len(agents)
@@ -181,9 +181,8 @@ class NodesRun(Run):
             self.link_bytes_per_step()
         return new
 
-    def link_bytes_per_step(self, force: bool = False, payload: bool = False) -> list | None:
-        """Bytes each node's link sent per training step, from its interface's counters
-        (payload=True: less each packet's headers, distlab.caller.cluster.FRAME_HEADER_BYTES).
+    def link_bytes_per_step(self, force: bool = False) -> list | None:
+        """Bytes each node's link sent per training step, from its interface's counters.
 
         Each reading of the counters keeps its time; the steps done by then are counted later,
         from the ranks' step events' own times (the events reach this process up to a poll
@@ -198,14 +197,12 @@ class NodesRun(Run):
             if self.cluster.made and due:  # up: read the counters now
                 self._sampled = time.time()
                 try:
-                    links = [self.cluster.link_bytes(i) for i in range(self.cluster.nodes)]
-                    self._link_samples.append((time.time(), links))
+                    sent = [self.cluster.link_bytes(i)["sent"] for i in range(self.cluster.nodes)]
+                    self._link_samples.append((time.time(), sent))
                 except (OSError, RuntimeError, ValueError):  # going down meanwhile
                     pass
             samples = list(self._link_samples)
-        key = "payload_sent" if payload else "sent"
-        counted = [(self.steps_done(until=t), [link[key] for link in links])
-                   for t, links in samples]
+        counted = [(self.steps_done(until=t), sent) for t, sent in samples]
         counted = [(n, sent) for n, sent in counted if n >= 1]
         if len({n for n, _ in counted}) < 2:
             return None

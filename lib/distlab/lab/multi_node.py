@@ -226,18 +226,9 @@ def hsdp_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0, steps: 
     sharding (ours and FSDP2's, HSDP and over all ranks) timed with node 0's link counted.
     Returns the study's result per way ("seconds", "frames", "payload", "formula", "losses");
     raises RuntimeError with the nodes' output if one failed. Needs root (the cluster)."""
-    import json
-    import subprocess
-
-    from distlab.caller.cluster import Cluster
-    with Cluster(nodes, link_mbit) as cluster:
-        agents = cluster.torchrun(ranks, ["-m", "distlab.studies.hsdp", "--steps", str(steps)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        outs = [a.communicate(timeout=timeout_s) for a in agents]
-    if any(a.returncode for a in agents):
-        raise RuntimeError("a node failed:\n" + "\n".join(e[-2000:] for _, e in outs))
-    return json.loads(next(line for o, _ in outs for line in o.splitlines()
-                           if line.startswith("{")))["ways"]
+    from distlab.studies import run_in_nodes
+    return run_in_nodes("distlab.studies.hsdp", ["--steps", str(steps)], nodes, ranks,
+                        link_mbit, timeout_s)["ways"]
 
 
 def hsdp_figure(ways: dict) -> go.Figure:

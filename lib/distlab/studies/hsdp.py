@@ -2,7 +2,7 @@
 every rank. Four ways of training RunConfig's GPT (SGD) on the same global batches, in the ranks
 of a torchrun job, each step timed and with the bytes this node's link sent during it, read
 from the link's own counters (/sys/class/net/<GLOO_SOCKET_IFNAME>/statistics: bytes, and
-packets for the payload, distlab.caller.cluster.FRAME_HEADER_BYTES each):
+packets for the payload, distlab.wire.FRAME_HEADER_BYTES each):
 
     ours, HSDP             distlab.fully_shard over the node's ranks + replicate_gradients across
     FSDP2, HSDP            torch's fully_shard on a 2-D mesh (replicate, shard)
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.caller.cluster import FRAME_HEADER_BYTES
 from distlab.comm import Comm
 from distlab.config import RunConfig
 from distlab.data.dataset import make_data
@@ -41,7 +40,7 @@ from distlab.parallel.zero.stages import find_units
 from distlab.parallel.zero.zero_torch import fsdp2_shard_bytes
 from distlab.studies import report
 from distlab.theory.comm_bytes import hsdp_link_bytes
-from distlab.wire import link_counters
+from distlab.wire import FRAME_HEADER_BYTES, link_counters
 
 WAYS = ("ours, HSDP", "FSDP2, HSDP", "ours, over all ranks", "FSDP2, over all ranks")
 

@@ -30,9 +30,8 @@ g shards (init_device_mesh((world // g, g), ("replicate", "shard"))), so each gr
 consecutive ranks (a node, when a node holds g ranks) shards the model among itself and the
 groups replicate it: the all-gathers and reduce-scatters stay inside a group, and only the
 gradient shards' all-reduce crosses between groups, 2(n−1)/n × S/g per rank, n = world/g (Zhao
-et al. 2023, "PyTorch FSDP", Section 3.2.2, hybrid sharding). hsdp_bytes_per_link is that
-formula (distlab.theory.comm_bytes.hsdp_link_bytes)
-over FSDP2's padded shards (fsdp2_shard_bytes).
+et al. 2023, "PyTorch FSDP", Section 3.2.2, hybrid sharding): that formula is
+distlab.theory.comm_bytes.hsdp_link_bytes, over FSDP2's padded shards (fsdp2_shard_bytes).
 
 Memory for both comes from local tensors: a DTensor counts its local shard (`to_local()`).
 With FSDP2's CPU offload, sharded parameters, gradients and optimizer state all live on the CPU:
@@ -211,7 +210,6 @@ def _full_tensors(sd: dict):
     for k, v in sd.items():
         if hasattr(v, "full_tensor"):
             sd[k] = v.full_tensor()
-
 
 
 def fsdp2_shard_bytes(shapes, shard_ranks: int, element_bytes: int = 4) -> int:

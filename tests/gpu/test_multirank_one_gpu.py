@@ -31,8 +31,14 @@ BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=32, 
 # strategy: (its config at 2 ranks, the collectives it uses on the model's tensors)
 STRATEGIES = {
     "ddp": (dict(world_size=2), ("broadcast", "all_reduce")),
+    "ddp-torch": (dict(world_size=2), ("broadcast", "all_reduce")),
+    # one inner step between averages, outer lr 1, no momentum: plain data parallel SGD
+    "diloco": (dict(world_size=2, sync_every=1, outer_lr=1.0, outer_momentum=0.0),
+               ("broadcast", "all_reduce")),
+    "zero1": (dict(world_size=2), ("broadcast", "reduce_scatter", "all_gather")),
     "zero2": (dict(world_size=2), ("broadcast", "reduce_scatter", "all_gather")),
     "zero3": (dict(world_size=2), ("broadcast", "reduce_scatter", "all_gather")),
+    "fsdp-torch": (dict(world_size=2), ("broadcast", "reduce_scatter", "all_gather")),
     "tp": (dict(world_size=2, tp=2), ("broadcast", "all_reduce")),
     "pp": (dict(world_size=2, pp=2, microbatches=2), ("broadcast", "send/recv")),
 }

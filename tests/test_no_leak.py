@@ -59,3 +59,24 @@ def test_a_launch_of_another_size_than_the_config_is_refused():
     another: train() names both (before, pp on 2 ranks with pp=1 died on an IndexError)."""
     with pytest.raises(Exception, match="runs in 1 processes but this launch has 2"):
         run_ranks(model_freed, 2, [BASE.replace(world_size=1).to_dict()], timeout_s=60)
+
+
+def units_freed_by_refcount(rank, world, device, log, cfg_dict):
+    """ZeRO's units (flat parameters and gradient shards) freed as soon as the run's objects
+    are dropped, with the collector off: a parameter's mark holds its gradient path weakly."""
+    gc.disable()
+    try:
+        keep = {}
+        train(RunConfig.from_dict(cfg_dict), rank, world, device, log, keep=keep)
+        grads = weakref.ref(keep["strategy"].optimizer.grads)
+        del keep
+        return grads() is None
+    finally:
+        gc.enable()
+
+
+def test_zero_units_need_no_collector():
+    """Before, each parameter's ZeRO mark held the ShardedGradients that holds the parameters:
+    a cycle that kept ZeRO-1/2's flat buffers until the collector ran."""
+    cfg = BASE.replace(strategy="zero2")
+    assert run_ranks(units_freed_by_refcount, 2, cfg.to_dict(), timeout_s=60) == [True, True]

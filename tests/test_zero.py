@@ -320,3 +320,38 @@ def test_zero3_prefetches_and_frees(runs):
     e = out["zero3"]["events"][0][-1]["zero"]
     print(f"world={world} zero3: {e['prefetch']}, gathered peak {e['gathered_peak_bytes']} B, "
           f"flat gradient peak {e['grad_buffer_peak_bytes']} B, of {4 * sum(units)} B in all")
+
+
+def whole_against_full_tensor(rank, world, device, log):
+    """distlab's gloo gather of FSDP2's DTensors against DTensor.full_tensor(), on a 1-D mesh
+    of 4 (a length of 5 cut 2, 2, 1, 0) and on HSDP's 2 x 2 mesh (Replicate, Shard(0))."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from distlab.parallel.zero.zero_torch import _whole
+
+    torch.manual_seed(0)
+    whole = {"5x3": torch.randn(5, 3), "7": torch.randn(7), "1x2": torch.randn(1, 2)}
+    flat = init_device_mesh("cpu", (world,))
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name, t in whole.items():
+        for mesh, placements in ((flat, [Shard(0)]), (hsdp, [Replicate(), Shard(0)])):
+            d = distribute_tensor(t, mesh, placements)
+            ours = _whole(d)
+            out[f"{name} {mesh.ndim}-D"] = (tuple(d.to_local().shape), torch.equal(ours, t),
+                                           torch.equal(ours, d.full_tensor()))
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_state_dict_gathers_uneven_shards_like_full_tensor():
+    """FSDP2's state dict over gloo gathers with c10d (distlab.parallel.zero.zero_torch._whole):
+    DTensor.full_tensor()'s functional collectives crashed over gloo with CUDA tensors on an
+    H200. Equal to the tensor and to full_tensor(), bit for bit, also where a rank's piece is
+    empty."""
+    per_rank = run_ranks(whole_against_full_tensor, 4, timeout_s=60)
+    assert per_rank[3]["5x3 1-D"][0] == (0, 3)  # the last rank's piece of 5 rows is empty
+    for rank, res in enumerate(per_rank):
+        for case, (_, equal, as_torch) in res.items():
+            assert equal and as_torch, (rank, case)

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import torch
@@ -56,6 +57,11 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         raise ValueError(f"RunConfig(strategy={cfg.strategy!r}, world_size={cfg.world_size}) "
                          f"runs in {cfg.processes} processes but this launch has {world}: set "
                          f"world_size to match (launch(cfg) starts cfg.processes)")
+    # An earlier run in this process (train_with_state's configs, a notebook's kernel) can hold
+    # its model in reference cycles (wrappers' hooks and units) until the collector runs; on a
+    # GPU that memory would be counted in this run's (an H200, 2026-11-26: ZeRO-Offload's
+    # saving hidden by the previous run's 97.7 MiB).
+    gc.collect()
     torch.manual_seed(cfg.seed)  # same init on every rank; strategies also broadcast it
     comm = Comm()
     model = build_model(cfg).to(device)

@@ -50,6 +50,7 @@ optimizer's step() over a marked parameter raise an error that says what to do.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -162,8 +163,8 @@ def claim(params, owner: str, fix: str, grads: "ShardedGradients") -> None:
             raise ValueError(f"a parameter of shape {tuple(p.shape)} is already sharded by "
                              f"{p._distlab_zero[0]}: shard each parameter once (build one "
                              "ZeroOptimizer over all of them, with parameter groups if needed)")
-    for p in params:
-        p._distlab_zero = (owner, fix, grads)
+    for p in params:  # grads weakly: it holds the params (a cycle would outlive the run)
+        p._distlab_zero = (owner, fix, weakref.ref(grads))
     if not _GUARD:
         _GUARD.append(register_optimizer_step_pre_hook(_refuse_outside_step))
         route_torch_clip()
@@ -201,7 +202,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     marks = [getattr(p, "_distlab_zero", None) for p in params]
     if not any(marks):
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    grads = {id(m[2]): m[2] for m in marks if m}
+    grads = {id(g): g for m in marks if m and (g := m[2]()) is not None}
+    if not grads:
+        raise ValueError("torch.nn.utils.clip_grad_norm_ over parameters whose ZeroOptimizer "
+                         "no longer exists: their gradients went with it")
     path = next(iter(grads.values()))
     sharded = {id(p) for u in path.units for p in u.params}
     given = {id(p) for p, m in zip(params, marks) if m}

@@ -47,6 +47,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distlab.parallel.base import Strategy
@@ -209,7 +210,38 @@ class TorchFSDP(Strategy):
 def _full_tensors(sd: dict):
     for k, v in sd.items():
         if hasattr(v, "full_tensor"):
-            sd[k] = v.full_tensor()
+            sd[k] = _whole(v)
+
+
+def _whole(v) -> torch.Tensor:
+    """A DTensor parameter's whole tensor. Over gloo, with c10d's all_gather on each sharded
+    mesh dimension: DTensor.full_tensor() gathers with functional collectives, which crashed the
+    rank (SIGSEGV in the collective's wait) over gloo with CUDA tensors (two ranks sharing one
+    H200, torch 2.11, 2026-11-26), where c10d's all_gather works. NCCL keeps full_tensor()."""
+    mesh = v.device_mesh
+    shards = [(i, p.dim) for i, p in enumerate(v.placements) if p.is_shard()]
+    if (len(shards) > 1 or any(p.is_partial() for p in v.placements)
+            or dist.get_backend(mesh.get_group(0)) != "gloo"):
+        return v.full_tensor()
+    t = v.to_local()
+    for mesh_dim, dim in shards:
+        t = _gather_chunks(t, dim, v.shape[dim], mesh.get_group(mesh_dim))
+    return t
+
+
+def _gather_chunks(local: torch.Tensor, dim: int, length: int, group) -> torch.Tensor:
+    """The whole tensor from each rank's torch.chunk piece along `dim` (FSDP2's Shard(dim):
+    pieces of ceil(length / n), the last ones shorter or empty), padded to equal sizes for the
+    all_gather and trimmed after."""
+    n = dist.get_world_size(group)
+    chunk = -(-length // n)
+    sizes = [max(0, min(chunk, length - r * chunk)) for r in range(n)]
+    pad = list(local.shape)
+    pad[dim] = chunk - local.shape[dim]
+    padded = torch.cat([local, local.new_zeros(pad)], dim) if pad[dim] else local.contiguous()
+    pieces = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, k) for p, k in zip(pieces, sizes)], dim)
 
 
 def fsdp2_shard_bytes(shapes, shard_ranks: int, element_bytes: int = 4) -> int:

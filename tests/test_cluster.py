@@ -171,3 +171,25 @@ def test_the_readme_cluster_snippet_runs(tmp_path, monkeypatch, capfd):
     out = capfd.readouterr().out  # the agents write to the same file descriptor
     assert "'sent':" in out and "done: 3 steps" in out, out[-2000:]
     assert not ours()
+
+
+def test_a_killed_node_replaced_resumes_bit_for_bit(tmp_path):
+    """Elastic restart across nodes (distlab.studies.node_fault): node 1 (agent and rank) is
+    SIGKILLed after step 6, a new agent joins on it 1 s later; the survivor's agent restarts its
+    rank, both load the newest checkpoint (4 steps done) and train on. Every step's loss equals
+    the uninterrupted run's bit for bit, the steps since the checkpoint ran twice with the same
+    losses, and no process is left in either node."""
+    from distlab import RunConfig
+    from distlab.studies.node_fault import node_fault
+    cfg = RunConfig(**{**ARGS, "steps": 12}, world_size=2, nodes=2, link_mbit=100,
+                    checkpoint_every=4, timeout_s=10)
+    r = node_fault(cfg, kill_after=6, folder=str(tmp_path))
+    print(f"\nkilled after step {r.killed_after_step}, resumed from {r.resumed_from} steps done, "
+          f"first resumed step {r.kill_to_resumed_s:.1f} s after the kill; steps run twice "
+          f"{r.rerun}; runs took {r.seconds[0]:.1f} s and {r.seconds[1]:.1f} s")
+    assert r.resumed_from == 4 and r.rerun[:3] == [4, 5, 6]
+    assert sorted(r.recovered) == list(range(12)) and r.identical
+    assert r.exit_codes[0] == 0 and r.exit_codes[-1] == 0 and r.exit_codes[1] == -9
+    assert not r.left and not ours()
+    with pytest.raises(ValueError, match="after the first checkpoint"):
+        node_fault(cfg, kill_after=3, folder=str(tmp_path))

@@ -4,7 +4,8 @@ lessons (precision_lessons.py), FLOPs counted by PyTorch (flop_count.py), what a
 budget (memory_budget.py), graphs kept alive (leak.py), the CUDA allocator (fragmentation.py).
 Two run in the ranks of a torchrun job across simulated nodes instead, each rank reading its
 node's link: all-reduce algorithms (two_tier.py) and HSDP against sharding over every rank
-(hsdp.py); `run_in_nodes` starts one in simulated nodes and `report` is how it ends.
+(hsdp.py); `run_in_nodes` starts one in simulated nodes and `report` is how it ends. One kills
+a node of a torchrun job mid-run and starts a replacement: the elastic restart (node_fault.py).
 
 May import: everything but the workbook layer (lab/); nothing below imports them.
 """

@@ -36,8 +36,9 @@
 # 3. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
 #    as loss against time (full mode);
 # 4. HSDP: shard inside a node, replicate across, against sharding over every rank (full mode);
-# 5. the closing table: what the textbook says, what this run measured;
-# 6. a control panel with the nodes and the link as knobs, to try other layouts.
+# 5. a node dies mid-run and a replacement joins: torchrun's elastic restart (full mode);
+# 6. the closing table: what the textbook says, what this run measured;
+# 7. a control panel with the nodes and the link as knobs, to try other layouts.
 
 # %% tags=["parameters"]
 import os
@@ -62,6 +63,8 @@ WARMUP = 2
 RACE = ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8")
 # Section 4: steps per way of sharding (the first two warm-up; the figures are medians)
 HSDP_STEPS = 8
+# Section 5: steps, a checkpoint every CKPT_EVERY, node 1 killed once step KILL_AFTER is logged
+FAULT_STEPS, CKPT_EVERY, KILL_AFTER = 24, 5, 12
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same
 # four gradients may round differently in fp32's last bit across nodes; tests measure < 1e-5
 LOSS_TOL = 1e-5
@@ -71,8 +74,8 @@ from distlab import RunConfig, lab, launch
 from distlab.caller import cluster
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.multi_node import (fit_link, hsdp_figure, hsdp_study, link_figure, link_sweep,
-                                    race_figure, race_target, reach_time, slow_link_race,
-                                    slow_link_ways)
+                                    node_fault_figure, node_fault_study, race_figure,
+                                    race_target, reach_time, slow_link_race, slow_link_ways)
 
 WHY = cluster.available()  # None: simulated nodes can be made here
 say("simulated nodes: available (root, iproute2)" if WHY is None else
@@ -226,6 +229,37 @@ if WHY is None and not QUICK:
         f"{hsdp_diff:.1e} (the same SGD steps, summed in other orders)")
 
 # %% [markdown]
+# ## 5. A node dies: the elastic restart
+#
+# On a cluster a machine fails mid-run. `torchrun --max-restarts 1 --nnodes 1:2` makes the job
+# elastic: when a rank fails, its node's agent restarts the node's ranks into a new rendezvous
+# round, which starts once at least the minimum of nodes (here 1 of 2) has joined and, within
+# its last call, up to the maximum. Here node 1 (its agent and its ranks) is SIGKILLed once
+# rank 0 has logged step 12, and a new agent starts on node 1 a second later, as a scheduler
+# replaces a machine. The surviving ranks fail in their next collective (gloo: "connection
+# closed by peer"), their agent restarts them, the replacement joins the round, and every rank
+# loads the newest checkpoint that verifies (`resume_from="auto"`; one every 5 steps) and
+# trains on. The steps since that checkpoint run twice. The same run, uninterrupted, is the
+# reference: the checkpoint holds the model, the optimizer and every rank's RNGs, and the
+# batch is a function of the step, so each loss should come out **bit for bit** the same.
+
+# %%
+if WHY is None and not QUICK:
+    fault = node_fault_study(RunConfig(strategy="ddp", world_size=4, nodes=2, link_mbit=LINK,
+                                       steps=FAULT_STEPS, checkpoint_every=CKPT_EVERY,
+                                       timeout_s=20), KILL_AFTER)
+    node_fault_figure(fault).show()
+    fault_diff = max(abs(fault.recovered[s] - fault.uninterrupted[s]) for s in fault.uninterrupted)
+    say(f"node 1 killed after step {fault.killed_after_step}; the restarted ranks resumed from "
+        f"{fault.resumed_from} steps done and logged their first step "
+        f"{fault.kill_to_resumed_s:.1f} s after the kill (1 s of it the replacement's delay); "
+        f"steps {fault.rerun[0]}–{fault.rerun[-1]} ran twice. Largest loss difference from the "
+        f"uninterrupted run over {FAULT_STEPS} steps: {fault_diff:.1e}. The runs took "
+        f"{fault.seconds[0]:.0f} s and {fault.seconds[1]:.0f} s; agents' exit codes "
+        f"{fault.exit_codes} (node 0, node 1 killed, its replacement); processes left: "
+        f"{len(fault.left)}")
+
+# %% [markdown]
 # ## What the textbook says, what this run measured
 
 # %%
@@ -305,6 +339,16 @@ if WHY is None:
                   "sharding over all 4 ranks'",
                   hsdp["FSDP2, HSDP"]["seconds"] < full_shard["seconds"]),
         ]
+    if not QUICK:
+        rows_claims.append(claim(
+            "after a node fails, an elastic restart from the last checkpoint continues the run "
+            "exactly as if nothing had happened", "torchrun (torch.distributed.elastic)",
+            f"node 1 killed after step {fault.killed_after_step}, replaced, resumed from "
+            f"{fault.resumed_from} steps done: the {len(fault.recovered)} losses and the "
+            f"{len(fault.rerun)} re-run steps' first tries equal the uninterrupted run's bit "
+            f"for bit: {'yes' if fault.identical else 'no'} (largest difference "
+            f"{fault_diff:.1e}); processes left {len(fault.left)}",
+            fault.identical and not fault.left))
     if "ddp-torch, PowerSGD r=2" in by:
         power = by["ddp-torch, PowerSGD r=2"]
         rows_claims.append(claim(

@@ -248,3 +248,36 @@ def hsdp_figure(ways: dict) -> go.Figure:
                             "every rank",
                       yaxis=dict(title="MiB per step"))
     return fig
+
+
+def node_fault_study(cfg, kill_after: int):
+    """distlab.studies.node_fault in a folder of the runs root (node-fault-<time>/uninterrupted
+    and node-killed): cfg uninterrupted, then with node 1 killed after `kill_after` steps and
+    replaced. Needs root (the cluster)."""
+    import os
+    import time
+
+    from distlab.caller.launch import runs_root
+    from distlab.studies.node_fault import node_fault
+    folder = os.path.join(runs_root(cfg.runs_root), time.strftime("node-fault-%Y%m%d-%H%M%S"))
+    return node_fault(cfg, kill_after, folder)
+
+
+def node_fault_figure(r) -> go.Figure:
+    """Loss per step: the uninterrupted run, the recovered one (lines), and the steps the first
+    try ran before node 1 died (markers): they and their re-run after the resume coincide."""
+    steps = sorted(r.uninterrupted)
+    fig = go.Figure()
+    fig.add_scatter(x=steps, y=[r.uninterrupted[s] for s in steps], name="uninterrupted",
+                    line=dict(width=6, color="lightgray"))
+    fig.add_scatter(x=steps, y=[r.recovered[s] for s in steps], name="node 1 killed, replaced",
+                    line=dict(width=2, color="firebrick"))
+    fig.add_scatter(x=r.rerun, y=[r.first_try[s] for s in r.rerun], mode="markers",
+                    marker=dict(symbol="x", size=10, color="black"),
+                    name="steps lost with the node (run again after the resume)")
+    fig.add_vline(x=r.killed_after_step + 0.5, line_dash="dot",
+                  annotation_text=f"node 1 killed; resumed from step {r.resumed_from}")
+    fig.update_layout(template="plotly_white", height=380, width=760,
+                      title="A node dies mid-run: the elastic restart resumes from the last "
+                            "checkpoint", xaxis_title="step", yaxis_title="loss")
+    return fig

@@ -36,9 +36,11 @@
 # 3. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
 #    as loss against time (full mode);
 # 4. HSDP: shard inside a node, replicate across, against sharding over every rank (full mode);
-# 5. a node dies mid-run and a replacement joins: torchrun's elastic restart (full mode);
-# 6. the closing table: what the textbook says, what this run measured;
-# 7. a control panel with the nodes and the link as knobs, to try other layouts.
+# 5. where each kind of parallelism sits: DP, TP and PP inside a node against across the link,
+#    measured beside the α-β model's ranking (full mode);
+# 6. a node dies mid-run and a replacement joins: torchrun's elastic restart (full mode);
+# 7. the closing table: what the textbook says, what this run measured;
+# 8. a control panel with the nodes and the link as knobs, to try other layouts.
 
 # %% tags=["parameters"]
 import os
@@ -63,7 +65,9 @@ WARMUP = 2
 RACE = ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8")
 # Section 4: steps per way of sharding (the first two warm-up; the figures are medians)
 HSDP_STEPS = 8
-# Section 5: steps, a checkpoint every CKPT_EVERY, node 1 killed once step KILL_AFTER is logged
+# Section 5: steps per layout and placement (the first two warm-up; the figures are medians)
+PLACE_STEPS = 10
+# Section 6: steps, a checkpoint every CKPT_EVERY, node 1 killed once step KILL_AFTER is logged
 FAULT_STEPS, CKPT_EVERY, KILL_AFTER = 24, 5, 12
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same
 # four gradients may round differently in fp32's last bit across nodes; tests measure < 1e-5
@@ -74,8 +78,9 @@ from distlab import RunConfig, lab, launch
 from distlab.caller import cluster
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.multi_node import (fit_link, hsdp_figure, hsdp_study, link_figure, link_sweep,
-                                    node_fault_figure, node_fault_study, race_figure,
-                                    race_target, reach_time, slow_link_race, slow_link_ways)
+                                    node_fault_figure, node_fault_study, placement_figure,
+                                    placement_study, race_figure, race_target, ranking,
+                                    reach_time, slow_link_race, slow_link_ways)
 
 WHY = cluster.available()  # None: simulated nodes can be made here
 say("simulated nodes: available (root, iproute2)" if WHY is None else
@@ -229,7 +234,37 @@ if WHY is None and not QUICK:
         f"{hsdp_diff:.1e} (the same SGD steps, summed in other orders)")
 
 # %% [markdown]
-# ## 5. A node dies: the elastic restart
+# ## 5. Where each kind of parallelism sits
+#
+# The usual layout rule is "tensor parallelism inside a node, pipeline and data parallelism
+# across nodes" (Narayanan et al. 2021, Megatron-LM, §3.3: TP's all-reduces sit on every layer's
+# critical path; PP sends one activation per micro-batch). Here the same three 2-rank layouts
+# of `3d` run twice: both ranks in one node, then one rank on each node with the 100 Mbit/s
+# link between them. Everything rank 0 sends then crosses the link, and
+# `distlab.theory.comm_bytes.predicted_bytes` counts it per step: ZeRO-1's reduce-scatter and
+# all-gather of the gradients and parameters (gloo's reduce-scatter writes twice the ring's
+# bytes, measured in 01), TP's 4 all-reduces of the residual stream per layer, PP's activations
+# (B·T·h·4 bytes a step, whatever the micro-batches). The **modelled** step across the link is
+# the measured step inside a node plus those bytes at the link's rate; its ranking of the
+# layouts is checked against the measured one.
+
+# %%
+if WHY is None and not QUICK:
+    places = placement_study(RunConfig(strategy="ddp", world_size=2, steps=PLACE_STEPS),
+                             LINK, warmup=WARMUP)
+    placement_figure(places).show()
+    table(["layout, 2 ranks", "inside a node (ms)", "across the link (ms)", "slowdown",
+           "link bytes per step", "formula", "modelled across (ms)", "measured / modelled"],
+          [[r.name, f"{1e3 * r.inside_s:.0f}", f"{1e3 * r.across_s:.0f}", f"{r.slowdown:.1f}×",
+            fmt_bytes(r.link_bytes), fmt_bytes(r.formula_bytes), f"{1e3 * r.predicted_s:.0f}",
+            f"{r.across_s / r.predicted_s:.2f}"] for r in places])
+    measured_order = ranking({r.name: r.across_s for r in places})
+    modelled_order = ranking({r.name: r.predicted_s for r in places})
+    say(f"fastest to slowest across the link, measured: {' < '.join(measured_order)}; "
+        f"modelled: {' < '.join(modelled_order)}")
+
+# %% [markdown]
+# ## 6. A node dies: the elastic restart
 #
 # On a cluster a machine fails mid-run. `torchrun --max-restarts 1 --nnodes 1:2` makes the job
 # elastic: when a rank fails, its node's agent restarts the node's ranks into a new rendezvous
@@ -340,6 +375,21 @@ if WHY is None:
                   hsdp["FSDP2, HSDP"]["seconds"] < full_shard["seconds"]),
         ]
     if not QUICK:
+        slow = {r.name: r.slowdown for r in places}
+        worst_model = max(abs(r.across_s / r.predicted_s - 1) for r in places)
+        rows_claims += [
+            claim("tensor parallelism inside a node, pipeline and data parallelism across nodes "
+                  "(an interview answer)", "Narayanan et al. 2021 (Megatron-LM), §3.3",
+                  "2 ranks across a 100 Mbit/s link against inside one node: step "
+                  + ", ".join(f"{k} {v:.1f}×" for k, v in slow.items())
+                  + " (holds when TP slows most and PP least)",
+                  max(slow, key=slow.get) == "TP" and min(slow, key=slow.get).startswith("PP")),
+            claim("the α-β model, from the step inside a node and the bytes by formula, ranks "
+                  "the layouts across the link as they measure", "Hockney 1994; this notebook",
+                  f"measured {' < '.join(measured_order)}; modelled "
+                  f"{' < '.join(modelled_order)}; worst step {worst_model:.0%} off the model",
+                  measured_order == modelled_order),
+        ]
         rows_claims.append(claim(
             "after a node fails, an elastic restart from the last checkpoint continues the run "
             "exactly as if nothing had happened", "torchrun (torch.distributed.elastic)",

@@ -281,3 +281,82 @@ def node_fault_figure(r) -> go.Figure:
                       title="A node dies mid-run: the elastic restart resumes from the last "
                             "checkpoint", xaxis_title="step", yaxis_title="loss")
     return fig
+
+
+# -- where each kind of parallelism sits: inside a node or across the link ----------------------
+# Each layout is `3d` on 2 ranks, so one formula (distlab.theory.comm_bytes.predicted_bytes)
+# counts what each sends: ZeRO-1 data parallel, Megatron tensor parallel, a 2-stage pipeline
+# (the theory's ring bytes, with gloo's reduce-scatter counted as gloo writes it).
+PLACEMENTS = {"DP (ZeRO-1)": {}, "TP": {"tp": 2}, "PP, 4 micro-batches": {"pp": 2,
+                                                                          "microbatches": 4}}
+
+
+@dataclass
+class PlacementRow:
+    name: str
+    inside_s: float  # median step, both ranks in one node (its loopback)
+    across_s: float  # median step, one rank on each of two nodes (the link between)
+    link_bytes: float  # node 0's link, bytes sent per step (rank-side counters), measured
+    formula_bytes: float  # what rank 0 writes per step, by formula: all of it crosses the link
+    link_mbit: float
+
+    @property
+    def predicted_s(self) -> float:
+        """Modelled: the step inside a node plus the formula's bytes at the link's rate (β
+        only: this link has no added delay)."""
+        return self.inside_s + 8 * self.formula_bytes / (self.link_mbit * 1e6)
+
+    @property
+    def slowdown(self) -> float:
+        return self.across_s / self.inside_s
+
+
+def placement_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRow]:
+    """Each of PLACEMENTS on 2 ranks: inside one node, then across two over `link_mbit`."""
+    from distlab.theory.comm_bytes import predicted_bytes
+    rows = []
+    for name, knobs in PLACEMENTS.items():
+        cfg = base.replace(strategy="3d", world_size=2, **knobs)
+        inside = launch(cfg.replace(nodes=1)).wait()
+        across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait()
+        per_step = steps_link_bytes(across) or [float("nan")]
+        rows.append(PlacementRow(
+            name, _median_step(inside, warmup), _median_step(across, warmup),
+            statistics.median(per_step[warmup:] or per_step),
+            sum(b * GLOO_WRITES.get(kind, 1) for kinds in predicted_bytes(cfg, 0).values()
+                for kind, b in kinds.items()), link_mbit))
+    return rows
+
+
+# gloo's reduce-scatter writes what an all-reduce does, 2(N-1)/N of the buffer, twice the
+# ring's (measured: tests/test_wire.py); the other collectives write the ring's bytes
+GLOO_WRITES = {"reduce_scatter": 2}
+
+
+def _median_step(run, warmup: int) -> float:
+    steps = [e["step_s"] for e in run.history("step", rank=0)]
+    return statistics.median(steps[warmup:] or steps)
+
+
+def ranking(values: dict) -> list[str]:
+    """Names from the smallest value to the largest."""
+    return sorted(values, key=values.get)
+
+
+def placement_figure(rows: list[PlacementRow]) -> go.Figure:
+    """Step time inside a node and across the link, measured, beside the modelled one."""
+    names = [r.name for r in rows]
+    fig = go.Figure()
+    fig.add_bar(x=names, y=[1e3 * r.inside_s for r in rows], name="inside one node (measured)")
+    fig.add_bar(x=names, y=[1e3 * r.across_s for r in rows],
+                name=f"across a {rows[0].link_mbit:g} Mbit/s link (measured)",
+                customdata=[r.link_bytes / 2**20 for r in rows],
+                hovertemplate="%{x}: %{y:.0f} ms, %{customdata:.2f} MiB over the link a step"
+                              "<extra></extra>")
+    fig.add_scatter(x=names, y=[1e3 * r.predicted_s for r in rows], mode="markers",
+                    marker=dict(symbol="line-ew-open", size=40, line=dict(width=3)),
+                    name="modelled: inside + formula bytes / link rate")
+    fig.update_layout(template="plotly_white", barmode="group", height=400, width=760,
+                      title="Where each kind of parallelism sits: 2 ranks inside a node or "
+                            "across the link", yaxis=dict(title="ms per step"))
+    return fig

@@ -307,8 +307,9 @@ class PlacementRow:
         return self.inside_s + 8 * self.formula_bytes / (self.link_mbit * 1e6)
 
     @property
-    def slowdown(self) -> float:
-        return self.across_s / self.inside_s
+    def added_s(self) -> float:
+        """What the link adds to the step: the cost of placing this layout across nodes."""
+        return self.across_s - self.inside_s
 
 
 def placement_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRow]:

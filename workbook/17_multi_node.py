@@ -33,14 +33,16 @@
 # 1. DDP on 2 nodes × 2 ranks (one each in CI's quick run) against the same run on one
 #    machine, with each node's link on the dashboard;
 # 2. the step time over a sweep of link speeds, against t(L) = t0 + bits per step / L;
-# 3. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
+# 3. one all-reduce across the link: the flat ring, the hierarchical all-reduce and gloo's own,
+#    against the two-tier model (full mode);
+# 4. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
 #    as loss against time (full mode);
-# 4. HSDP: shard inside a node, replicate across, against sharding over every rank (full mode);
-# 5. where each kind of parallelism sits: DP, TP and PP inside a node against across the link,
+# 5. HSDP: shard inside a node, replicate across, against sharding over every rank (full mode);
+# 6. where each kind of parallelism sits: DP, TP and PP inside a node against across the link,
 #    measured beside the α-β model's ranking (full mode);
-# 6. a node dies mid-run and a replacement joins: torchrun's elastic restart (full mode);
-# 7. the closing table: what the textbook says, what this run measured;
-# 8. a control panel with the nodes and the link as knobs, to try other layouts.
+# 7. a node dies mid-run and a replacement joins: torchrun's elastic restart (full mode);
+# 8. the closing table: what the textbook says, what this run measured;
+# 9. a control panel with the nodes and the link as knobs, to try other layouts.
 
 # %% tags=["parameters"]
 import os
@@ -58,16 +60,18 @@ LINK = 100.0  # Mbit/s, section 1
 LINKS = (100, 400) if QUICK else (25, 50, 100, 200, 400)
 SWEEP_STEPS = 6 if QUICK else 10
 WARMUP = 2
-# Sections 3 and 4 start four and one more clusters (each agent and rank imports torch: seconds
-# of CPU apiece), so CI's quick run leaves them out; the test suite runs their code on this
-# machine's loopback (tests/test_diloco.py, tests/test_hsdp.py, tests/test_cluster_run.py).
-# Section 3: the ways raced against section 1's DDP run (same model, batches, link and steps)
+# Sections 3 to 7 start clusters of their own (each agent and rank imports torch: seconds of
+# CPU apiece), so CI's quick run leaves them out; the test suite runs their code
+# (tests/test_hierarchical.py, test_diloco.py, test_hsdp.py, test_cluster.py).
+# Section 3: the size of the all-reduce the algorithms race (MiB)
+ALLREDUCE_MIB = 16.0
+# Section 4: the ways raced against section 1's DDP run (same model, batches, link and steps)
 RACE = ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8")
-# Section 4: steps per way of sharding (the first two warm-up; the figures are medians)
+# Section 5: steps per way of sharding (the first two warm-up; the figures are medians)
 HSDP_STEPS = 8
-# Section 5: steps per layout and placement (the first two warm-up; the figures are medians)
+# Section 6: steps per layout and placement (the first two warm-up; the figures are medians)
 PLACE_STEPS = 10
-# Section 6: steps, a checkpoint every CKPT_EVERY, node 1 killed once step KILL_AFTER is logged
+# Section 7: steps, a checkpoint every CKPT_EVERY, node 1 killed once step KILL_AFTER is logged
 FAULT_STEPS, CKPT_EVERY, KILL_AFTER = 24, 5, 12
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same
 # four gradients may round differently in fp32's last bit across nodes; tests measure < 1e-5
@@ -80,7 +84,8 @@ from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.multi_node import (fit_link, hsdp_figure, hsdp_study, link_figure, link_sweep,
                                     node_fault_figure, node_fault_study, placement_figure,
                                     placement_study, race_figure, race_target, ranking,
-                                    reach_time, slow_link_race, slow_link_ways)
+                                    reach_time, slow_link_race, slow_link_ways, two_tier_figure,
+                                    two_tier_study)
 
 WHY = cluster.available()  # None: simulated nodes can be made here
 say("simulated nodes: available (root, iproute2)" if WHY is None else
@@ -154,7 +159,33 @@ if WHY is None:
         "(1.00: the step gets the link's whole rate)")
 
 # %% [markdown]
-# ## 3. Fewer bytes over the link
+# ## 3. One all-reduce across the link
+#
+# DDP's all-reduce is gloo's. Across nodes, the algorithm decides what crosses the link. The
+# **flat ring** (Patarasuk & Yuan 2009; `Comm.ring_all_reduce`, written here) puts all N ranks
+# on one ring, so the ring edge that leaves each node carries 2(N−1)/N of the tensor. The
+# **hierarchical** all-reduce (`distlab.parallel.data_parallel.hierarchical`; the two-level
+# scheme of Horovod's hierarchical all-reduce) reduce-scatters inside each node, all-reduces each
+# shard across nodes, and all-gathers inside again: a node's ranks send 2(n−1)/n of the
+# tensor across in all, n the nodes. At 2 nodes × 2 ranks that is 1.5 against 1 tensor: the
+# link's bytes predict the hierarchical one 1.5× faster. "One flow" sends the node's part
+# through one leader rank. The **modelled** time is the link's bytes at its rate, plus for the
+# hierarchical ones the fast tier's all-reduce inside a node, measured in the same job.
+
+# %%
+if WHY is None and not QUICK:
+    algos = two_tier_study(nodes=2, ranks=2, link_mbit=LINK, mib=ALLREDUCE_MIB)
+    two_tier_figure(algos, ALLREDUCE_MIB, LINK).show()
+    table(["algorithm", "seconds (median of 3)", "node 0's link per all-reduce", "formula",
+           "modelled (s)", "measured / modelled"],
+          [[r.name, f"{r.seconds:.3f}", "—" if r.link_bytes is None else fmt_bytes(r.link_bytes),
+            "—" if r.formula_bytes is None else fmt_bytes(r.formula_bytes),
+            "—" if r.modelled_s is None else f"{r.modelled_s:.3f}",
+            "—" if r.modelled_s is None else f"{r.seconds / r.modelled_s:.2f}"] for r in algos])
+    by_algo = {r.name: r for r in algos}
+
+# %% [markdown]
+# ## 4. Fewer bytes over the link
 #
 # When the link sets the step, the cure is to send less. Three families, each run here on the
 # same two nodes, link, model and batches as section 1's DDP:
@@ -200,7 +231,7 @@ if WHY is None and not QUICK:
 # (1/√v), a setting its error feedback was not shown in; local SGD and DiLoCo let the replicas
 # drift apart for H steps and pay once for the whole model.
 #
-# ## 4. HSDP: shard inside a node, replicate across
+# ## 5. HSDP: shard inside a node, replicate across
 #
 # Sharding the model over every rank (ZeRO-3, FSDP) puts its all-gathers and reduce-scatters
 # on the slow link: each step crosses it with the parameters twice (forward and backward) and
@@ -234,7 +265,7 @@ if WHY is None and not QUICK:
         f"{hsdp_diff:.1e} (the same SGD steps, summed in other orders)")
 
 # %% [markdown]
-# ## 5. Where each kind of parallelism sits
+# ## 6. Where each kind of parallelism sits
 #
 # The usual layout rule is "tensor parallelism inside a node, pipeline and data parallelism
 # across nodes" (Narayanan et al. 2021, Megatron-LM, §3.3: TP's all-reduces sit on every layer's
@@ -266,7 +297,7 @@ if WHY is None and not QUICK:
         f"modelled: {' < '.join(modelled_order)}")
 
 # %% [markdown]
-# ## 6. A node dies: the elastic restart
+# ## 7. A node dies: the elastic restart
 #
 # On a cluster a machine fails mid-run. `torchrun --max-restarts 1 --nnodes 1:2` makes the job
 # elastic: when a rank fails, its node's agent restarts the node's ranks into a new rendezvous
@@ -377,6 +408,21 @@ if WHY is None:
                   hsdp["FSDP2, HSDP"]["seconds"] < full_shard["seconds"]),
         ]
     if not QUICK:
+        flat_over = {k: by_algo["flat ring"].seconds / by_algo[k].seconds
+                     for k in ("hierarchical", "hierarchical, one flow")}
+        modelled = [r for r in algos if r.modelled_s is not None]
+        rows_claims += [
+            claim("across nodes a hierarchical all-reduce beats the flat ring by what the link "
+                  "bytes predict (1.5× at 2 nodes × 2 ranks; at least 1.3× asked)",
+                  "Patarasuk & Yuan 2009; the link's bytes by formula",
+                  f"{ALLREDUCE_MIB:g} MiB: " + ", ".join(f"{k} {v:.2f}× faster"
+                                                          for k, v in flat_over.items()),
+                  min(flat_over.values()) >= 1.3),
+            claim("every all-reduce across the link takes what the two-tier α-β model says, "
+                  "within 1.3×", "Hockney 1994; this notebook",
+                  ", ".join(f"{r.name} {r.seconds / r.modelled_s:.2f}×" for r in modelled),
+                  all(1 / 1.3 <= r.seconds / r.modelled_s <= 1.3 for r in modelled)),
+        ]
         added = {r.name: r.added_s for r in places}
         worst_model = max(abs(r.across_s / r.predicted_s - 1) for r in places)
         rows_claims += [

@@ -361,3 +361,55 @@ def placement_figure(rows: list[PlacementRow]) -> go.Figure:
                       title="Where each kind of parallelism sits: 2 ranks inside a node or "
                             "across the link", yaxis=dict(title="ms per step"))
     return fig
+
+
+# -- all-reduce across the link: flat ring, hierarchical, the backend's ------------------------
+@dataclass
+class AllReduceRow:
+    name: str
+    seconds: float  # median of 3, barrier to barrier (distlab.studies.two_tier)
+    link_bytes: float | None  # node 0's link, bytes sent per all-reduce (its counter)
+    formula_bytes: float | None  # what the algorithm sends from a node over its link
+    modelled_s: float | None  # two-tier α-β: the link's bytes at its rate, plus the fast tier
+
+
+def two_tier_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0,
+                   mib: float = 16.0) -> list[AllReduceRow]:
+    """distlab.studies.two_tier in simulated nodes: each algorithm's all-reduce of `mib` MiB
+    timed, node 0's link counted, beside the two-tier model (β of the link; the fast tier's
+    time is the study's own "within a node" all-reduce, measured). Needs root."""
+    from distlab.studies import run_in_nodes
+    res = run_in_nodes("distlab.studies.two_tier", ["--mib", str(mib)], nodes, ranks,
+                       link_mbit, timeout_s=600)
+    S, N, n = mib * 2**20, nodes * ranks, nodes
+    rate = link_mbit * 1e6 / 8  # bytes per second
+    within = res["within a node"]["seconds"]
+    # flat ring: the one ring edge that leaves the node carries 2(N-1)/N·S (Patarasuk & Yuan
+    # 2009); hierarchical: the node's g ranks send 2(n-1)/n·S across in all, after and before
+    # an all-reduce's worth of work inside the node (reduce-scatter, then all-gather)
+    formula = {"flat ring": 2 * (N - 1) / N * S, "hierarchical": 2 * (n - 1) / n * S,
+               "hierarchical, one flow": 2 * (n - 1) / n * S}
+    fast = {"flat ring": 0.0, "hierarchical": within, "hierarchical, one flow": within}
+    return [AllReduceRow(name, res[name]["seconds"], res[name]["link_sent"],
+                         formula.get(name),
+                         formula[name] / rate + fast[name] if name in formula else None)
+            for name in ("flat ring", "hierarchical", "hierarchical, one flow", "backend",
+                         "within a node")]
+
+
+def two_tier_figure(rows: list[AllReduceRow], mib: float, link_mbit: float) -> go.Figure:
+    """Each algorithm's all-reduce time, measured, beside the two-tier model's."""
+    names = [r.name for r in rows]
+    fig = go.Figure()
+    fig.add_bar(x=names, y=[r.seconds for r in rows], name="measured",
+                customdata=[None if r.link_bytes is None else r.link_bytes / 2**20 for r in rows],
+                hovertemplate="%{x}: %{y:.2f} s, %{customdata:.1f} MiB over node 0's link"
+                              "<extra></extra>")
+    model = [r for r in rows if r.modelled_s is not None]
+    fig.add_scatter(x=[r.name for r in model], y=[r.modelled_s for r in model], mode="markers",
+                    marker=dict(symbol="line-ew-open", size=40, line=dict(width=3)),
+                    name="modelled: link bytes / rate (+ the fast tier)")
+    fig.update_layout(template="plotly_white", height=400, width=760,
+                      title=f"All-reduce of {mib:g} MiB across a {link_mbit:g} Mbit/s link",
+                      yaxis=dict(title="seconds"))
+    return fig

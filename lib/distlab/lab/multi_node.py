@@ -318,8 +318,8 @@ def placement_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRo
     rows = []
     for name, knobs in PLACEMENTS.items():
         cfg = base.replace(strategy="3d", world_size=2, **knobs)
-        inside = launch(cfg.replace(nodes=1)).wait()
-        across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait()
+        inside = launch(cfg.replace(nodes=1)).wait(progress=False)
+        across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
         per_step = steps_link_bytes(across) or [float("nan")]
         rows.append(PlacementRow(
             name, _median_step(inside, warmup), _median_step(across, warmup),

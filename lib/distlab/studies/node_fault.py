@@ -46,16 +46,24 @@ class NodeFault:
         return sorted(self.first_try)
 
     @property
+    def rerun_identical(self) -> bool:
+        """Each step run twice logged the same loss, bit for bit, both times."""
+        return bool(self.first_try) and all(self.first_try[s] == self.recovered[s]
+                                            for s in self.first_try)
+
+    @property
     def identical(self) -> bool:
         """Every step's loss equals the uninterrupted run's, and so do the re-run steps'."""
-        return (self.recovered == self.uninterrupted
+        return (bool(self.uninterrupted) and self.recovered == self.uninterrupted
                 and all(self.first_try[s] == self.uninterrupted[s] for s in self.first_try))
 
 
 def node_fault(cfg, kill_after: int, folder: str, victim: int = 1, gap_s: float = 1.0,
-               timeout_s: float = 300) -> NodeFault:
+               timeout_s: float = 300, uninterrupted: bool = True) -> NodeFault:
     """Run cfg (cfg.nodes simulated nodes, cfg.world_size ranks) uninterrupted and then with
-    node `victim` killed after `kill_after` steps; both runs' folders under `folder`."""
+    node `victim` killed after `kill_after` steps; both runs' folders under `folder`.
+    uninterrupted=False: the second run alone (a cheaper test: the steps run twice are
+    compared with their first tries, the rest with nothing)."""
     if cfg.nodes < 2:
         raise ValueError(f"nodes={cfg.nodes}: a node fault needs at least 2 nodes")
     if not 0 < victim < cfg.nodes:  # node 0 hosts the rendezvous, as on a real cluster
@@ -65,7 +73,8 @@ def node_fault(cfg, kill_after: int, folder: str, victim: int = 1, gap_s: float 
         raise ValueError(f"kill_after={kill_after}: after the first checkpoint (checkpoint_every="
                          f"{cfg.checkpoint_every}) and before the last step ({cfg.steps - 1})")
     cfg = cfg.replace(resume_from="auto")
-    plain = _run(cfg, os.path.join(folder, "uninterrupted"), None, timeout_s)
+    plain = (_run(cfg, os.path.join(folder, "uninterrupted"), None, timeout_s)
+             if uninterrupted else {"dir": None, "left": [], "seconds": 0.0})
     hit = _run(cfg, os.path.join(folder, "node-killed"), (victim, kill_after, gap_s), timeout_s)
     steps = Run.load(hit["dir"]).history("step", rank=0)
     first, recovered = {}, {}
@@ -76,8 +85,9 @@ def node_fault(cfg, kill_after: int, folder: str, victim: int = 1, gap_s: float 
     resume = Run.load(hit["dir"]).history("resume", rank=0)
     resumed_first = next((e["time"] for e in steps if e["time"] > hit["killed_at"]), None)
     return NodeFault(
-        uninterrupted={e["step"]: e["loss"] for e in Run.load(plain["dir"]).history("step",
-                                                                                   rank=0)},
+        uninterrupted=({e["step"]: e["loss"] for e in Run.load(plain["dir"]).history("step",
+                                                                                    rank=0)}
+                       if uninterrupted else {}),
         recovered=recovered, first_try=first, killed_after_step=hit["killed_after_step"],
         resumed_from=resume[-1]["steps_done"] if resume else 0,
         kill_to_resumed_s=(resumed_first - hit["killed_at"]) if resumed_first else float("nan"),

@@ -284,3 +284,22 @@ def test_expert_parallelism_shards_the_experts_and_pays_all_to_alls():
     across = evaluate(MOE, c, 512, 16, 2, 2, 1, 1, "none", 0.5, ep=8)  # 16 GPUs: two nodes
     assert across.ep_comm_s > by_ep[4].ep_comm_s * 5  # InfiniBand's 25 GB/s, not NVLink's
     assert plan(MOE, c, 512, eps=(1, 2, 4, 8))[0].fits
+
+
+def test_tp_split_across_nodes_is_priced_on_the_inter_node_link_and_fp32_doubles_the_bytes():
+    """evaluate() prices TP over the node link while tp fits in a node, else over the network
+    (notebook 17 runs tp=2 with one rank per node); value_bytes=4 (fp32) sends twice bf16's."""
+    from distlab.comm import Link, ring_allreduce_time
+    model = Model(4, 128, 4, seq=64, vocab=65)
+    fast = Link("fast", 0.0, 1e9, "test")
+    slow = Link("slow", 0.0, 12.5e6, "test")
+    rows = {g: evaluate(model, Cluster(2, gpus_per_node=g, intra=fast, inter=slow), 16,
+                          1, 2, 1, 0, 16, "none", mfu=0.5) for g in (1, 2)}
+    msg = 16 * 64 * 128 * 2  # one micro-batch's residual stream, bf16
+    assert rows[1].tp_comm_s == pytest.approx(16 * ring_allreduce_time(msg, 2, slow))
+    assert rows[2].tp_comm_s == pytest.approx(16 * ring_allreduce_time(msg, 2, fast))
+    fp32 = evaluate(model, Cluster(2, gpus_per_node=1, intra=fast, inter=slow), 16, 2, 1, 1,
+                      0, 8, "none", mfu=0.5, value_bytes=4)
+    bf16 = evaluate(model, Cluster(2, gpus_per_node=1, intra=fast, inter=slow), 16, 2, 1, 1,
+                      0, 8, "none", mfu=0.5)
+    assert fp32.dp_comm_s == pytest.approx(2 * bf16.dp_comm_s)

@@ -276,25 +276,33 @@ if WHY is None and not QUICK:
 # all-gather of the gradients and parameters (gloo's reduce-scatter writes twice the ring's
 # bytes, measured in 01), TP's 4 all-reduces of the residual stream per layer, PP's activations
 # (B·T·h·4 bytes a step, whatever the micro-batches). The **modelled** step across the link is
-# the measured step inside a node plus those bytes at the link's rate; its ranking of the
-# layouts is checked against the measured one. The layouts' compute differs (TP splits each
-# layer, DP the batch), so what tells where each belongs is the time the link **adds** to its
-# step, not the ratio.
+# the measured step inside a node plus those bytes at the link's rate. The **planner**
+# (`distlab.theory.plan`, the one 07 uses for GPU clusters) gets this machine's two
+# tiers: the link's rate between nodes and, inside a node, the rate of section 3's all-reduce
+# within a node; its estimate is the step inside plus what its communication terms say the
+# link adds (its ring formulas in fp32; its pipeline term counts the m + p − 1 slots of the
+# critical path). Both rankings of the layouts are checked against the measured one. The layouts'
+# compute differs (TP splits each layer, DP the batch), so what tells where each belongs is the
+# time the link **adds** to its step, not the ratio.
 
 # %%
 if WHY is None and not QUICK:
+    # the planner's fast tier: section 3's all-reduce inside a node (2 ranks: S each way)
+    node_Bps = ALLREDUCE_MIB * 2**20 / by_algo["within a node"].seconds
     places = placement_study(RunConfig(strategy="ddp", world_size=2, steps=PLACE_STEPS),
-                             LINK, warmup=WARMUP)
+                             LINK, warmup=WARMUP, node_Bps=node_Bps)
     placement_figure(places).show()
     table(["layout, 2 ranks", "inside a node (ms)", "across the link (ms)", "added (ms)",
-           "link bytes per step", "formula", "modelled across (ms)", "measured / modelled"],
+           "link bytes per step", "formula", "modelled across (ms)", "measured / modelled",
+           "planner across (ms)"],
           [[r.name, f"{1e3 * r.inside_s:.0f}", f"{1e3 * r.across_s:.0f}", f"{1e3 * r.added_s:.0f}",
             fmt_bytes(r.link_bytes), fmt_bytes(r.formula_bytes), f"{1e3 * r.predicted_s:.0f}",
-            f"{r.across_s / r.predicted_s:.2f}"] for r in places])
+            f"{r.across_s / r.predicted_s:.2f}", f"{1e3 * r.planner_s:.0f}"] for r in places])
     measured_order = ranking({r.name: r.across_s for r in places})
     modelled_order = ranking({r.name: r.predicted_s for r in places})
+    planner_order = ranking({r.name: r.planner_s for r in places})
     say(f"fastest to slowest across the link, measured: {' < '.join(measured_order)}; "
-        f"modelled: {' < '.join(modelled_order)}")
+        f"modelled: {' < '.join(modelled_order)}; planner: {' < '.join(planner_order)}")
 
 # %% [markdown]
 # ## 7. A node dies: the elastic restart
@@ -438,6 +446,13 @@ if WHY is None:
                   f"measured {' < '.join(measured_order)}; modelled "
                   f"{' < '.join(modelled_order)}; worst step {worst_model:.0%} off the model",
                   measured_order == modelled_order),
+            claim("the planner, given this machine's two tiers, ranks the layouts across the "
+                  "link as they measure", "distlab.theory.plan (Narayanan et al. 2021's terms)",
+                  "the link adds, measured / by the planner: "
+                  + ", ".join(f"{r.name} {1e3 * r.added_s:.0f} / {1e3 * r.planner_added_s:.0f}"
+                              " ms" for r in places)
+                  + f"; planner's order {' < '.join(planner_order)}",
+                  measured_order == planner_order),
         ]
         rows_claims.append(claim(
             "after a node fails, an elastic restart from the last checkpoint continues the run "

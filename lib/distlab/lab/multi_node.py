@@ -299,6 +299,13 @@ class PlacementRow:
     link_bytes: float  # node 0's link, bytes sent per step (rank-side counters), measured
     formula_bytes: float  # what rank 0 writes per step, by formula: all of it crosses the link
     link_mbit: float
+    planner_added_s: float = float("nan")  # distlab.theory.plan: comm across − comm inside
+
+    @property
+    def planner_s(self) -> float:
+        """Modelled by the planner: the step inside a node plus what its two-tier α-β model
+        says the link adds (its ring formulas, fp32)."""
+        return self.inside_s + self.planner_added_s
 
     @property
     def predicted_s(self) -> float:
@@ -312,8 +319,10 @@ class PlacementRow:
         return self.across_s - self.inside_s
 
 
-def placement_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRow]:
-    """Each of PLACEMENTS on 2 ranks: inside one node, then across two over `link_mbit`."""
+def placement_study(base, link_mbit: float, warmup: int = 2,
+                    node_Bps: float = float("inf")) -> list[PlacementRow]:
+    """Each of PLACEMENTS on 2 ranks: inside one node, then across two over `link_mbit`.
+    node_Bps: the planner's fast tier, bytes per second inside a node (measured elsewhere)."""
     from distlab.theory.comm_bytes import predicted_bytes
     rows = []
     for name, knobs in PLACEMENTS.items():
@@ -325,8 +334,27 @@ def placement_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRo
             name, _median_step(inside, warmup), _median_step(across, warmup),
             statistics.median(per_step[warmup:] or per_step),
             sum(b * GLOO_WRITES.get(kind, 1) for kinds in predicted_bytes(cfg, 0).values()
-                for kind, b in kinds.items()), link_mbit))
+                for kind, b in kinds.items()), link_mbit,
+            planner_comm_s(cfg, 1, link_mbit, node_Bps) - planner_comm_s(cfg, 2, link_mbit,
+                                                                         node_Bps)))
     return rows
+
+
+def planner_comm_s(cfg, gpus_per_node: int, link_mbit: float, node_Bps: float) -> float:
+    """distlab.theory.plan's communication seconds per step for cfg's `3d` layout on
+    cfg.world_size ranks, `gpus_per_node` to a node: inside a node at node_Bps, between nodes
+    at the link's rate (no α: tc's tbf adds no delay), fp32 values, ZeRO-1 for dp."""
+    from distlab.comm import Link
+    from distlab.theory import plan as P
+    model = P.Model(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.vocab_size)
+    cluster = P.Cluster(cfg.world_size, gpus_per_node=gpus_per_node,
+                        intra=Link("inside a node", 0.0, node_Bps, "measured"),
+                        inter=Link("the link", 0.0, link_mbit * 1e6 / 8, "tc tbf"))
+    dp = cfg.world_size // (cfg.tp * cfg.pp)
+    micro = cfg.global_batch // dp // cfg.microbatches
+    row = P.evaluate(model, cluster, cfg.global_batch, dp, cfg.tp, cfg.pp, 1, micro, "none",
+                     mfu=1.0, value_bytes=4)
+    return row.dp_comm_s + row.tp_comm_s + row.pp_comm_s
 
 
 # gloo's reduce-scatter writes what an all-reduce does, 2(N-1)/N of the buffer, twice the
@@ -357,6 +385,9 @@ def placement_figure(rows: list[PlacementRow]) -> go.Figure:
     fig.add_scatter(x=names, y=[1e3 * r.predicted_s for r in rows], mode="markers",
                     marker=dict(symbol="line-ew-open", size=40, line=dict(width=3)),
                     name="modelled: inside + formula bytes / link rate")
+    fig.add_scatter(x=names, y=[1e3 * r.planner_s for r in rows], mode="markers",
+                    marker=dict(symbol="diamond-open", size=12, line=dict(width=2)),
+                    name="planner (distlab.theory.plan): inside + its comm across − inside")
     fig.update_layout(template="plotly_white", barmode="group", height=400, width=760,
                       title="Where each kind of parallelism sits: 2 ranks inside a node or "
                             "across the link", yaxis=dict(title="ms per step"))

@@ -40,7 +40,8 @@ Sources:
                   backward: Shoeybi et al. 2019, Megatron-LM Figure 4; with sequence
                   parallelism the all-gather + reduce-scatter pairs move the same bytes,
                   Korthikanti et al. Section 4.2.2); full recomputation adds the forward's 2.
-                  Over the intra-node link (tp never leaves a node). Exposed: it sits on the
+                  Over the intra-node link while tp fits in a node, else the inter-node one
+                  (plan() never splits tp across nodes; evaluate() prices it). Exposed: on the
                   critical path.
              PP   per micro-batch one activation forward and one gradient back between
                   stages, b·s·h·2/t bytes each (Narayanan et al. Section 4.1's scatter/gather),
@@ -298,7 +299,8 @@ def tp_comm_time(model: Model, cluster: Cluster, tp: int, pp: int, micro_batch: 
     per_layer = 6 if recompute == "full" else 4
     msg = micro_batch * model.seq * model.hidden * act_bytes
     n = micro_batches * (model.n_layer // pp) * per_layer
-    return n * ring_allreduce_time(msg, tp, cluster.intra)
+    link = cluster.inter if tp > cluster.gpus_per_node else cluster.intra
+    return n * ring_allreduce_time(msg, tp, link)
 
 
 def pp_comm_time(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, micro_batch: int,
@@ -341,8 +343,9 @@ def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int
              zero: int, micro_batch: int, recompute: str, mfu: float, dp_overlap: float = 0.0,
              sequence_parallel: bool = True, schedule: str = "1f1b",
              bpp: BytesPerParam = MIXED_ADAM, offload=(), cp: int = 1, ep: int = 1,
-             cp_overlap: float = 0.0) -> Row | None:
-    """One candidate's memory and step time; None when the batch does not split evenly."""
+             cp_overlap: float = 0.0, value_bytes: int = 2) -> Row | None:
+    """One candidate's memory and step time; None when the batch does not split evenly.
+    value_bytes: bytes of each gradient and activation value sent (2: bf16; 4: fp32)."""
     if dp * tp * pp * cp != cluster.gpus or global_batch % (dp * micro_batch):
         return None
     m = global_batch // (dp * micro_batch)
@@ -354,13 +357,13 @@ def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int
     compute = ideal * (1 + recompute_overhead(model, recompute))
     bubble = compute * (pp - 1) / m
     dense = model.params - model.expert_params
-    dpc = dp_comm_time(model, cluster, dp * cp, tp, pp, zero, m, params=dense)
+    dpc = dp_comm_time(model, cluster, dp * cp, tp, pp, zero, m, value_bytes, params=dense)
     if model.experts:  # the experts' gradients over their replicas only
-        dpc += dp_comm_time(model, cluster, dp * cp // ep, tp, pp, zero, m,
+        dpc += dp_comm_time(model, cluster, dp * cp // ep, tp, pp, zero, m, value_bytes,
                             params=model.expert_params / ep)
     dpc *= 1 - dp_overlap
-    tpc = tp_comm_time(model, cluster, tp, pp, micro_batch, m, recompute)
-    ppc = pp_comm_time(model, cluster, dp, tp, pp, micro_batch, m)
+    tpc = tp_comm_time(model, cluster, tp, pp, micro_batch, m, recompute, value_bytes)
+    ppc = pp_comm_time(model, cluster, dp, tp, pp, micro_batch, m, value_bytes)
     cpc = cp_comm_time(model, cluster, tp, pp, cp, micro_batch, m) * (1 - cp_overlap)
     epc = ep_comm_time(model, cluster, tp, pp, cp, ep, micro_batch, m)
     step = compute + bubble + dpc + tpc + ppc + cpc + epc

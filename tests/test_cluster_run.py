@@ -102,21 +102,17 @@ def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
     for link in on_nodes.links:
         assert link["sent"] >= 6 * grads and link["received"] >= 6 * grads, (link, grads)
     assert os.path.exists(os.path.join(on_nodes.dir, cluster_run.LINKS_FILE))
-    # per step, what the dashboard draws: a ring's one edge out of each node carries
-    # 2(N-1)/N of the gradients, 1.5x at N = 4, plus TCP/IP headers (measured 1.60-1.65x on
-    # this model under the suite's load); gloo picks its algorithm by size and timing, and on
-    # this 69 KB message it has also sent 1.37x and, on an idle machine, 1.08-1.10x. No
-    # algorithm sends less than the gradients (each node needs the other's sum), nor 2x; the
-    # figure is a slope fitted to counter readings, a few percent noisy (17's quick run, where
-    # the ring sends exactly the gradients, read 0.99x), hence 0.9
+    # per step, what the dashboard draws: the counters the ranks read at each step's end
+    # (notebook 17's race reads the same). A ring's one edge out of each node carries 2(N-1)/N
+    # of the gradients, 1.5x at N = 4, plus TCP/IP headers; gloo picks its algorithm by size
+    # and timing (on this 69 KB message it has also sent 1.37x and, idle, 1.08-1.10x). No
+    # algorithm sends less than the gradients (each node needs the other's sum), nor 2x. The
+    # slope sampled from outside, which the dashboard drew before, read 2.4x on one node under
+    # CI's load
     per_step = on_nodes.link_bytes_per_step()
-    assert per_step is not None and len(per_step) == 2
-    assert all(0.9 * grads <= b <= 2 * grads for b in per_step), (per_step, grads)
-    # the same from the counters the ranks read at each step's end (notebook 17's race): no
-    # sampling, so the physical floor holds exactly (each node needs the other's sum)
     from distlab.lab.multi_node import race_row, race_target, reach_time, steps_link_bytes
     by_ranks = steps_link_bytes(on_nodes)
-    assert by_ranks is not None and len(by_ranks) == 2
+    assert by_ranks is not None and len(by_ranks) == 2 and per_step == by_ranks
     assert all(grads <= b <= 2 * grads for b in by_ranks), (by_ranks, grads)
     row = race_row("ddp", on_nodes)
     assert row.link_bytes == pytest.approx(sum(by_ranks) / 2) and row.averages == 0

@@ -166,22 +166,9 @@ def race_row(name: str, run) -> RaceRow:
 
 def steps_link_bytes(run) -> list[float] | None:
     """Bytes each node's link sent per step, from the counters its ranks read at each step's
-    end (distlab.rank.step_meter): per node (link device), the lowest rank's readings, from the
-    end of the first step to the end of the last, over the steps between. Every step after
-    the first is in it whole, whatever it sends when (a DiLoCo average every 8th step)."""
-    first_rank: dict[str, int] = {}
-    for e in run.history("step"):
-        if "link" in e:
-            dev = e["link"]["dev"]
-            first_rank[dev] = min(first_rank.get(dev, e["rank"]), e["rank"])
-    out = []
-    for dev, rank in sorted(first_rank.items()):
-        ev = [e for e in run.history("step", rank=rank) if "link" in e]
-        if len(ev) < 2:
-            return None
-        sent = ev[-1]["link"]["sent"] - ev[0]["link"]["sent"]
-        out.append(sent / (ev[-1]["step"] - ev[0]["step"]))
-    return out or None
+    end (distlab.caller.cluster_run.rank_link_bytes_per_step)."""
+    from distlab.caller.cluster_run import rank_link_bytes_per_step
+    return rank_link_bytes_per_step(run)
 
 
 def race_figure(rows: list[RaceRow], link_mbit: float, target: float | None = None) -> go.Figure:

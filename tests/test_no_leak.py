@@ -29,14 +29,23 @@ CASES = {"ddp": {}, "zero1": {}, "zero2": {}, "zero3": {}, "tp": {"tp": 2},
 
 
 def model_freed(rank, world, device, log, cfg_dicts):
+    """Per config: (the model freed once the collector ran, ZeRO's gradient path freed before
+    it: by reference counting alone; None where the strategy has none)."""
     freed = []
     for d in cfg_dicts:
         keep = {}
-        train(RunConfig.from_dict(d), rank, world, device, log, keep=keep)
-        model = weakref.ref(keep["model"])
-        del keep
+        gc.disable()  # only reference counting frees, until the collect() below
+        try:
+            train(RunConfig.from_dict(d), rank, world, device, log, keep=keep)
+            model = weakref.ref(keep["model"])
+            grads = getattr(getattr(keep["strategy"], "optimizer", None), "grads", None)
+            grads = None if grads is None else weakref.ref(grads)
+            del keep
+            by_refcount = None if grads is None else grads() is None
+        finally:
+            gc.enable()
         gc.collect()
-        freed.append(model() is None)
+        freed.append((model() is None, by_refcount))
     return freed
 
 
@@ -50,8 +59,17 @@ def freed():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_model_is_freed_after_its_run(freed, case):
-    alive = [r for r, ok in enumerate(freed[case]) if not ok]
+    alive = [r for r, (ok, _) in enumerate(freed[case]) if not ok]
     assert not alive, f"{case}: the model outlived its run on ranks {alive}"
+
+
+@pytest.mark.parametrize("case", ["zero1", "zero2"])
+def test_zero_units_need_no_collector(freed, case):
+    """ZeRO-1/2's units (flat parameters, gradient shards) are freed as soon as the run's
+    objects are dropped, with the collector off. Before, each parameter's ZeRO mark held the
+    ShardedGradients that holds the parameters: a cycle that kept the flat buffers (on a GPU,
+    device memory the next run counted) until the collector ran."""
+    assert [by_refcount for _, by_refcount in freed[case]] == [True, True]
 
 
 def test_a_launch_of_another_size_than_the_config_is_refused():
@@ -60,23 +78,3 @@ def test_a_launch_of_another_size_than_the_config_is_refused():
     with pytest.raises(Exception, match="runs in 1 processes but this launch has 2"):
         run_ranks(model_freed, 2, [BASE.replace(world_size=1).to_dict()], timeout_s=60)
 
-
-def units_freed_by_refcount(rank, world, device, log, cfg_dict):
-    """ZeRO's units (flat parameters and gradient shards) freed as soon as the run's objects
-    are dropped, with the collector off: a parameter's mark holds its gradient path weakly."""
-    gc.disable()
-    try:
-        keep = {}
-        train(RunConfig.from_dict(cfg_dict), rank, world, device, log, keep=keep)
-        grads = weakref.ref(keep["strategy"].optimizer.grads)
-        del keep
-        return grads() is None
-    finally:
-        gc.enable()
-
-
-def test_zero_units_need_no_collector():
-    """Before, each parameter's ZeRO mark held the ShardedGradients that holds the parameters:
-    a cycle that kept ZeRO-1/2's flat buffers until the collector ran."""
-    cfg = BASE.replace(strategy="zero2")
-    assert run_ranks(units_freed_by_refcount, 2, cfg.to_dict(), timeout_s=60) == [True, True]

@@ -79,6 +79,25 @@ def test_the_link_between_nodes_is_throttled_and_a_nodes_own_address_is_not():
     assert not ours()
 
 
+def test_a_pair_of_nodes_gets_a_link_rate_of_its_own():
+    """pair_mbit: nodes 0 and 2 talk at 20 Mbit/s both ways (htb, a class per peer), every
+    other pair at the 100 Mbit/s of the nodes' links; bad pairs are refused before anything is
+    made."""
+    with C.Cluster(nodes=3, link_mbit=100, pair_mbit={(0, 2): 20}) as cluster:
+        slow = [mbit_per_s(cluster, 0, 2), mbit_per_s(cluster, 2, 0)]
+        fast = mbit_per_s(cluster, 0, 1)
+    print(f"\nnodes 0 and 2 at 20 Mbit/s: {slow[0]:.1f} and {slow[1]:.1f} Mbit/s; "
+          f"nodes 0 to 1 at 100: {fast:.1f} Mbit/s")
+    # a burst (64 KB) goes at once, then the class's rate: within 10% of it, as tbf above
+    assert all(0.8 * 20 <= x <= 1.1 * 20 for x in slow), slow
+    assert 0.8 * 100 <= fast <= 1.1 * 100, fast
+    assert not ours()
+    for bad in ({(0, 0): 10}, {(0, 3): 10}, {(0, 1): 0}):
+        with pytest.raises(ValueError, match="pair_mbit"):
+            C.Cluster(nodes=3, pair_mbit=bad)
+    assert not ours()
+
+
 def test_nothing_is_left_after_an_error_inside_the_block():
     with pytest.raises(ZeroDivisionError):
         with C.Cluster(nodes=3, link_mbit=100) as cluster:

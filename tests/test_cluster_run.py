@@ -62,8 +62,9 @@ def test_a_failing_rank_reaches_the_caller_and_the_nodes_go(tmp_path):
 
 @needs_nodes
 def test_stop_ends_every_node(tmp_path):
+    # link_pairs: the pair's own rate reaches the cluster (tests/test_cluster.py measures it)
     cfg = RunConfig(strategy="ddp", world_size=2, steps=500, nodes=2, step_delay_s=0.05,
-                    runs_root=str(tmp_path), **TINY)
+                    link_pairs="0-1:50", runs_root=str(tmp_path), **TINY)
     run = launch(cfg)
     import time
     deadline = time.time() + 90
@@ -225,3 +226,11 @@ def test_bad_node_settings_fail_before_anything_starts():
         RunConfig(strategy="ddp", world_size=2, nodes=2, link_mbit=0.0)
     with pytest.raises(ValueError, match="gloo"):
         RunConfig(strategy="ddp", world_size=2, nodes=2, device="cuda")
+    for pairs, said in (("0-1", "i-j:Mbit/s"), ("0-2:5", "two different nodes"),
+                        ("0-1:0", "rate > 0")):
+        with pytest.raises(ValueError, match=said):
+            RunConfig(strategy="ddp", world_size=2, nodes=2, link_pairs=pairs)
+    with pytest.raises(ValueError, match="nodes >= 2"):
+        RunConfig(strategy="ddp", world_size=2, link_pairs="0-1:5")
+    assert RunConfig(strategy="ddp", world_size=4, nodes=2,
+                     link_pairs="0-1:25").pair_mbit == {(0, 1): 25.0}

@@ -165,6 +165,8 @@ class RunConfig:
     # network namespaces joined by links of link_mbit Mbit/s, one torchrun agent per node
     nodes: int = 1
     link_mbit: float = 100.0
+    # a rate of its own between two nodes, both ways: "i-j:Mbit/s", comma-separated ("0-1:25")
+    link_pairs: str = ""
     name: str = ""
     debug: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: catches mismatched collectives
     detect_nan: bool = False  # name the step and first module that made inf/NaN (distlab.debug.nan)
@@ -293,12 +295,34 @@ class RunConfig:
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
 
+    @property
+    def pair_mbit(self) -> dict:
+        """link_pairs as {(i, j): Mbit/s} (distlab.caller.cluster.Cluster's pair_mbit)."""
+        out = {}
+        for part in filter(None, (p.strip() for p in self.link_pairs.split(","))):
+            try:
+                nodes, mbit = part.split(":")
+                i, j = (int(n) for n in nodes.split("-"))
+                rate = float(mbit)
+            except ValueError:
+                raise ValueError(f"link_pairs={self.link_pairs!r}: write each pair as "
+                                 "'i-j:Mbit/s', comma-separated, e.g. '0-1:25,1-2:50'") from None
+            if not (0 <= i < self.nodes and 0 <= j < self.nodes and i != j) or not rate > 0:
+                raise ValueError(f"link_pairs={self.link_pairs!r}: {part!r} needs two different "
+                                 f"nodes of 0..{self.nodes - 1} and a rate > 0")
+            out[(i, j)] = rate
+        return out
+
     def _check_nodes(self):
         """Simulated nodes: whole ranks per node, a link with a rate, gloo on the CPU."""
         if not 1 <= self.nodes <= 32:
             raise ValueError(f"nodes={self.nodes} must be in [1, 32]")
         if not self.link_mbit > 0:
             raise ValueError(f"link_mbit={self.link_mbit} must be > 0 (Mbit/s)")
+        if self.link_pairs and self.nodes == 1:
+            raise ValueError(f"link_pairs={self.link_pairs!r} sets links between nodes: set "
+                             "nodes >= 2")
+        self.pair_mbit  # parses link_pairs, or raises saying how it is written
         if self.nodes == 1:
             return
         if self.processes < 2:

@@ -66,13 +66,26 @@ def available() -> str | None:
 
 
 class Cluster:
-    """`nodes` namespaces on a switch, each link limited to `link_mbit` Mbit/s each way."""
+    """`nodes` namespaces on a switch, each link limited to `link_mbit` Mbit/s each way.
+    pair_mbit: a rate of its own for the traffic between two nodes, {(i, j): Mbit/s} (both
+    ways; e.g. nodes in two racks): each node's link shapes it per destination (tc's htb, a
+    class and a filter on the peer's address) instead of one rate for all (tbf)."""
 
-    def __init__(self, nodes: int = 2, link_mbit: float = 100.0):
+    def __init__(self, nodes: int = 2, link_mbit: float = 100.0,
+                 pair_mbit: dict | None = None):
         if not isinstance(nodes, int) or not 2 <= nodes <= 32:
             raise ValueError(f"nodes={nodes!r}: a cluster has 2 to 32 nodes")
         if not link_mbit > 0:
             raise ValueError(f"link_mbit={link_mbit!r} must be > 0 (Mbit/s)")
+        self.pairs = {}
+        for key, mbit in (pair_mbit or {}).items():
+            i, j = key
+            if not (isinstance(i, int) and isinstance(j, int) and 0 <= i < nodes
+                    and 0 <= j < nodes and i != j):
+                raise ValueError(f"pair_mbit key {key!r}: two different nodes of 0..{nodes - 1}")
+            if not mbit > 0:
+                raise ValueError(f"pair_mbit[{key!r}]={mbit!r} must be > 0 (Mbit/s)")
+            self.pairs[frozenset((i, j))] = float(mbit)
         why = available()
         if why is not None:
             raise ClusterUnavailable(why)
@@ -125,9 +138,25 @@ class Cluster:
         _ip("ip", "addr", "add", f"{self.address(i)}/24", "dev", dev, ns=ns)
         _ip("ip", "link", "set", dev, "up", ns=ns)
         _ip("sysctl", "-qw", f"net.ipv4.conf.{dev}.route_localnet=1", ns=ns)
-        for where, link in ((ns, dev), (switch, port)):  # both directions of the link
-            _ip("tc", "qdisc", "add", "dev", link, "root", "tbf", "rate",
-                f"{self.link_mbit}mbit", "burst", "64kb", "latency", "400ms", ns=where)
+        # both directions of the link: node i's end shapes what it sends (matched by the
+        # destination), the switch's port what it delivers to node i (matched by the source)
+        for where, link, match in ((ns, dev, "dst"), (switch, port, "src")):
+            peers = {j: self.pairs[frozenset((i, j))] for j in range(self.nodes)
+                     if frozenset((i, j)) in self.pairs}
+            if not peers:
+                _ip("tc", "qdisc", "add", "dev", link, "root", "tbf", "rate",
+                    f"{self.link_mbit}mbit", "burst", "64kb", "latency", "400ms", ns=where)
+                continue
+            _ip("tc", "qdisc", "add", "dev", link, "root", "handle", "1:", "htb", "default",
+                "1", ns=where)
+            _ip("tc", "class", "add", "dev", link, "parent", "1:", "classid", "1:1", "htb",
+                "rate", f"{self.link_mbit}mbit", "burst", "64kb", ns=where)
+            for j, mbit in peers.items():
+                _ip("tc", "class", "add", "dev", link, "parent", "1:", "classid",
+                    f"1:{10 + j}", "htb", "rate", f"{mbit}mbit", "burst", "64kb", ns=where)
+                _ip("tc", "filter", "add", "dev", link, "parent", "1:", "protocol", "ip",
+                    "prio", "1", "u32", "match", "ip", match, f"{self.address(j)}/32",
+                    "flowid", f"1:{10 + j}", ns=where)
 
     def down(self) -> None:
         """End every process inside the nodes (those started here and their children, such as

@@ -67,7 +67,7 @@ def launch_on_nodes(cfg, run_dir: str) -> "NodesRun":
     logs = [open(node_log_path(run_dir, i), "w") for i in range(cfg.nodes)]
     try:
         if why is None:
-            cl = cluster_mod.Cluster(cfg.nodes, cfg.link_mbit).up()
+            cl = cluster_mod.Cluster(cfg.nodes, cfg.link_mbit, cfg.pair_mbit).up()
             try:
                 agents = cl.torchrun(per_node, argv, port=RDZV_PORT, outputs=logs,
                                      join_timeout_s=join_timeout(cfg))

@@ -23,6 +23,7 @@ import sys
 
 from distlab.caller.cluster import available
 from distlab.studies import run_in_nodes
+from distlab.theory.comm_bytes import all_reduce_link_bytes
 
 TARGET = 1.3
 
@@ -44,9 +45,8 @@ def main() -> int:
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
-    S, N, n, g = args.mib * 2**20, args.nodes * args.ranks, args.nodes, args.ranks
-    predicted = {"flat ring": 2 * (N - 1) / N * S, "hierarchical": 2 * (n - 1) / n * S,
-                 "hierarchical, one flow": 2 * (n - 1) / n * S, "backend": None}
+    n, g = args.nodes, args.ranks
+    predicted = {**all_reduce_link_bytes(args.mib * 2**20, g, n), "backend": None}
     print(f"{n} nodes x {g} ranks, {args.mbit:g} Mbit/s links, all-reduce of {args.mib:g} MiB")
     print(f"{'algorithm':<24}{'seconds':>9}{'link MiB sent':>15}{'formula MiB':>13}")
     for name in ("flat ring", "hierarchical", "hierarchical, one flow", "backend"):

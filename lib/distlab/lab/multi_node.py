@@ -63,14 +63,19 @@ def link_sweep(cfg, links, warmup: int = 2, done=()) -> list[LinkRow]:
     return [link_row(run, warmup) for run in runs]
 
 
+def median_step(run, warmup: int) -> float:
+    """Rank 0's median step time after `warmup` steps (all of them if there are no more)."""
+    steps = [e["step_s"] for e in run.history("step", rank=0)]
+    return statistics.median(steps[warmup:] or steps)
+
+
 def link_row(run, warmup: int) -> LinkRow:
     """A finished run across nodes as one point of the sweep."""
-    steps = [e["step_s"] for e in run.history("step", rank=0)][warmup:]
     per_step = run.link_bytes_per_step()
     if per_step is None:  # fewer than two counter readings with steps between them
         raise RuntimeError(f"link {run.cfg.link_mbit:g} Mbit/s: the run was too short to count "
                            "its links' bytes per step; give it more steps")
-    return LinkRow(run.cfg.link_mbit, statistics.median(steps), statistics.mean(per_step),
+    return LinkRow(run.cfg.link_mbit, median_step(run, warmup), statistics.mean(per_step),
                    run.info("n_params") * 4, run.dir)
 
 
@@ -283,7 +288,7 @@ class PlacementRow:
     name: str
     inside_s: float  # median step, both ranks in one node (its loopback)
     across_s: float  # median step, one rank on each of two nodes (the link between)
-    link_bytes: float  # node 0's link, bytes sent per step (rank-side counters), measured
+    link_bytes: float  # bytes each node's link sent per step (ranks' counters; nodes' mean)
     formula_bytes: float  # what rank 0 writes per step, by formula: all of it crosses the link
     link_mbit: float
     planner_added_s: float = float("nan")  # distlab.theory.plan: comm across − comm inside
@@ -316,10 +321,10 @@ def placement_study(base, link_mbit: float, warmup: int = 2,
         cfg = base.replace(strategy="3d", world_size=2, **knobs)
         inside = launch(cfg.replace(nodes=1)).wait(progress=False)
         across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
-        per_step = steps_link_bytes(across) or [float("nan")]
+        per_node = steps_link_bytes(across) or [float("nan")]
         rows.append(PlacementRow(
-            name, _median_step(inside, warmup), _median_step(across, warmup),
-            statistics.median(per_step[warmup:] or per_step),
+            name, median_step(inside, warmup), median_step(across, warmup),
+            statistics.mean(per_node),
             sum(b * GLOO_WRITES.get(kind, 1) for kinds in predicted_bytes(cfg, 0).values()
                 for kind, b in kinds.items()), link_mbit,
             planner_comm_s(cfg, 1, link_mbit, node_Bps) - planner_comm_s(cfg, 2, link_mbit,
@@ -347,11 +352,6 @@ def planner_comm_s(cfg, gpus_per_node: int, link_mbit: float, node_Bps: float) -
 # gloo's reduce-scatter writes what an all-reduce does, 2(N-1)/N of the buffer, twice the
 # ring's (measured: tests/test_wire.py); the other collectives write the ring's bytes
 GLOO_WRITES = {"reduce_scatter": 2}
-
-
-def _median_step(run, warmup: int) -> float:
-    steps = [e["step_s"] for e in run.history("step", rank=0)]
-    return statistics.median(steps[warmup:] or steps)
 
 
 def ranking(values: dict) -> list[str]:
@@ -399,14 +399,12 @@ def two_tier_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0,
     from distlab.studies import run_in_nodes
     res = run_in_nodes("distlab.studies.two_tier", ["--mib", str(mib)], nodes, ranks,
                        link_mbit, timeout_s=600)
-    S, N, n = mib * 2**20, nodes * ranks, nodes
+    from distlab.theory.comm_bytes import all_reduce_link_bytes
     rate = link_mbit * 1e6 / 8  # bytes per second
     within = res["within a node"]["seconds"]
-    # flat ring: the one ring edge that leaves the node carries 2(N-1)/N·S (Patarasuk & Yuan
-    # 2009); hierarchical: the node's g ranks send 2(n-1)/n·S across in all, after and before
-    # an all-reduce's worth of work inside the node (reduce-scatter, then all-gather)
-    formula = {"flat ring": 2 * (N - 1) / N * S, "hierarchical": 2 * (n - 1) / n * S,
-               "hierarchical, one flow": 2 * (n - 1) / n * S}
+    formula = all_reduce_link_bytes(mib * 2**20, ranks, nodes)
+    # the hierarchical ones do an all-reduce's worth of work inside the node besides the link
+    # (reduce-scatter before, all-gather after)
     fast = {"flat ring": 0.0, "hierarchical": within, "hierarchical, one flow": within}
     return [AllReduceRow(name, res[name]["seconds"], res[name]["link_sent"],
                          formula.get(name),

@@ -9,6 +9,7 @@ algorithms distlab.comm books (an all-reduce 2(N-1)/N·S, a reduce-scatter or al
     predicted_bytes(cfg, rank)              `3d`: per group (dp, tp, pp) of the mesh
     messages_per_step, link_seconds         the α-β model's message counts and time on a link
     hsdp_link_bytes(shard_bytes, g, n)      HSDP: what crosses from one node per step
+    all_reduce_link_bytes(S, g, n)          flat ring and hierarchical all-reduce: the same
 """
 
 from __future__ import annotations
@@ -151,3 +152,15 @@ def hsdp_link_bytes(shard_bytes: float, ranks_per_node: int, nodes: int) -> floa
     shards with the ranks holding the same shard on the n nodes, a ring's 2(n-1)/n of them;
     the all-gathers and reduce-scatters stay inside the node."""
     return ranks_per_node * 2 * (nodes - 1) / nodes * shard_bytes
+
+
+def all_reduce_link_bytes(nbytes: float, ranks_per_node: int, nodes: int) -> dict[str, float]:
+    """Bytes one node sends across its link in one all-reduce of `nbytes`, per algorithm: the
+    flat ring over all N = g·n ranks crosses it on its one edge out of the node with 2(N-1)/N
+    of the tensor (Patarasuk & Yuan 2009); the hierarchical all-reduce (reduce-scatter inside
+    the node, all-reduce across, all-gather inside) sends 2(n-1)/n of it from the node's g
+    ranks together, whether as g rings or through one leader."""
+    N, n = ranks_per_node * nodes, nodes
+    return {"flat ring": 2 * (N - 1) / N * nbytes,
+            "hierarchical": 2 * (n - 1) / n * nbytes,
+            "hierarchical, one flow": 2 * (n - 1) / n * nbytes}

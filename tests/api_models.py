@@ -1,12 +1,7 @@
 """Small models, their data and losses, shared by the public-API tests (test_ddp_api.py,
 test_zero_api.py, test_fsdp_api.py, ...): the shapes of parameters that trip distributed
-wrappers up; and the two checks those tests share (max_diff, run_readme_snippet). A module
+wrappers up; and the check those tests share (max_diff). A module
 here, not in a test file, so the ranks those tests spawn import it by name too."""
-
-import os
-import pathlib
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -75,16 +70,3 @@ def max_diff(a: dict, b: dict) -> float:
     """Largest |a - b| over two state dicts with the same keys (in float64)."""
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def run_readme_snippet(script: str, what: str, tmp_path) -> subprocess.CompletedProcess:
-    """The README's snippet that starts "# <script>: run with", written to tmp_path and run
-    under torchrun on 2 processes; `what` names it when it has moved."""
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    marker = f"# {script}: run with"
-    assert marker in readme, f"the README's {what} snippet moved"
-    (tmp_path / script).write_text(marker + readme.split(marker, 1)[1].split("```")[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})

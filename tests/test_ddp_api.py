@@ -26,7 +26,7 @@ gradient missing, a bucket copied into the wrong parameters) is off by ~1e-2 or 
 import pytest
 import torch
 import torch.distributed as dist
-from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, run_readme_snippet
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows
 from torch import nn
 
 from distlab import DistributedDataParallel, run_ranks
@@ -215,10 +215,3 @@ def test_any_process_group():
             print(f"group {g} rank {r}: vs one process from rank {2 * g}'s init: {worst:.1e}")
             assert worst <= ATOL
     assert max_diff(res[0]["state"], res[2]["state"]) > 1e-2  # the groups did train apart
-
-
-def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    proc = run_readme_snippet("train_ddp.py", "'Use it on your model'", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
-        f"step {s}" for s in range(10)]

@@ -39,7 +39,7 @@ the gather, reducing in another dtype) would show.
 
 import pytest
 import torch
-from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, run_readme_snippet
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows
 from torch import nn
 
 import distlab
@@ -399,10 +399,3 @@ def test_guard_rails_say_what_to_do(launched):
     assert msgs.keys() == expect.keys()
     for case, (start, says) in expect.items():
         assert msgs[case].startswith(start) and says in msgs[case], (case, msgs[case])
-
-
-def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    proc = run_readme_snippet("train_fsdp.py", "fully_shard", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
-        f"step {s}" for s in range(10)]

@@ -28,7 +28,7 @@ test_sequence_parallel_is_not_a_no_op).
 import pytest
 import torch
 import torch.nn.functional as F
-from api_models import max_diff, run_readme_snippet
+from api_models import max_diff
 from torch import nn
 
 import distlab
@@ -332,10 +332,3 @@ def test_guard_rails_say_what_to_do(launched):
 
 def test_exported():
     assert distlab.parallelize_module is parallelize_module
-
-
-def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    proc = run_readme_snippet("train_tp.py", "tensor-parallel", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
-        f"step {s}" for s in range(10)]

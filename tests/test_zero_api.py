@@ -34,7 +34,7 @@ import functools
 
 import pytest
 import torch
-from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, run_readme_snippet
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -316,15 +316,6 @@ def test_guard_rails_say_what_to_do(launched):
     assert "zero_grad()" in msgs["backward after step"]
     assert msgs["stage 3"].startswith("ValueError: stage=3 shards the parameters too") and \
         "distlab.fully_shard(model) first" in msgs["stage 3"]
-
-
-def test_the_readme_snippet_runs_under_torchrun(tmp_path):
-    proc = run_readme_snippet("train_zero.py", "ZeroOptimizer", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [
-        f"step {s}" for s in range(10)]
-
-
 
 
 def other_group(rank, world, device, log):

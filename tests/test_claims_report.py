@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import nbformat
+import pytest
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "claims_report.py"
 
@@ -91,3 +92,40 @@ def test_full_mode_reports_each_notebook_against_its_budget():
     assert "| all | 0 failed | 240 | 1 over |" in table
     assert "| — |" in "\n".join(tool.summary_lines(results, "quick"))
 
+
+
+def test_merge_puts_a_notebook_into_the_report_under_its_own_commit(tmp_path):
+    """--merge: a rerun replaces its entry, a new notebook joins in order, each with the commit
+    and date of its own run, which the header and its section say; the main pass's meta stays.
+    Merging into a report that is not there, or of the other mode, stops before anything runs."""
+    tool = load_tool()
+    meta = {"date": "d0", "mode": "full", "commit": "c0", "seconds": 30.0, "runs_bytes": 0,
+            "machine": {"platform": "p", "cpu": "x", "cores": 2, "memory_gib": 1.0,
+                        "torch": "t", "python": "3", "cuda": False}}
+
+    def entry(name, seconds, held):
+        return {"notebook": name, "seconds": seconds, "status": "pass", "error": None,
+                "rows": [{"claim": f"{name} claim", "source": "s", "figure": "f",
+                          "basis": "measured", "holds": held, "notebook": name}]}
+
+    previous = {**meta, "notebooks": [entry("00_a", 10.0, True), entry("02_c", 20.0, True)]}
+    merged_meta, notebooks = tool.merge(previous, [entry("02_c", 25.0, False),
+                                                   entry("01_b", 5.0, True)], "c1", "d1")
+    assert [n["notebook"] for n in notebooks] == ["00_a", "01_b", "02_c"]
+    assert notebooks[2]["rows"][0]["holds"] is False  # the rerun replaced the old entry
+    assert "commit" not in notebooks[0] and notebooks[1]["commit"] == "c1"
+    assert (merged_meta["commit"], merged_meta["date"]) == ("c0", "d0")
+    assert merged_meta["separate"] == [("01_b", "c1", "d1"), ("02_c", "c1", "d1")]
+    assert merged_meta["seconds"] == 40.0
+    report = tool.render(merged_meta, notebooks)
+    assert "- git commit: c0" in report
+    assert "- run separately (--merge): 01_b at commit c1, d1; 02_c at commit c1, d1" in report
+    assert report.count("- run separately: commit c1, d1") == 2
+    out = tmp_path / "claims.md"
+    write_notebook(tmp_path / "00_a.ipynb", "raise SystemError('this notebook must not run')")
+    args = ["--merge", "--notebooks", "00", "--out", str(out), "--workbook", str(tmp_path)]
+    with pytest.raises(SystemExit, match="no report"):
+        tool.main(args)
+    out.with_suffix(".json").write_text(json.dumps(previous))
+    with pytest.raises(SystemExit, match="is a full report, this run is quick"):
+        tool.main(["--quick", *args])

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/claims_report.py                  # full mode -> reports/claims-full.md
     .venv/bin/python tools/claims_report.py --quick --notebooks 01 --out /tmp/claims-quick.md
+    .venv/bin/python tools/claims_report.py --notebooks 17 --merge   # add or rerun one notebook
 
 Each notebook runs in its own kernel (cwd workbook/, as JupyterLab and nbval run it) from a copy
 held in memory: the .ipynb files are never written. The notebooks' closing claims tables
@@ -9,6 +10,10 @@ held in memory: the .ipynb files are never written. The notebooks' closing claim
 which this script sets per notebook and reads back. A notebook that fails is recorded with its
 error and the run goes on; the exit status is 1 if any failed. A claim that does not hold is a
 finding, not a failure: it is reported, and does not change the exit status.
+
+With --merge, the picked notebooks replace their entries in the existing report (or join it),
+each entry carrying the commit and date of its own run; the header names them, so no figure is
+passed off as the main pass's.
 """
 
 from __future__ import annotations
@@ -186,6 +191,9 @@ def header_lines(meta: dict) -> list[str]:
             f"- torch {m['torch']}, Python {m['python']}",
             f"- mode: {meta['mode']} ({QUICK_ENV[meta['mode']]})",
             f"- git commit: {meta['commit']}",
+            *(["- run separately (--merge): " + "; ".join(
+                f"{n} at commit {c}, {d}" for n, c, d in meta["separate"])]
+              if meta.get("separate") else []),
             f"- total run time: {meta['seconds']:.0f} s",
             f"- runs folder after the pass: {meta.get('runs_bytes', 0) / 2**20:,.1f} MiB "
             "(distlab.caller.retention keeps the newest 100 runs, at most 500 MiB)", ""]
@@ -201,6 +209,8 @@ def runs_bytes(workbook: Path) -> int:
 def notebook_lines(r: dict) -> list[str]:
     lines = [f"## {r['notebook']}", "", f"- run time: {r['seconds']:.0f} s",
              f"- status: {r['status']}"]
+    if "commit" in r:  # merged in from a run of its own
+        lines.append(f"- run separately: commit {r['commit']}, {r['date']}")
     if r["error"]:
         e = r["error"]
         where = "" if e["cell"] is None else f" (cell {e['cell']})"
@@ -268,6 +278,21 @@ def write_report(out: Path, meta: dict, results: list[dict]) -> Path:
     return raw
 
 
+def merge(previous: dict, results: list[dict], commit: str, date: str) -> tuple[dict, list]:
+    """The previous report's meta and notebooks with `results` put in (a rerun replaces its
+    entry); each merged entry keeps its own commit and date, and the meta lists them."""
+    for r in results:
+        r["commit"], r["date"] = commit, date
+    fresh = {r["notebook"]: r for r in results}
+    notebooks = [fresh.pop(n["notebook"], n) for n in previous["notebooks"]]
+    notebooks = sorted(notebooks + list(fresh.values()), key=lambda n: n["notebook"])
+    meta = {k: v for k, v in previous.items() if k != "notebooks"}
+    meta["separate"] = [(n["notebook"], n["commit"], n["date"]) for n in notebooks
+                        if "commit" in n]
+    meta["seconds"] = sum(n["seconds"] for n in notebooks)
+    return meta, notebooks
+
+
 # -- the command --------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -281,6 +306,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds one cell may run before the notebook is failed (default 1800)")
     p.add_argument("--executed", type=Path, metavar="DIR",
                    help="also write each executed notebook (with its outputs) into DIR")
+    p.add_argument("--merge", action="store_true",
+                   help="put the picked notebooks into the existing report at --out (each "
+                        "with its own commit and date) instead of writing a new one")
     p.add_argument("--workbook", type=Path, default=WORKBOOK, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -290,6 +318,15 @@ def main(argv=None) -> int:
     mode = "quick" if args.quick else "full"
     out = args.out or REPO / "reports" / f"claims-{mode}.md"
     paths = find_notebooks(args.workbook, args.notebooks)
+    previous = None
+    if args.merge:  # read (and check) the report to merge into before anything runs
+        raw_path = out.with_suffix(".json")
+        if not raw_path.exists():
+            raise SystemExit(f"--merge: no report at {raw_path} to merge into")
+        previous = json.loads(raw_path.read_text(encoding="utf-8"))
+        if previous["mode"] != mode:
+            raise SystemExit(f"--merge: {raw_path} is a {previous['mode']} report, "
+                             f"this run is {mode}")
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "mode": mode,
             "machine": machine_info(), "commit": git_commit(args.workbook)}
     results = []
@@ -303,6 +340,8 @@ def main(argv=None) -> int:
               f"{held(r)}{err}", flush=True)
     meta["seconds"] = sum(r["seconds"] for r in results)
     meta["runs_bytes"] = runs_bytes(args.workbook)
+    if previous is not None:
+        meta, results = merge(previous, results, meta["commit"], meta["date"])
     raw = write_report(out, meta, results)
     failed = [r["notebook"] for r in results if r["status"] == "fail"]
     print(f"report: {out}\nraw rows: {raw}\nfailed: {', '.join(failed) or 'none'}\n"

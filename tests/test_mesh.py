@@ -35,6 +35,9 @@ BASE = RunConfig(steps=10, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, 
                  n_embd=32, n_head=4, mlp_ratio=4, timeout_s=60)
 CFG = BASE.replace(strategy="3d", world_size=DP * TP * PP, tp=TP, pp=PP, microbatches=M,
                    schedule="1f1b")
+# the other rank order (dp fastest: a dp group on consecutive ranks, tp groups strided by dp),
+# trained in the same launch
+DP_FIRST = CFG.replace(mesh_order="dp-tp-pp")
 
 
 def test_layout_formula():
@@ -48,6 +51,13 @@ def test_layout_formula():
     assert len(table(DP, TP, PP)) == 12
     for kind in ("tp", "dp", "pp"):  # each kind partitions the world
         assert sorted(r for g in lay[kind] for r in g) == list(range(8))
+    other = layout(DP, TP, PP, "dp-tp-pp")
+    assert other["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert other["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(other["pp"]) == lay["pp"]  # the same groups (created in another order)
+    for r in range(8):
+        c = coords(r, DP, TP, PP, "dp-tp-pp")
+        assert rank_of(c["pp"], c["dp"], c["tp"], DP, TP, PP, "dp-tp-pp") == r
 
 
 def _step_events(run_dir, rank):
@@ -60,13 +70,15 @@ def runs(tmp_path_factory):
     single = run_ranks(train_with_state, 1, [BASE.to_dict()], timeout_s=60,
                        run_dir=str(tmp_path_factory.mktemp("single")))[0][0]
     run_dir = str(tmp_path_factory.mktemp("mesh"))
-    ranks = run_ranks(mesh_ranks, 8, (DP, TP, PP), [CFG.to_dict()], timeout_s=60,
-                      run_dir=run_dir, wall_timeout_s=300)
-    return single, ranks, [_step_events(run_dir, r) for r in range(8)]
+    ranks = run_ranks(mesh_ranks, 8, (DP, TP, PP), [CFG.to_dict(), DP_FIRST.to_dict()],
+                      timeout_s=60, run_dir=run_dir, wall_timeout_s=300)
+    events = [_step_events(run_dir, r) for r in range(8)]
+    # CFG's steps, then DP_FIRST's
+    return single, ranks, [e[:CFG.steps] for e in events], [e[CFG.steps:] for e in events]
 
 
 def test_groups_at_world8(runs):
-    _, ranks, _ = runs
+    _, ranks, _, _ = runs
     for r, out in enumerate(ranks):
         c = {"pp": r // (DP * TP), "dp": (r // TP) % DP, "tp": r % TP}
         assert out["rank"] == r and out["coords"] == c
@@ -78,7 +90,7 @@ def test_groups_at_world8(runs):
 
 
 def test_3d_matches_single(runs):
-    single, ranks, _ = runs
+    single, ranks, _, _ = runs
     for out in ranks:
         state = out["runs"][0]["state"]
         assert state.keys() == single["state"].keys()
@@ -92,7 +104,7 @@ def test_3d_matches_single(runs):
 
 
 def test_3d_bytes_per_group(runs):
-    single, ranks, events = runs
+    single, ranks, events, _ = runs
     S = CFG.global_batch // DP // M * CFG.seq_len * CFG.n_embd * 4
     Ls = CFG.n_layer // PP
     sharded = set()
@@ -135,7 +147,7 @@ def test_group_table_matches_formula(runs):
     traffic is not booked to a step); the traffic matrix puts every byte in one cell."""
     from distlab.lab.parallelism_3d import group_rows, measured_bytes, traffic_matrix
 
-    _, _, events = runs
+    _, _, events, _ = runs
     flat = [e for evs in events for e in evs]
     rows = group_rows(CFG, flat)
     assert len(rows) == 12
@@ -145,3 +157,22 @@ def test_group_table_matches_formula(runs):
     sent = measured_bytes(flat)
     assert [sum(row) for row in M] == [sum(v["bytes_sent"] for g in sent[r].values()
                                            for v in g.values()) for r in range(8)]
+
+
+def test_the_dp_first_order_trains_the_same_with_its_groups_where_it_says(runs):
+    """mesh_order="dp-tp-pp": each rank sits where coords(..., "dp-tp-pp") puts it (rank 1 is
+    dp replica 1 of tp shard 0), the run matches single, and every group's bytes equal the
+    formula's for that order."""
+    from distlab.lab.parallelism_3d import group_rows
+    single, ranks, _, events = runs
+    for r, evs in enumerate(events):
+        assert len(evs) == DP_FIRST.steps
+        assert evs[0]["mesh"]["coords"] == coords(r, DP, TP, PP, "dp-tp-pp")
+    assert events[1][0]["mesh"]["coords"] == {"pp": 0, "dp": 1, "tp": 0}
+    for out in ranks:
+        for k, v in single["state"].items():
+            torch.testing.assert_close(out["runs"][1]["state"][k], v, atol=ATOL, rtol=0, msg=k)
+    rows = group_rows(DP_FIRST, [e for evs in events for e in evs])
+    assert len(rows) == 12
+    for r in rows:
+        assert r["measured"] == r["predicted"] > 0, r

@@ -141,7 +141,7 @@ def test_the_knobs_shown_are_the_ones_the_registry_says_each_strategy_reads():
     for s, knobs in {"tp": {"tp", "sp"}, "pp": {"pp", "schedule", "microbatches",
                                                 "virtual_stages", "pp_op_delay_s"},
                      "3d": {"tp", "pp", "schedule", "microbatches", "virtual_stages",
-                            "pp_op_delay_s"},
+                            "pp_op_delay_s", "mesh_order"},
                      "zero3": {"offload", "param_dtype", "reduce_dtype", "fsdp_units"},
                      "ps-async": set()}.items():
         panel.knobs["strategy"].value = s

@@ -19,8 +19,10 @@ from distlab.units import DTYPES
 # data-parallel degree and its own checks are declared by its class (distlab.parallel.REGISTRY).
 from distlab.parallel import STRATEGIES  # noqa: F401  (re-exported: the panel lists them)
 from distlab.parallel import FEATURES, KNOBS, strategies, strategy_class
+from distlab.parallel.mesh import ORDERS
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+MESH_ORDERS = ORDERS  # 3d's rank orders (distlab.parallel.mesh)
 MODELS = ("gpt", "bnnet")
 COMPRESSIONS = ("none", "topk", "powersgd")  # topk: ddp's; powersgd: ddp-torch's (torch's hook)
 LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
@@ -91,6 +93,7 @@ class RunConfig:
     microbatches: int = 1  # pipeline micro-batches per step
     schedule: str = "gpipe"  # naive | gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # interleaved: model chunks per pipeline rank
+    mesh_order: str = MESH_ORDERS[0]  # 3d: rank order, fastest kind first (MESH_ORDERS)
     # context parallelism (distlab.parallel.context): ranks per replica that split each
     # sequence (0: all), which tokens each holds, and how attention crosses the split
     cp_ranks: int = 0
@@ -201,6 +204,7 @@ class RunConfig:
         _choice("loss_scale", self.loss_scale, LOSS_SCALES)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("schedule", self.schedule, SCHEDULES)
+        _choice("mesh_order", self.mesh_order, MESH_ORDERS)
         _choice("dp_gather", self.dp_gather, DP_GATHERS)
         _choice("cp_layout", self.cp_layout, ("zigzag", "contiguous"))
         _choice("cp_attention", self.cp_attention, ("ring", "ulysses"))

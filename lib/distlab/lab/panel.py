@@ -39,8 +39,8 @@ from IPython.display import Markdown, display
 from plotly.subplots import make_subplots
 
 from distlab.models import factory
-from distlab.config import (ALLREDUCE_ALGORITHMS, COMPRESSIONS, DP_GATHERS, PRECISIONS, SCHEDULES,
-                            STRATEGIES, RunConfig)
+from distlab.config import (ALLREDUCE_ALGORITHMS, COMPRESSIONS, DP_GATHERS, MESH_ORDERS,
+                            PRECISIONS, SCHEDULES, STRATEGIES, RunConfig)
 from distlab.lab.common import (MEMORY_CATEGORIES, MEMORY_COLORS, RUN_COLORS, byte_unit,
                                 clear_hint, has_hint, md_escape, show_hint)
 from distlab.caller.launch import launch
@@ -1102,6 +1102,8 @@ def _make_knobs(cfg: RunConfig) -> dict:
         "tp": choice("tp", [cfg.tp], "tp (tensor-parallel ranks)"),
         "pp": choice("pp", [cfg.pp], "pp (pipeline stages)"),
         "schedule": choice("schedule", SCHEDULES, "schedule"),
+        # 3d's rank order: "tp-dp-pp" keeps a tp group inside a node, "dp-tp-pp" a dp group
+        "mesh_order": choice("mesh_order", MESH_ORDERS, "rank order"),
         "microbatches": choice("microbatches", sorted({*MICROBATCHES, cfg.microbatches}),
                                "micro-batches"),
         "virtual_stages": choice("virtual_stages",

@@ -105,7 +105,7 @@ def group_rows(cfg: RunConfig, step_events) -> list[dict]:
     got = measured_bytes(step_events)
     rows = []
     for kind in KINDS:
-        for i, ranks in enumerate(layout(cfg.dp_degree, cfg.tp, cfg.pp)[kind]):
+        for i, ranks in enumerate(layout(cfg.dp_degree, cfg.tp, cfg.pp, cfg.mesh_order)[kind]):
             calls: dict[str, int] = {}
             measured = predicted = 0
             for r in ranks:
@@ -192,7 +192,7 @@ def traffic_matrix(cfg: RunConfig, step_events) -> tuple[list[list[int]], list[l
     n = cfg.world_size
     M = [[0] * n for _ in range(n)]
     K = [[""] * n for _ in range(n)]
-    lay = layout(cfg.dp_degree, cfg.tp, cfg.pp)
+    lay = layout(cfg.dp_degree, cfg.tp, cfg.pp, cfg.mesh_order)
     for kind in KINDS:
         for ranks in lay[kind]:
             for j, r in enumerate(ranks):

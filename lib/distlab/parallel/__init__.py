@@ -61,6 +61,7 @@ KNOBS = {
     "sync_every": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
     "microbatches": ("pp", "pp-torch", "3d"), "schedule": ("pp", "pp-torch", "3d"),
     "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
+    "mesh_order": ("3d",),
     "cp_ranks": ("cp",), "cp_layout": ("cp",), "cp_attention": ("cp",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
     "shard_ranks": ("fsdp-torch",),

@@ -7,7 +7,10 @@
 so the ranks of one tensor-parallel group are consecutive (on a real machine: the GPUs of one
 node, joined by NVLink, which TP's per-layer all-reduces need), a data-parallel group strides by
 tp, and a pipeline group strides by dp·tp (pipeline stages may sit on different nodes: they only
-exchange one activation per micro-batch). dp=tp=pp=2:
+exchange one activation per micro-batch). RunConfig.mesh_order names another order, fastest
+first: "dp-tp-pp" makes the dp groups consecutive and strides the tp groups by dp, so on nodes
+of dp ranks each tp group spans nodes (what notebook 17 measures against the default).
+dp=tp=pp=2, the default order:
 
     pp 0:  dp 0 [0 1]   dp 1 [2 3]        tp groups: [0,1] [2,3] [4,5] [6,7]
     pp 1:  dp 0 [4 5]   dp 1 [6 7]        dp groups: [0,2] [1,3] [4,6] [5,7]
@@ -41,20 +44,36 @@ CARRIES = {"tp": "activations' partial sums: all-reduce per block, forward and b
            "pp": "activations forward, their gradients backward (send/recv)"}
 
 
-def coords(rank: int, dp: int, tp: int, pp: int) -> dict:
-    """(pp_idx, dp_idx, tp_idx) of `rank` in the Megatron layout."""
-    return {"pp": rank // (dp * tp), "dp": (rank // tp) % dp, "tp": rank % tp}
+# 3d's rank orders (RunConfig.mesh_order), fastest-varying kind first: Megatron-LM's keeps a
+# tp group on consecutive ranks (one node); "dp-tp-pp" keeps a dp group there instead
+ORDERS = ("tp-dp-pp", "dp-tp-pp")
 
 
-def rank_of(pp_idx: int, dp_idx: int, tp_idx: int, dp: int, tp: int) -> int:
-    return pp_idx * dp * tp + dp_idx * tp + tp_idx
+def _strides(dp: int, tp: int, pp: int, order: str) -> dict:
+    """Rank distance between neighbours along each kind, for `order` (fastest first)."""
+    sizes, strides, step = {"dp": dp, "tp": tp, "pp": pp}, {}, 1
+    for kind in order.split("-"):
+        strides[kind], step = step, step * sizes[kind]
+    return strides
 
 
-def layout(dp: int, tp: int, pp: int) -> dict:
+def coords(rank: int, dp: int, tp: int, pp: int, order: str = ORDERS[0]) -> dict:
+    """(pp_idx, dp_idx, tp_idx) of `rank` in the layout `order` (Megatron's by default)."""
+    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    return {k: (rank // s) % sizes[k] for k, s in _strides(dp, tp, pp, order).items()}
+
+
+def rank_of(pp_idx: int, dp_idx: int, tp_idx: int, dp: int, tp: int, pp: int = 1,
+            order: str = ORDERS[0]) -> int:
+    s = _strides(dp, tp, pp, order)
+    return pp_idx * s["pp"] + dp_idx * s["dp"] + tp_idx * s["tp"]
+
+
+def layout(dp: int, tp: int, pp: int, order: str = ORDERS[0]) -> dict:
     """Every group of each kind, as lists of global ranks, in creation order (pure: no
     processes). Group members are in increasing rank order, so a rank's place in its group is
     its coordinate along that dimension."""
-    r = lambda p, d, t: rank_of(p, d, t, dp, tp)  # noqa: E731
+    r = lambda p, d, t: rank_of(p, d, t, dp, tp, pp, order)  # noqa: E731
     return {"tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
             "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
             "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]}
@@ -64,14 +83,14 @@ class Mesh:
     """This rank's place in a dp x tp x pp mesh: coordinates, its group of each kind, the
     group's members (peers) and a Comm per group. Collective: every rank must build it."""
 
-    def __init__(self, dp: int, tp: int, pp: int):
+    def __init__(self, dp: int, tp: int, pp: int, order: str = ORDERS[0]):
         world = dist.get_world_size()
         if dp * tp * pp != world:
             raise ValueError(f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp} != world {world}")
-        self.dp, self.tp, self.pp = dp, tp, pp
+        self.dp, self.tp, self.pp, self.order = dp, tp, pp, order
         self.rank, self.world = dist.get_rank(), world
-        self.coords = coords(self.rank, dp, tp, pp)
-        self.layout = layout(dp, tp, pp)
+        self.coords = coords(self.rank, dp, tp, pp, order)
+        self.layout = layout(dp, tp, pp, order)
         self.groups, self.peers = {}, {}
         for kind in KINDS:  # the same order on every rank
             for ranks in self.layout[kind]:
@@ -86,17 +105,17 @@ class Mesh:
 
     def table(self) -> list[dict]:
         """Who talks to whom over which group: one row per group (for a notebook)."""
-        return table(self.dp, self.tp, self.pp)
+        return table(self.dp, self.tp, self.pp, self.order)
 
     def describe(self) -> dict:
         return {"rank": self.rank, "coords": dict(self.coords),
                 "peers": {k: list(v) for k, v in self.peers.items()}}
 
 
-def table(dp: int, tp: int, pp: int) -> list[dict]:
+def table(dp: int, tp: int, pp: int, order: str = ORDERS[0]) -> list[dict]:
     """One row per group: kind, index, member ranks and what `3d` sends over it."""
     return [{"kind": kind, "group": i, "ranks": ranks, "carries": CARRIES[kind]}
-            for kind in KINDS for i, ranks in enumerate(layout(dp, tp, pp)[kind])]
+            for kind in KINDS for i, ranks in enumerate(layout(dp, tp, pp, order)[kind])]
 
 
 class ThreeD(Strategy):
@@ -115,7 +134,7 @@ class ThreeD(Strategy):
         from distlab.parallel.pipeline.pp import PipelineParallel
         from distlab.parallel.tensor.tp import TensorParallel
         from distlab.parallel.zero.stages import ZeRO1
-        self.mesh = Mesh(cfg.dp_degree, cfg.tp, cfg.pp)
+        self.mesh = Mesh(cfg.dp_degree, cfg.tp, cfg.pp, cfg.mesh_order)
         c = self.mesh.comms
         self.tp_s = TensorParallel(cfg, c["tp"])
         self.pp_s = PipelineParallel(cfg, c["pp"])

@@ -85,7 +85,7 @@ def predicted_bytes(cfg: RunConfig, rank: int) -> dict[str, dict[str, int]]:
     if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
         raise NotImplementedError("predicted_bytes models one pipeline chunk per rank")
     dp, t, p, m = cfg.dp_degree, cfg.tp, cfg.pp, cfg.microbatches
-    S, c = micro_batch_bytes(cfg), coords(rank, dp, t, p)
+    S, c = micro_batch_bytes(cfg), coords(rank, dp, t, p, cfg.mesh_order)
     out = {k: {} for k in KINDS}
     if t > 1:
         out["tp"]["tp.all_reduce"] = 4 * (cfg.n_layer // p) * m * 2 * (t - 1) * S // t
@@ -104,7 +104,7 @@ def rank_numel(cfg: RunConfig, rank: int) -> int:
     """Parameters `rank` holds in `3d`: its pipeline stage's blocks (plus the embeddings on
     the first stage, ln_f and the head on the last), with the column/row-split weights of
     Megatron's plan divided by tp. Counted from the model's shapes (built on the meta device)."""
-    c = coords(rank, cfg.dp_degree, cfg.tp, cfg.pp)
+    c = coords(rank, cfg.dp_degree, cfg.tp, cfg.pp, cfg.mesh_order)
     blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, cfg.pp, c["pp"])}
     split = set()
     for name, style in plan_table(cfg.n_layer).items():
@@ -135,7 +135,7 @@ def messages_per_step(cfg: RunConfig, rank: int) -> dict[str, int]:
     """Messages per step a rank sends over each group kind in the ring model: a ring
     all-reduce over n ranks is 2(n-1) messages, a reduce-scatter or all-gather n-1, a send 1."""
     dp, t, p, m = cfg.dp_degree, cfg.tp, cfg.pp, cfg.microbatches
-    c = coords(rank, dp, t, p)
+    c = coords(rank, dp, t, p, cfg.mesh_order)
     return {"tp": 4 * (cfg.n_layer // p) * m * 2 * (t - 1),
             "pp": m * ((c["pp"] < p - 1) + (c["pp"] > 0)),
             "dp": 2 * (dp - 1)}

@@ -176,3 +176,21 @@ def test_the_dp_first_order_trains_the_same_with_its_groups_where_it_says(runs):
     assert len(rows) == 12
     for r in rows:
         assert r["measured"] == r["predicted"] > 0, r
+
+
+def test_the_rank_order_decides_which_group_crosses_between_nodes():
+    """On two nodes of two ranks (torchrun's blocks of consecutive ranks), dp = tp = 2: in
+    Megatron's order the dp groups span the nodes, so node 0's link carries its two ranks'
+    ZeRO-1 traffic (gloo's reduce-scatter writes twice the ring's); with "dp-tp-pp" the tp
+    groups do, and it carries their all-reduces instead (notebook 17 measures both)."""
+    from distlab.lab.multi_node import node_link_formula
+    from distlab.theory.comm_bytes import predicted_bytes
+    base = BASE.replace(strategy="3d", world_size=4, tp=2, pp=1)
+    megatron, dp_first = base, base.replace(mesh_order="dp-tp-pp")
+    dp = [predicted_bytes(megatron, r)["dp"] for r in (0, 1)]
+    tp = [predicted_bytes(dp_first, r)["tp"] for r in (0, 1)]
+    assert node_link_formula(megatron, 2) == sum(2 * d["reduce_scatter"] + d["all_gather"]
+                                                 for d in dp)
+    assert node_link_formula(dp_first, 2) == sum(t["tp.all_reduce"] for t in tp) > 0
+    assert node_link_formula(megatron.replace(world_size=2, tp=2), 1) == sum(
+        v for v in predicted_bytes(megatron.replace(world_size=2, tp=2), 0)["tp"].values())

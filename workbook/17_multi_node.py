@@ -83,7 +83,8 @@ from distlab.caller import cluster
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
 from distlab.lab.multi_node import (fit_link, hsdp_figure, hsdp_study, link_figure, link_sweep,
                                     node_fault_figure, node_fault_study, placement_figure,
-                                    placement_study, race_figure, race_target, ranking,
+                                    order_study, placement_study, race_figure,
+                                    race_target, ranking,
                                     reach_time, slow_link_race, slow_link_ways, two_tier_figure,
                                     two_tier_study)
 
@@ -305,6 +306,29 @@ if WHY is None and not QUICK:
         f"modelled: {' < '.join(modelled_order)}; planner: {' < '.join(planner_order)}")
 
 # %% [markdown]
+# **The same degrees, the other order.** Above, each layout had both its ranks inside a node or
+# across. With two nodes of two ranks, `3d` at dp = tp = 2 has one group of each kind per rank,
+# and `RunConfig(mesh_order=...)` decides which crosses the link: Megatron-LM's order
+# (`"tp-dp-pp"`, tp fastest) puts each tp group inside a node and each dp group across it;
+# `"dp-tp-pp"` does the opposite. The compute is the same; the link carries ZeRO-1's gradient
+# and parameter traffic in the first and TP's per-layer all-reduces in the second. The
+# formula's bytes per node (`lab.multi_node.node_link_formula`: the two ranks' traffic over
+# groups that span the nodes) at the link's rate, added to the step inside one node, is the
+# **modelled** step.
+
+# %%
+if WHY is None and not QUICK:
+    orders = order_study(RunConfig(strategy="ddp", world_size=2, steps=PLACE_STEPS), LINK,
+                         warmup=WARMUP)
+    placement_figure(orders).show()
+    table(["layout, 2 nodes × 2 ranks, dp = tp = 2", "inside a node (ms)",
+           "across the link (ms)", "added (ms)", "link bytes per step", "formula",
+           "modelled across (ms)", "measured / modelled"],
+          [[r.name, f"{1e3 * r.inside_s:.0f}", f"{1e3 * r.across_s:.0f}",
+            f"{1e3 * r.added_s:.0f}", fmt_bytes(r.link_bytes), fmt_bytes(r.formula_bytes),
+            f"{1e3 * r.predicted_s:.0f}", f"{r.across_s / r.predicted_s:.2f}"] for r in orders])
+
+# %% [markdown]
 # ## 7. A node dies: the elastic restart
 #
 # On a cluster a machine fails mid-run. `torchrun --max-restarts 1 --nnodes 1:2` makes the job
@@ -441,6 +465,13 @@ if WHY is None:
                   + " a step (holds when it adds most to TP and least to PP)",
                   max(added, key=added.get) == "TP"
                   and min(added, key=added.get).startswith("PP")),
+            claim("at the same degrees, put tensor parallelism inside a node and data "
+                  "parallelism across it rather than the reverse (an interview answer)",
+                  "Narayanan et al. 2021 (Megatron-LM), §3.3",
+                  "dp = tp = 2 on 2 nodes × 2 ranks, step across the link: "
+                  + ", ".join(f"{r.name} {1e3 * r.across_s:.0f} ms (link {fmt_bytes(r.link_bytes)}"
+                              f" a step, formula {fmt_bytes(r.formula_bytes)})" for r in orders),
+                  orders[0].across_s < orders[1].across_s),
             claim("the α-β model, from the step inside a node and the bytes by formula, ranks "
                   "the layouts across the link as they measure", "Hockney 1994; this notebook",
                   f"measured {' < '.join(measured_order)}; modelled "

@@ -332,6 +332,45 @@ def placement_study(base, link_mbit: float, warmup: int = 2,
     return rows
 
 
+# 3d at dp = tp = 2 on two nodes of two ranks: the rank order decides which group's two
+# members sit on different nodes, i.e. whose traffic crosses the link (distlab.parallel.mesh)
+ORDERS_ACROSS = {"TP inside, DP across": "tp-dp-pp", "TP across, DP inside": "dp-tp-pp"}
+
+
+def order_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRow]:
+    """`3d` with dp = tp = 2 on 4 ranks in each order of ORDERS_ACROSS: all four ranks in one
+    node, then two nodes of two ranks over `link_mbit`. The same degrees, the same compute;
+    only which group crosses the link differs."""
+    rows = []
+    for name, order in ORDERS_ACROSS.items():
+        cfg = base.replace(strategy="3d", world_size=4, tp=2, pp=1, mesh_order=order)
+        inside = launch(cfg.replace(nodes=1)).wait(progress=False)
+        across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
+        per_node = steps_link_bytes(across) or [float("nan")]
+        rows.append(PlacementRow(name, median_step(inside, warmup), median_step(across, warmup),
+                                 statistics.mean(per_node), node_link_formula(cfg, 2),
+                                 link_mbit))
+    return rows
+
+
+def node_link_formula(cfg, ranks_per_node: int) -> int:
+    """Bytes per step the first node's ranks send to other nodes, by formula
+    (theory.comm_bytes.predicted_bytes, gloo's writes): a group with a member on another node
+    sends all of it across when, as here, each node holds one member of the group. torchrun
+    gives each node a block of consecutive ranks (which block is the rendezvous's choice; the
+    layouts here are the same from either node)."""
+    from distlab.parallel.mesh import layout
+    from distlab.theory.comm_bytes import predicted_bytes
+    groups = layout(cfg.dp_degree, cfg.tp, cfg.pp, cfg.mesh_order)
+    total = 0
+    for rank in range(ranks_per_node):
+        for kind, sent in predicted_bytes(cfg, rank).items():
+            group = next(g for g in groups[kind] if rank in g)
+            if any(member // ranks_per_node != 0 for member in group):
+                total += sum(b * GLOO_WRITES.get(k, 1) for k, b in sent.items())
+    return total
+
+
 def planner_comm_s(cfg, gpus_per_node: int, link_mbit: float, node_Bps: float) -> float:
     """distlab.theory.plan's communication seconds per step for cfg's `3d` layout on
     cfg.world_size ranks, `gpus_per_node` to a node: inside a node at node_Bps, between nodes

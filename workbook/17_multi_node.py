@@ -320,7 +320,8 @@ if WHY is None and not QUICK:
 if WHY is None and not QUICK:
     orders = order_study(RunConfig(strategy="ddp", world_size=2, steps=PLACE_STEPS), LINK,
                          warmup=WARMUP)
-    placement_figure(orders).show()
+    placement_figure(orders, title="dp = tp = 2 on 2 nodes × 2 ranks: which group crosses "
+                     "the link").show()
     table(["layout, 2 nodes × 2 ranks, dp = tp = 2", "inside a node (ms)",
            "across the link (ms)", "added (ms)", "link bytes per step", "formula",
            "modelled across (ms)", "measured / modelled"],

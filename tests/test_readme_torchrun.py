@@ -10,12 +10,14 @@ snippets after it are reported as not run, naming the one that failed."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -24,6 +26,7 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 SCRIPTS = ("train_ddp.py", "train_zero.py", "train_fsdp.py", "train_nanogpt.py", "train_tp.py",
            "train_pp.py", "train_long.py")
 MARK = "=== snippet "
+JOB_TIMEOUT_S = 400  # the seven take ~25 s alone, ~60 s inside the loaded suite
 DRIVER = f'''\
 import os, runpy, sys, traceback
 from datetime import timedelta
@@ -67,13 +70,21 @@ def printed(tmp_path_factory) -> dict:
     (folder / "driver.py").write_text(DRIVER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "driver.py", *SCRIPTS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=folder,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    chunks = proc.stdout.split(MARK)[1:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # a snippet that hangs: end torchrun and its ranks, by id
+        for child in psutil.Process(proc.pid).children(recursive=True) + [proc]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                child.kill()
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(the job did not end within {JOB_TIMEOUT_S} s: ended, with its ranks)"
+    chunks = stdout.split(MARK)[1:]
     out = {c.split("\n", 1)[0]: c.split("\n", 1)[1].splitlines() for c in chunks}
     if proc.returncode != 0:
         last = chunks[-1].split("\n", 1)[0] if chunks else SCRIPTS[0]
-        out[last] = f"{last} failed (torchrun exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        out[last] = f"{last} failed (torchrun exit {proc.returncode}):\n{stderr[-4000:]}"
         for script in SCRIPTS[SCRIPTS.index(last) + 1:]:
             out[script] = f"not run: {last}, before it in the same job, failed"
     return out

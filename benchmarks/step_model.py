@@ -126,6 +126,25 @@ def time_strategies(rank, world, device, log, cfg_dicts: list, repeats: int, war
     return out
 
 
+def peer_wait_split(ranks_steps: list) -> tuple[float, float]:
+    """Rank 0's time blocked on ZeRO-3's all-gathers, summed over its steps, split in two:
+    until the last rank had issued the same gather (an all-gather cannot finish before every
+    rank joins it: rank 0 waits for a slower rank, not for bytes), and after (the transfer,
+    and gloo's thread waiting for a core). Ranks' records are matched by step and gather
+    order; perf_counter is one clock for every process on the machine. Sums, so the two parts
+    add up to the blocked time (less a few µs where the last issue was noted after rank 0's
+    wait returned)."""
+    peer = transfer = 0.0
+    for steps in zip(*ranks_steps):
+        timed = [s["prefetch"]["timed"] for s in steps]
+        for gathers in zip(*timed):
+            issued, needed, waited = gathers[0]
+            last_issue = max(g[0] for g in gathers)
+            peer += min(max(last_issue - needed, 0.0), waited - needed)
+            transfer += max(waited - max(needed, last_issue), 0.0)
+    return peer, transfer
+
+
 def last_bucket_line(timelines: list, blocked: float, fits: dict, world: int) -> str:
     """DDP's exposed all-reduce time beside its last bucket's: the bucket issued last, its
     all-reduce's issue-to-done time as measured and by the α-β fit, and how long after
@@ -241,8 +260,9 @@ def one_world(args, world, run_ranks, RunConfig, bench):
     fits = fit_world(args, world, run_ranks, bench)
 
     cfgs = [base.replace(strategy=s, name=s).to_dict() for s in STRATEGIES]
-    res = run_ranks(bench.time_strategies, world, cfgs, args.repeats, args.warmup,
-                    timeout_s=600)[0]
+    per_rank = run_ranks(bench.time_strategies, world, cfgs, args.repeats, args.warmup,
+                         timeout_s=600)
+    res = per_rank[0]
     print("\nms per step (medians). predicted: compute alone + modelled exposed communication;"
           " shared: the same with\nthe compute measured while every rank computes. not "
           "blocked: the step's time outside collective waits,\nagainst the compute alone; "
@@ -286,6 +306,11 @@ def one_world(args, world, run_ranks, RunConfig, bench):
                   f"{1e3 * first:.2f} ms; prefetches that arrived late {1e3 * late:.2f} ms, "
                   f"the longest wait {1e3 * worst:.2f} ms (a prefetch issued a unit ahead is "
                   "late when gloo's thread waits for one of the cores the ranks compute on)")
+            peer, transfer = peer_wait_split([r["zero3"] for r in per_rank])
+            print(f"{'':<10} the blocked time by when every rank had issued the same gather, "
+                  f"over {len(pf)} steps: before (rank 0 waited for a slower rank to join) "
+                  f"{100 * peer / (peer + transfer):.0f}%, after (the gather itself, on cores "
+                  f"the ranks compute on) {100 * transfer / (peer + transfer):.0f}%")
     print("modelled exposed communication, its terms (ms):\n" + "\n".join(terms_lines))
     return rows
 

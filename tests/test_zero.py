@@ -315,6 +315,12 @@ def test_zero3_prefetches_and_frees(runs):
             assert p["blocked_unprefetched_s"] + p["blocked_prefetched_s"] == pytest.approx(
                 p["blocked_s"], abs=1e-9)
             assert 0 <= p["blocked_prefetched_max_s"] <= p["blocked_prefetched_s"] + 1e-12
+            # each gather's moments (benchmarks/step_model.py sets ranks' side by side):
+            # issued and needed before it was had, and blocked = had - needed
+            assert len(p["timed"]) == p["gathers"]
+            assert all(i <= w and n <= w for i, n, w in p["timed"])
+            assert sum(w - n for _, n, w in p["timed"]) == pytest.approx(p["blocked_s"],
+                                                                        abs=1e-9)
             assert e["zero"]["gathered_peak_bytes"] <= 3 * biggest
             assert e["zero"]["grad_buffer_peak_bytes"] <= 2 * biggest
     e = out["zero3"]["events"][0][-1]["zero"]

@@ -500,7 +500,8 @@ class FullyShard(ShardedGradients):
         if u.gather is not None:
             u.gather.wait()
             rec = u.gather_record
-            rec.update(prefetched=rec["issued"] < needed, blocked_s=u.gather.waited - needed)
+            rec.update(prefetched=rec["issued"] < needed, blocked_s=u.gather.waited - needed,
+                       needed=needed, waited=u.gather.waited)
             u.gather = u.gather_in = None
 
     def _free(self, u: Unit):

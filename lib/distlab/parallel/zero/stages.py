@@ -276,7 +276,12 @@ class ZeRO(Strategy):
                                 "blocked_unprefetched_s": sum(g["blocked_s"] for g in done
                                                               if not g["prefetched"]),
                                 "blocked_prefetched_s": sum(late),
-                                "blocked_prefetched_max_s": max(late, default=0.0)}
+                                "blocked_prefetched_max_s": max(late, default=0.0),
+                                # per gather, in issue order: when this rank issued it, needed
+                                # it and had it (perf_counter, one clock for every process on
+                                # this machine: ranks' records can be set side by side)
+                                "timed": [[g["issued"], g["needed"], g["waited"]]
+                                          for g in done]}
             fsdp.gathers = []
             fsdp.peak = dict(fsdp.live)
         grads.grad_bytes_peak = grads.grad_bytes_live

@@ -320,17 +320,24 @@ def placement_study(base, link_mbit: float, warmup: int = 2,
     rows = []
     for name, knobs in PLACEMENTS.items():
         cfg = base.replace(strategy="3d", world_size=2, **knobs)
-        inside = launch(cfg.replace(nodes=1)).wait(progress=False)
-        across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
-        per_node = steps_link_bytes(across) or [float("nan")]
-        rows.append(PlacementRow(
-            name, median_step(inside, warmup), median_step(across, warmup),
-            statistics.mean(per_node),
+        rows.append(placement_row(
+            name, cfg, link_mbit, warmup,
             sum(b * GLOO_WRITES.get(kind, 1) for kinds in predicted_bytes(cfg, 0).values()
-                for kind, b in kinds.items()), link_mbit,
+                for kind, b in kinds.items()),
             planner_comm_s(cfg, 1, link_mbit, node_Bps) - planner_comm_s(cfg, 2, link_mbit,
                                                                          node_Bps)))
     return rows
+
+
+def placement_row(name: str, cfg, link_mbit: float, warmup: int, formula_bytes: float,
+                  planner_added_s: float = float("nan")) -> PlacementRow:
+    """cfg run twice, all its ranks in one node and then over cfg.processes // 2 ranks per
+    node across two nodes joined by `link_mbit`, as one row."""
+    inside = launch(cfg.replace(nodes=1)).wait(progress=False)
+    across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
+    per_node = steps_link_bytes(across) or [float("nan")]
+    return PlacementRow(name, median_step(inside, warmup), median_step(across, warmup),
+                        statistics.mean(per_node), formula_bytes, link_mbit, planner_added_s)
 
 
 # 3d at dp = tp = 2 on two nodes of two ranks: the rank order decides which group's two
@@ -345,12 +352,7 @@ def order_study(base, link_mbit: float, warmup: int = 2) -> list[PlacementRow]:
     rows = []
     for name, order in ORDERS_ACROSS.items():
         cfg = base.replace(strategy="3d", world_size=4, tp=2, pp=1, mesh_order=order)
-        inside = launch(cfg.replace(nodes=1)).wait(progress=False)
-        across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
-        per_node = steps_link_bytes(across) or [float("nan")]
-        rows.append(PlacementRow(name, median_step(inside, warmup), median_step(across, warmup),
-                                 statistics.mean(per_node), node_link_formula(cfg, 2),
-                                 link_mbit))
+        rows.append(placement_row(name, cfg, link_mbit, warmup, node_link_formula(cfg, 2)))
     return rows
 
 

@@ -54,15 +54,10 @@ def collect_earlier_runs() -> None:
     tracks, torch's millions included: 150 ms a call on this CPU, most of a short config's
     cost. So the first call freezes what is alive then (the imports; no run has started in
     this process) and later calls walk only what was made since."""
-    global _FROZEN
-    if _FROZEN:
+    if gc.get_freeze_count():
         gc.collect()
     else:
         gc.freeze()
-        _FROZEN = True
-
-
-_FROZEN = False
 
 
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,

@@ -200,8 +200,11 @@ def test_a_killed_node_replaced_resumes_bit_for_bit(tmp_path):
     node. (Against a whole uninterrupted run: notebook 17, full mode; one more cluster here.)"""
     from distlab import RunConfig
     from distlab.studies.node_fault import node_fault
+    # step_delay_s: rank 0's log is read every 50 ms and the node killed after; a tiny step
+    # takes ms, so under CI's load the run once reached step 8 (and its checkpoint) before the
+    # kill landed. 0.5 s a step leaves the kill a second before the next checkpoint
     cfg = RunConfig(**{**ARGS, "steps": 12}, world_size=2, nodes=2, link_mbit=100,
-                    checkpoint_every=4, timeout_s=10)
+                    checkpoint_every=4, timeout_s=10, step_delay_s=0.5)
     r = node_fault(cfg, kill_after=6, folder=str(tmp_path), uninterrupted=False)
     print(f"\nkilled after step {r.killed_after_step}, resumed from {r.resumed_from} steps done, "
           f"first resumed step {r.kill_to_resumed_s:.1f} s after the kill; steps run twice "

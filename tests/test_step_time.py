@@ -50,9 +50,47 @@ def test_terms_add_up(strategy, kinds):
         assert p.comm[k] == pytest.approx(FITS[k].seconds(v["calls"], v["bytes_sent"]))
     # communication is never more than exposed in full, and never less than nothing
     assert 0 <= p.exposed <= p.comm_total + 1e-12
-    # ZeRO steps 1/N of the parameters
-    sharded = strategy.startswith("zero")
-    assert p.compute.optimizer == pytest.approx(C.optimizer / (2 if sharded else 1))
+
+
+def test_compute_of_a_step_keeps_the_step_and_the_plain_split():
+    c = Compute.of_step(0.068, C)  # the strategy's one-process step: 2x the plain model's
+    assert c.total == pytest.approx(0.068)
+    assert (c.forward, c.backward, c.optimizer) == pytest.approx((0.020, 0.040, 0.008))
+    z = Compute.of_step(0.032, C, optimizer_share=1 / 2)  # ZeRO steps half the parameters
+    assert z.total == pytest.approx(0.032)
+    assert z.optimizer / z.backward == pytest.approx(C.optimizer / 2 / C.backward)
+
+
+def test_tp_waits_on_every_all_reduce():
+    kinds = booked(**{"tp.all_reduce": (16, 8 * MB)})
+    p = predict("tp", 2, C, kinds, FITS)
+    assert p.exposed == pytest.approx(FITS["all_reduce"].seconds(16, 8 * MB))
+    assert p.exposed == pytest.approx(sum(p.terms.values()))
+
+
+def test_pp_pays_the_bubble_and_the_fill_and_drain_hops():
+    fits = {**FITS, "send": AlphaBeta(2e-4, 1e9)}
+    kinds = booked(pp_send_act=(4, 4 * MB), barrier=(2, 0), pp_recv_grad=(4, 0))
+    p = predict("pp", 2, C, kinds, fits, microbatches=4)
+    bubble = (2 - 1) / 4 * (C.forward + C.backward)
+    hop = fits["send"].seconds(4, 4 * MB) / 4  # one micro-batch's activation
+    barriers = FITS["all_reduce"].seconds(2, 0)
+    assert p.exposed == pytest.approx(bubble + 2 * hop + barriers)
+    assert p.exposed == pytest.approx(sum(p.terms.values()))
+    more = predict("pp", 2, C, kinds, fits, microbatches=8)  # m up: the bubble shrinks
+    assert more.exposed < p.exposed
+
+
+def test_cp_hides_its_hops_behind_ring_attention_only():
+    fits = {**FITS, "send": AlphaBeta(1e-4, 1e9)}
+    kinds = booked(**{"cp.kv": (32, 8 * MB), "cp.dkv": (32, 8 * MB)}, all_reduce=(1, MB))
+    hops = 2 * fits["send"].seconds(32, 8 * MB)
+    last = fits["send"].seconds(32, 8 * MB) / 2
+    grads = FITS["all_reduce"].seconds(1, MB)
+    covered = predict("cp", 2, Compute(0.01, 0.02, 0.004, attention=0.05), kinds, fits)
+    assert covered.exposed == pytest.approx(last + grads)
+    bare = predict("cp", 2, Compute(0.01, 0.02, 0.004, attention=0.0), kinds, fits)
+    assert bare.exposed == pytest.approx(hops + grads)
 
 
 def test_rules_differ_where_the_strategies_do():
@@ -73,7 +111,11 @@ def test_rules_differ_where_the_strategies_do():
 
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="prediction exists"):
-        predict("tp", 2, C, {}, FITS)
+        predict("ep", 2, C, {}, FITS)
+    with pytest.raises(ValueError, match="no fitted kind prices"):
+        predict("ddp", 2, C, booked(all_to_all=(1, MB)), FITS)
+    with pytest.raises(ValueError, match="microbatches"):
+        predict("pp", 2, C, {}, FITS, microbatches=0)
     with pytest.raises(ValueError, match="no α-β fit"):
         predict("ddp", 2, C, booked(all_reduce=(1, MB)), {})
     with pytest.raises(ValueError, match="world"):

@@ -3,7 +3,8 @@
     meter.start()                  before the step: timer, CUDA peak reset
     meter.saw_batch(x, y)          once the batch is read: the peak tracker's step begins
     with meter.forward(): ...      around each forward: activation bytes saved for backward
-    fields = meter.end(...)        after the update: step time, bytes per collective (booked,
+    fields = meter.end(...)        after the update: step time, CPU seconds (the process's and
+                                   the training thread's), bytes per collective (booked,
                                    distlab.comm, and on the wire, distlab.wire), memory by
                                    category (distlab.memory), CUDA's max allocated
 
@@ -53,6 +54,7 @@ class StepMeter:
         self.comm.take_step_stats()  # between steps (evaluation, checkpoints) is no step's
         wire.LEDGER.begin()
         self.t0 = time.perf_counter()
+        self.cpu0 = (time.process_time(), time.thread_time())
 
     def saw_batch(self, x, y) -> None:
         if self.peak is not None:  # the batch's own bytes are live from here on
@@ -63,11 +65,16 @@ class StepMeter:
         return self.activations.measure()
 
     def end(self, strategy, model, optimizer) -> dict:
-        """The step event's measured fields: step_s, comm, wire, memory. Resets the comm
+        """The step event's measured fields: step_s, cpu, comm, wire, memory. Resets the comm
         counters."""
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
         step_s = time.perf_counter() - self.t0
+        # CPU seconds of the step: the whole process's (every thread: the backend's too) and
+        # the training thread's; their difference is what the backend's threads burned, which
+        # on a CPU comes out of the same cores the ranks compute on
+        process_s, main_s = (time.process_time() - self.cpu0[0],
+                             time.thread_time() - self.cpu0[1])
         comm_stats, comm_buffer = self.comm.take_step_stats()
         on_wire = wire.LEDGER.end()
         memory = {**strategy.state_bytes(model, optimizer), "activations": self.activations.bytes,
@@ -80,7 +87,8 @@ class StepMeter:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
             # live at the step's end (before zero_grad): what stays on the device between steps
             memory["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
-        out = {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire}
+        out = {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire,
+               "cpu": {"process_s": process_s, "main_thread_s": main_s}}
         link = wire.link_counters(self.link)
         if link is not None:
             out["link"] = link

@@ -1,28 +1,29 @@
-"""How far each data-parallel strategy's step is from what this machine allows (issue 28).
+"""How far each strategy's step is from what this machine allows (issue 28).
 
     .venv/bin/python benchmarks/step_model.py [--worlds 2 4] [--steps 12] [--repeats 2]
 
-For each world size N:
+For each world size N, distlab.studies.step_limit measures the parts and
+distlab.theory.step_time.predict adds them up, for allreduce, ddp, zero1-3, tp, pp (1F1B, 4
+micro-batches) and cp (ring attention):
 
-1. **Compute**, in this process on an idle machine: forward, backward and AdamW's step of the
-   default RunConfig's GPT at one rank's batch (global_batch / N rows), with the threads a rank
-   gets (cores // N); medians of --compute-reps timings.
-2. **α and β per collective kind** (all_reduce, all_gather, reduce_scatter) on N ranks: each
-   kind timed at 16 KiB to 4 MiB, t = α + B/β fitted by least squares on the relative error
-   (B: the bytes one call sends per rank, the ring's count).
-3. **Each strategy** (allreduce, ddp, zero1, zero2, zero3) trained --repeats times for
-   --steps steps on N ranks (the first --warmup dropped): rank 0's step time and the seconds
-   its collectives blocked it (distlab.comm books a blocking call's whole duration and an
-   async one's wait), medians.
+1. **compute**: each strategy's step in one process as its rank, collectives made no-ops
+   (torch's fake process group), with the threads a rank gets (cores // N);
+2. **α and β per collective kind** (all_reduce, all_gather, reduce_scatter, ring send) on N
+   ranks, 16 KiB to 4 MiB, least squares on the relative error;
+3. **each strategy** trained --repeats times for --steps steps on N ranks (the first --warmup
+   dropped): rank 0's step, the seconds it blocked in collectives, its CPU seconds.
 
-With --scale instead: ddp's step and bytes per rank over ranks (1, 2, 4 at n_embd 128) and over
-width (n_embd 64 to 384 at 2 ranks), each against the prediction and against the serial sum
-(compute + all the communication, nothing hidden), with each curve's worst deviation.
+Then prints, per strategy, the measured step against the prediction, the exposed
+communication measured (blocked) against modelled, and where the gap goes: waits beyond the
+α-β model, compute slower than alone, and the CPU the backend's threads burned; with the
+verdict against 1.2x (issue 28's target at 2 ranks). zero3 adds the fraction of the step its
+compute waited on parameter all-gathers (target: at most 3%) and who it waited for; ddp its
+exposed all-reduce time beside its last bucket's.
 
-Then prints, per strategy, the measured step against distlab.theory.step_time.predict's
-(compute + the communication its overlap rule leaves exposed), and the exposed communication
-measured against modelled. zero3's line adds the fraction of the step its compute waited on
-parameter all-gathers (target: at most 3%). Runs go to a temporary folder, removed at the end.
+With --scale instead: ddp's step and bytes per rank over ranks (1, 2, 4, 8 at n_embd 128) and
+over width (n_embd 64 to 384 at 2 ranks), each against the prediction and against the serial
+sum (compute + all the communication, nothing hidden), with each curve's worst deviation.
+Runs go to a temporary folder, removed at the end.
 """
 
 from __future__ import annotations
@@ -31,99 +32,9 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 from _bench import scratch_runs
 
-STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3")
-SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes per rank's tensor
-
-
-def time_compute(cfg, world: int, reps: int) -> dict:
-    """Forward, backward and optimizer seconds of one rank's shapes, in this process."""
-    import torch
-
-    from distlab.rank.build import build_model, build_optimizer
-
-    torch.manual_seed(0)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model = build_model(cfg)
-    opt = build_optimizer(cfg, model.parameters())
-    rows = cfg.global_batch // world
-    x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
-    y = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
-    out = {"forward": [], "backward": [], "optimizer": []}
-    for i in range(reps + 3):  # the first three warm up the allocator and the threads
-        t0 = time.perf_counter()
-        loss = model(x, y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if i >= 3:
-            out["forward"].append(t1 - t0)
-            out["backward"].append(t2 - t1)
-            out["optimizer"].append(t3 - t2)
-    return {k: statistics.median(v) for k, v in out.items()}
-
-
-def time_compute_together(rank, world, device, log, cfg_dict: dict, reps: int) -> dict:
-    """Rank function: the same one-rank compute, timed on every rank at once and with no
-    collective: what computing costs while the other ranks compute too (shared cores,
-    caches and memory bandwidth), rank 0's figures."""
-    from distlab.config import RunConfig
-
-    return time_compute(RunConfig.from_dict(cfg_dict), world, reps)
-
-
-def time_collectives(rank, world, device, log, sizes: list, repeats: int) -> dict:
-    """Rank function: per kind, (bytes booked per call, median seconds) at each size."""
-    import torch
-    import torch.distributed as dist
-
-    from distlab.comm import Comm
-
-    comm = Comm()
-    out = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
-    for size in sizes:
-        n = size // 4
-        full = torch.ones(n * world)
-        part = torch.ones(n)
-        calls = {"all_reduce": lambda: comm.all_reduce(part),
-                 "all_gather": lambda: comm.all_gather(full, part),
-                 "reduce_scatter": lambda: comm.reduce_scatter(part, full)}
-        for kind, call in calls.items():
-            secs = []
-            comm.take_step_stats()
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                call()
-                secs.append(time.perf_counter() - t0)
-            booked = comm.take_step_stats()[0][kind]
-            out[kind].append((booked["bytes_sent"] / booked["calls"], statistics.median(secs)))
-    return out
-
-
-def time_strategies(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
-    """Rank function: each config trained `repeats` times (order alternating); per config its
-    steps after warmup: step_s, the collectives' booked calls/bytes and blocked seconds."""
-    from distlab.config import RunConfig
-    from distlab.events import StepRecorder
-    from distlab.rank.train import train
-
-    out = {d["name"]: [] for d in cfg_dicts}
-    for rep in range(repeats):
-        for d in (cfg_dicts if rep % 2 == 0 else cfg_dicts[::-1]):
-            rec = StepRecorder(log)
-            train(RunConfig.from_dict(d), rank, world, device, rec)
-            out[d["name"]] += [{"step_s": e["step_s"], "comm": e["comm"],
-                                "prefetch": e.get("zero", {}).get("prefetch"),
-                                "timeline": e.get("ddp")}
-                               for e in rec.steps[warmup:]]
-    return out
 
 
 def peer_wait_split(ranks_steps: list) -> tuple[float, float]:
@@ -163,46 +74,41 @@ def last_bucket_line(timelines: list, blocked: float, fits: dict, world: int) ->
             "backward ended")
 
 
-def median_booked(steps: list) -> dict:
-    """kind -> {"calls", "bytes_sent"} of a step (the median step's; they do not vary)."""
-    kinds = {k for e in steps for k in e["comm"]}
-    return {k: {"calls": statistics.median(e["comm"].get(k, {}).get("calls", 0) for e in steps),
-                "bytes_sent": statistics.median(e["comm"].get(k, {}).get("bytes_sent", 0)
-                                                for e in steps)} for k in kinds}
-
-
-def fit_world(args, world, run_ranks, bench) -> dict:
+def fit_world(args, world, run_ranks) -> dict:
     """α and β per collective kind on `world` ranks, printed with the fit's worst point."""
-    from distlab.comm import fit_alpha_beta
-    from distlab.theory.step_time import AlphaBeta
+    from distlab.studies import step_limit
 
-    timed = run_ranks(bench.time_collectives, world, list(SIZES), args.coll_reps,
-                      timeout_s=120)[0]
-    fits = {}
-    for kind, points in timed.items():
-        a, b = fit_alpha_beta([p[0] for p in points], [p[1] for p in points],
-                              [1] * len(points), relative=True)
-        fits[kind] = AlphaBeta(max(a, 0.0), b)
-        worst = max(abs(fits[kind].seconds(1, B) / t - 1) for B, t in points)
-        print(f"  {kind:<15} α {1e6 * fits[kind].alpha:7.1f} µs  β {b / 1e9:6.3f} GB/s  "
-              f"(worst point off the fit by {100 * worst:.0f}%)")
+    timed = run_ranks(step_limit.collectives_rank, world, list(step_limit.SIZES),
+                      args.coll_reps, timeout_s=120)[0]
+    fits, worst = step_limit.fit(timed)
+    print_fits(fits, worst)
     return fits
 
 
-def scaling(args, run_ranks, RunConfig, bench):
+def print_fits(fits, worst):
+    for kind, f in fits.items():
+        print(f"  {kind:<15} α {1e6 * f.alpha:7.1f} µs  β {f.beta / 1e9:6.3f} GB/s  "
+              f"(worst point off the fit by {100 * worst[kind]:.0f}%)")
+def scaling(args, run_ranks, RunConfig):
     """Issue 28 item 3: ddp's step and bytes per rank over ranks (at the default width) and
     over width (at 2 ranks), each against the prediction; the worst deviation of each curve."""
+    from distlab.studies import step_limit
     from distlab.theory.step_time import Compute, predict
 
     def point(world, n_embd):
         strategy = "single" if world == 1 else "ddp"
         cfg = RunConfig(strategy=strategy, world_size=world, steps=args.steps, n_embd=n_embd,
-                        timeout_s=300)
-        c = Compute(**time_compute(cfg, world, args.compute_reps))
-        steps = run_ranks(bench.time_strategies, world, [cfg.replace(name="x").to_dict()],
-                          args.repeats, args.warmup, timeout_s=600)[0]["x"]
+                        timeout_s=300, name="x")
+        one = step_limit.one_process_steps(world, {"x": (cfg, (0,))},
+                                           cfg.replace(strategy="single", world_size=1),
+                                           reps=args.compute_reps)
+        # N ranks on fewer cores time-slice them: compute takes N / cores as long
+        shared = max(1.0, world / (os.cpu_count() or 1))
+        c = Compute.of_step(shared * one["steps"]["x"][0]["step_s"], Compute(**one["plain"]))
+        steps = run_ranks(step_limit.train_and_time, world, [cfg.to_dict()], args.repeats,
+                          args.warmup, timeout_s=600)[0]["x"]
         measured = statistics.median(e["step_s"] for e in steps)
-        booked = median_booked(steps)
+        booked = step_limit.median_booked(steps)
         p = predict(strategy, world, c, booked, fits.get(world, {}))
         sent = sum(v["bytes_sent"] for v in booked.values())
         n_params = sum(v.numel() for v in _model(cfg).parameters())
@@ -219,7 +125,7 @@ def scaling(args, run_ranks, RunConfig, bench):
         for world, width in points:
             if world > 1 and world not in fits:
                 print(f"  α-β on {world} ranks:")
-                fits[world] = fit_world(args, world, run_ranks, bench)
+                fits[world] = fit_world(args, world, run_ranks)
             measured, p, sent, formula = point(world, width)
             serial = p.compute.total + p.comm_total
             worst = max(worst, abs(measured / p.total - 1))
@@ -239,85 +145,79 @@ def _model(cfg):
     return build_model(cfg)
 
 
-def one_world(args, world, run_ranks, RunConfig, bench):
-    from distlab.theory.step_time import Compute, predict
+def one_world(args, world, RunConfig):
+    from distlab.studies import step_limit
 
-    base = RunConfig(strategy="ddp", world_size=world, steps=args.steps, timeout_s=180)
-    c = Compute(**time_compute(base, world, args.compute_reps))
+    base = RunConfig(steps=args.steps, timeout_s=180)
+    got = step_limit.limit_rows(base, world, args.strategies, repeats=args.repeats,
+                                warmup=args.warmup, coll_reps=args.coll_reps,
+                                compute_reps=args.compute_reps)
+    c = got["plain"]
     print(f"\n== {world} ranks: GPT {base.n_layer} layers n_embd {base.n_embd}, global batch "
-          f"{base.global_batch} x seq {base.seq_len}, AdamW; cores {os.cpu_count()}, "
-          f"{max(1, (os.cpu_count() or 1) // world)} thread(s) per rank")
-    print(f"compute per rank (one process, {base.global_batch // world} rows): forward "
+          f"{base.global_batch} x seq {base.seq_len}, AdamW; {got['cores']} cores, "
+          f"{max(1, got['cores'] // world)} thread(s) per rank")
+    print(f"plain model at one rank's rows ({base.global_batch // world}), one process: forward "
           f"{1e3 * c.forward:.2f} ms, backward {1e3 * c.backward:.2f} ms, optimizer "
-          f"{1e3 * c.optimizer:.2f} ms")
-
-    shared = Compute(**run_ranks(bench.time_compute_together, world, base.to_dict(),
-                                 args.compute_reps, timeout_s=300)[0])
-    print(f"the same with all {world} ranks computing at once (no collective): forward "
-          f"{1e3 * shared.forward:.2f} ms, backward {1e3 * shared.backward:.2f} ms, optimizer "
-          f"{1e3 * shared.optimizer:.2f} ms ({shared.total / c.total:.2f}x alone)")
-
-    fits = fit_world(args, world, run_ranks, bench)
-
-    cfgs = [base.replace(strategy=s, name=s).to_dict() for s in STRATEGIES]
-    per_rank = run_ranks(bench.time_strategies, world, cfgs, args.repeats, args.warmup,
-                         timeout_s=600)
-    res = per_rank[0]
-    print("\nms per step (medians). predicted: compute alone + modelled exposed communication;"
-          " shared: the same with\nthe compute measured while every rank computes. not "
-          "blocked: the step's time outside collective waits,\nagainst the compute alone; "
-          "extra: not blocked - compute alone, beside all the step's communication as\n"
-          "modelled (on a CPU the collectives that hide behind compute run on the same "
-          "cores: hidden is not free).")
-    print(f"{'strategy':<10} {'measured':>8} {'predicted':>9} {'ratio':>5} {'shared':>7} "
-          f"{'ratio':>5}   {'exposed: measured':>17} {'modelled':>8}   {'not blocked':>11} "
-          f"{'/ compute':>9}   {'extra':>6} {'all comm':>8}")
-    rows, terms_lines = {}, []
-    for s in res:
-        steps = res[s]
-        measured = statistics.median(e["step_s"] for e in steps)
-        blocked = statistics.median(sum(v["seconds"] for v in e["comm"].values()) for e in steps)
-        booked = median_booked(steps)
-        p = predict(s, world, c, booked, fits)
-        q = predict(s, world, shared, booked, fits)
-        rows[s] = (measured, p, q, blocked)
-        print(f"{s:<10} {1e3 * measured:8.2f} {1e3 * p.total:9.2f} {measured / p.total:5.2f} "
-              f"{1e3 * q.total:7.2f} {measured / q.total:5.2f}   {1e3 * blocked:17.2f} "
-              f"{1e3 * p.exposed:8.2f}   {1e3 * (measured - blocked):11.2f} "
-              f"{(measured - blocked) / p.compute.total:9.2f}   "
-              f"{1e3 * (measured - blocked - p.compute.total):6.2f} {1e3 * p.comm_total:8.2f}")
-        terms_lines.append(f"  {s}: " + (", ".join(f"{k} {1e3 * v:.2f}"
+          f"{1e3 * c.optimizer:.2f} ms (the split of every strategy's compute)")
+    print_fits(got["fits"], got["fit_worst"])
+    print("\nms per step (medians). compute: the strategy's step in one process, collectives "
+          "no-ops; exposed: blocked\nin waits (measured) against the overlap rule's "
+          "(modelled); waits+: blocked - modelled; slower: not blocked\n- compute; backend "
+          "CPU: the process's CPU less the training thread's; cores: N x CPU / cores")
+    print(f"{'strategy':<10} {'measured':>8} {'predicted':>9} {'ratio':>5} {'compute':>7}   "
+          f"{'exposed: meas':>13} {'model':>6}   {'waits+':>6} {'slower':>6} {'backend CPU':>11}"
+          f" {'cores':>6}   why")
+    for row in got["rows"]:
+        p = row["prediction"]
+        print(f"{row['strategy']:<10} {1e3 * row['measured_s']:8.2f} {1e3 * p.total:9.2f} "
+              f"{row['ratio']:5.2f} {1e3 * p.compute.total:7.2f}   "
+              f"{1e3 * row['blocked_s']:13.2f} {1e3 * p.exposed:6.2f}   "
+              f"{1e3 * row['waits_beyond_s']:6.2f} {1e3 * row['compute_slower_s']:6.2f} "
+              f"{1e3 * row['backend_cpu_s']:11.2f} {1e3 * row['cores_bound_s']:6.2f}   "
+              f"{row['why']}")
+    print("modelled exposed communication, its terms (ms):")
+    for row in got["rows"]:
+        p = row["prediction"]
+        print(f"  {row['strategy']}: " + (", ".join(f"{k} {1e3 * v:.2f}"
                                                    for k, v in p.terms.items()) or "none"))
-        lines = [e["timeline"] for e in steps if e.get("timeline") and e["timeline"].get("buckets")]
-        if lines:
-            print(last_bucket_line(lines, blocked, fits, world))
-        pf = [e["prefetch"] for e in steps if e["prefetch"]]
-        if pf:
-            waited = statistics.median(x["blocked_s"] for x in pf)
-            print(f"{'':<10} zero3 compute blocked on parameter all-gathers: "
-                  f"{1e3 * waited:.2f} ms per step, {100 * waited / measured:.1f}% of the step "
-                  f"(target: at most 3%: {'met' if waited <= 0.03 * measured else 'NOT met'}); "
-                  f"{statistics.median(x['prefetched'] for x in pf):.0f} of {pf[0]['gathers']} "
-                  "issued ahead of need")
-            first = statistics.median(x["blocked_unprefetched_s"] for x in pf)
-            late = statistics.median(x["blocked_prefetched_s"] for x in pf)
-            worst = statistics.median(x["blocked_prefetched_max_s"] for x in pf)
-            print(f"{'':<10} of which: gathers issued only when needed (the step's first) "
-                  f"{1e3 * first:.2f} ms; prefetches that arrived late {1e3 * late:.2f} ms, "
-                  f"the longest wait {1e3 * worst:.2f} ms (a prefetch issued a unit ahead is "
-                  "late when gloo's thread waits for one of the cores the ranks compute on)")
-            peer, transfer = peer_wait_split([r["zero3"] for r in per_rank])
-            print(f"{'':<10} the blocked time by when every rank had issued the same gather, "
-                  f"over {len(pf)} steps: before (rank 0 waited for a slower rank to join) "
-                  f"{100 * peer / (peer + transfer):.0f}%, after (the gather itself, on cores "
-                  f"the ranks compute on) {100 * transfer / (peer + transfer):.0f}%")
-    print("modelled exposed communication, its terms (ms):\n" + "\n".join(terms_lines))
-    return rows
+    for row in got["rows"]:
+        extra_lines(row, got["fits"], world)
+    return got
+
+
+def extra_lines(row, fits, world):
+    """ddp's last bucket; zero3's blocked fraction, its causes and who it waited for."""
+    steps, measured = row["steps"], row["measured_s"]
+    lines = [e["timeline"] for e in steps if e.get("timeline") and e["timeline"].get("buckets")]
+    if lines:
+        print(last_bucket_line(lines, row["blocked_s"], fits, world))
+    pf = [e["prefetch"] for e in steps if e["prefetch"]]
+    if not pf:
+        return
+    waited = statistics.median(x["blocked_s"] for x in pf)
+    print(f"{'':<10} zero3 compute blocked on parameter all-gathers: {1e3 * waited:.2f} ms per "
+          f"step, {100 * waited / measured:.1f}% of the step (target: at most 3%: "
+          f"{'met' if waited <= 0.03 * measured else 'NOT met'}); "
+          f"{statistics.median(x['prefetched'] for x in pf):.0f} of {pf[0]['gathers']} issued "
+          "ahead of need")
+    first = statistics.median(x["blocked_unprefetched_s"] for x in pf)
+    late = statistics.median(x["blocked_prefetched_s"] for x in pf)
+    worst = statistics.median(x["blocked_prefetched_max_s"] for x in pf)
+    print(f"{'':<10} of which: gathers issued only when needed (the step's first) "
+          f"{1e3 * first:.2f} ms; prefetches that arrived late {1e3 * late:.2f} ms, the longest "
+          f"wait {1e3 * worst:.2f} ms")
+    peer, transfer = peer_wait_split(row["ranks_steps"])
+    print(f"{'':<10} the blocked time by when every rank had issued the same gather, over "
+          f"{len(pf)} steps: before (rank 0 waited for a slower rank to join) "
+          f"{100 * peer / (peer + transfer):.0f}%, after (the gather itself, on cores the ranks "
+          f"compute on) {100 * transfer / (peer + transfer):.0f}%")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--strategies", nargs="+", default=None,
+                   help="default: allreduce ddp zero1 zero2 zero3 tp pp cp")
     p.add_argument("--steps", type=int, default=12, help="steps per training (default 12)")
     p.add_argument("--warmup", type=int, default=3, help="steps dropped per training")
     p.add_argument("--repeats", type=int, default=2, help="trainings per strategy (default 2)")
@@ -325,19 +225,21 @@ def main(argv=None) -> int:
     p.add_argument("--coll-reps", type=int, default=7, help="timings per collective size")
     p.add_argument("--scale", action="store_true",
                    help="instead: ddp's step over ranks and over width against the prediction")
-    p.add_argument("--scale-worlds", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--scale-worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 384])
     args = p.parse_args(argv)
-    with scratch_runs(__file__, "distlab-step-model-") as bench:
+    with scratch_runs(__file__, "distlab-step-model-"):
         from distlab import RunConfig, run_ranks
 
         print(f"load average {os.getloadavg()[0]:.1f} at the start (the figures want an idle "
               "machine)")
         if args.scale:
-            scaling(args, run_ranks, RunConfig, bench)
+            scaling(args, run_ranks, RunConfig)
             return 0
+        from distlab.studies.step_limit import STRATEGIES
+        args.strategies = tuple(args.strategies or STRATEGIES)
         for world in args.worlds:
-            one_world(args, world, run_ranks, RunConfig, bench)
+            one_world(args, world, RunConfig)
         return 0
 
 

@@ -1,4 +1,4 @@
-"""How far each strategy's step is from what this machine allows (issue 28).
+"""How far each strategy's step is from what this machine allows.
 
     .venv/bin/python benchmarks/step_model.py [--worlds 2 4] [--steps 12] [--repeats 2]
 
@@ -16,7 +16,7 @@ micro-batches) and cp (ring attention):
 Then prints, per strategy, the measured step against the prediction, the exposed
 communication measured (blocked) against modelled, and where the gap goes: waits beyond the
 α-β model, compute slower than alone, and the CPU the backend's threads burned; with the
-verdict against 1.2x (issue 28's target at 2 ranks). zero3 adds the fraction of the step its
+verdict against 1.2x (the bar set here, at 2 ranks). zero3 adds the fraction of the step its
 compute waited on parameter all-gathers (target: at most 3%) and who it waited for; ddp its
 exposed all-reduce time beside its last bucket's.
 

@@ -22,10 +22,11 @@ Three measurements feed it, each of the strategy's own shapes and code:
   duration and an async one's wait), and what its collectives booked.
 
 `measure` does the last two in one launch (a launch costs seconds); `limit_rows` puts it all
-together. With recorded values, a fake process group's receive leaves its buffer as it was
-(uninitialised memory): the child flushes denormals so garbage cannot slow the arithmetic,
-and a pipeline stage's shape header, which a real receive would fill, is given by the
-study (a GPT stage passes (rows, seq_len, n_embd) fp32 on).
+together. On a fake process group a receive leaves its buffer as it was (uninitialised
+memory): the child flushes denormals so garbage cannot slow the arithmetic, and a pipeline
+stage's shape header, which a real receive would fill, is given by the study (a GPT stage
+passes (rows, seq_len, n_embd) fp32 on). The fake group is torch's testing module
+(torch.testing._internal.distributed.fake_pg), not a public API.
 """
 
 from __future__ import annotations

@@ -102,9 +102,8 @@ def scaling(args, run_ranks, RunConfig):
         one = step_limit.one_process_steps(world, {"x": (cfg, (0,))},
                                            cfg.replace(strategy="single", world_size=1),
                                            reps=args.compute_reps)
-        # N ranks on fewer cores time-slice them: compute takes N / cores as long
-        shared = max(1.0, world / (os.cpu_count() or 1))
-        c = Compute.of_step(shared * one["steps"]["x"][0]["step_s"], Compute(**one["plain"]))
+        c = step_limit.rank_compute(strategy, world, one["steps"]["x"][0],
+                                    Compute(**one["plain"]))
         steps = run_ranks(step_limit.train_and_time, world, [cfg.to_dict()], args.repeats,
                           args.warmup, timeout_s=600)[0]["x"]
         measured = statistics.median(e["step_s"] for e in steps)

@@ -266,6 +266,19 @@ def strategy_config(base, strategy: str, world: int, microbatches: int = 4):
     return base.replace(strategy=strategy, name=strategy, world_size=world, **extra)
 
 
+def rank_compute(strategy: str, world: int, one_process: dict, plain):
+    """The Compute a rank of `strategy` should spend, from its one-process step
+    (`one_process_steps`' entry) split as the plain model's timings are."""
+    from distlab.theory.step_time import SHARDED_OPTIMIZER, Compute
+
+    share = 1 / world if strategy in SHARDED_OPTIMIZER else 1.0
+    # the one-process step had cores // N threads to itself; N ranks on fewer cores than N
+    # each get C / N of a core, so their compute takes N / C as long (time slicing)
+    shared = max(1.0, world / (os.cpu_count() or 1))
+    return Compute.of_step(shared * one_process["step_s"], plain, share,
+                           attention=shared * one_process.get("attention_s", 0.0))
+
+
 def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup: int = 3,
                coll_reps: int = 7, compute_reps: int = 7, sizes=SIZES,
                timeout_s: float = 600) -> dict:
@@ -275,7 +288,7 @@ def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup
     model's forward/backward/optimizer at one rank's rows}. Each row also carries its CPU
     seconds, the cores bound and `explain`'s figures."""
     from distlab.caller.launch import run_ranks
-    from distlab.theory.step_time import SHARDED_OPTIMIZER, Compute, predict
+    from distlab.theory.step_time import Compute, predict
 
     if world < 2:
         raise ValueError(f"world={world}: the strategies need at least 2 ranks")
@@ -297,12 +310,7 @@ def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup
         steps = got["steps"][s]
         by_rank = one["steps"][s]
         slowest = max(by_rank.values(), key=lambda v: v["step_s"])  # pp: the bottleneck stage
-        share = 1 / world if s in SHARDED_OPTIMIZER else 1.0
-        # the one-process step had cores // N threads to itself; N ranks on fewer cores than
-        # N each get C / N of a core, so their compute takes N / C as long (time slicing)
-        shared = max(1.0, world / cores)
-        compute = Compute.of_step(shared * slowest["step_s"], plain, share,
-                                  attention=shared * slowest.get("attention_s", 0.0))
+        compute = rank_compute(s, world, slowest, plain)
         rows.append({
             "strategy": s,
             "measured_s": statistics.median(e["step_s"] for e in steps),

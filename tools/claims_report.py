@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -138,7 +139,11 @@ def run_notebook(path: Path, quick: bool, timeout: int | None,
     nb = nbformat.read(path, as_version=4)  # the copy in memory is the only one executed
     with tempfile.TemporaryDirectory(prefix="distlab-claims-") as tmp:
         claims_file = Path(tmp) / "claims.jsonl"
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+        # The kernel talks over Unix sockets in the temporary folder, not TCP ports: a port
+        # jupyter_client found free can be taken by a rank's gloo socket before the kernel
+        # binds it ("Address already in use", seen in CI with two workers running ranks).
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(tmp) / "kernel"))
+        client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
                                 resources={"metadata": {"path": str(path.parent)}})
         error = None
         t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """How far each strategy's step is from what this machine allows.
 
     .venv/bin/python benchmarks/step_model.py [--worlds 2 4] [--steps 12] [--repeats 2]
+    .venv/bin/python benchmarks/step_model.py --scale | --prefetch
 
 For each world size N, distlab.studies.step_limit measures the parts and
 distlab.theory.step_time.predict adds them up, for allreduce, ddp, zero1-3, tp, pp (1F1B, 4
@@ -23,6 +24,9 @@ exposed all-reduce time beside its last bucket's.
 With --scale instead: ddp's step and bytes per rank over ranks (1, 2, 4, 8 at n_embd 128) and
 over width (n_embd 64 to 384 at 2 ranks), each against the prediction and against the serial
 sum (compute + all the communication, nothing hidden), with each curve's worst deviation.
+With --prefetch instead: zero3 at 2 ranks with its parameter all-gathers started 0, 1, 2 and
+5 (all) units ahead of need (RunConfig.fsdp_prefetch), the fraction of the step blocked on
+them against the 3% target, and the gathered parameters' peak each depth costs.
 Runs go to a temporary folder, removed at the end.
 """
 
@@ -139,6 +143,35 @@ def scaling(args, run_ranks, RunConfig):
               f"{100 * worst_serial:.0f}%")
 
 
+def prefetch_sweep(args, run_ranks, RunConfig):
+    """zero3 at 2 ranks with its all-gathers started 0, 1, 2 and all units ahead
+    (RunConfig.fsdp_prefetch): the fraction of the step blocked on them, against the 3% target.
+    If issuing later than the data could arrive were the cause, deeper prefetch would shrink
+    it; the gathered parameters' peak is what each unit more costs."""
+    from distlab.studies import step_limit
+
+    base = RunConfig(strategy="zero3", world_size=2, steps=args.steps, timeout_s=300)
+    depths = args.prefetch_depths
+    cfgs = [base.replace(fsdp_prefetch=d, name=f"prefetch {d}") for d in depths]
+    print(f"\n== zero3, 2 ranks, GPT {base.n_layer} layers n_embd {base.n_embd}: blocked on "
+          f"parameter all-gathers by prefetch depth ({args.repeats} trainings each, order "
+          "alternating; medians over steps)")
+    steps = run_ranks(step_limit.train_and_time, 2, [c.to_dict() for c in cfgs], args.repeats,
+                      args.warmup, timeout_s=900)[0]
+    for d, cfg in zip(depths, cfgs):
+        got = steps[cfg.name]
+        step = statistics.median(e["step_s"] for e in got)
+        blocked = statistics.median(e["prefetch"]["blocked_s"] for e in got)
+        shares = [e["prefetch"]["blocked_s"] / e["step_s"] for e in got]
+        peak = max(e["gathered_peak_bytes"] for e in got)
+        q1, _, q3 = statistics.quantiles(shares, n=4)
+        print(f"  prefetch {d}: step {1e3 * step:6.2f} ms, blocked {1e3 * blocked:5.2f} ms = "
+              f"{100 * blocked / step:4.1f}% of the step (steps' quartiles {100 * q1:.1f}-"
+              f"{100 * q3:.1f}%; target 3%: {'met' if blocked <= 0.03 * step else 'NOT met'}); "
+              f"{statistics.median(e['prefetch']['prefetched'] for e in got):.0f} of "
+              f"{got[0]['prefetch']['gathers']} issued ahead; gathered peak {peak:,} B")
+
+
 def _model(cfg):
     from distlab.rank.build import build_model
     return build_model(cfg)
@@ -226,6 +259,9 @@ def main(argv=None) -> int:
                    help="instead: ddp's step over ranks and over width against the prediction")
     p.add_argument("--scale-worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 384])
+    p.add_argument("--prefetch", action="store_true",
+                   help="instead: zero3's blocked fraction by prefetch depth, at 2 ranks")
+    p.add_argument("--prefetch-depths", type=int, nargs="+", default=[0, 1, 2, 5])
     args = p.parse_args(argv)
     with scratch_runs(__file__, "distlab-step-model-"):
         from distlab import RunConfig, run_ranks
@@ -234,6 +270,9 @@ def main(argv=None) -> int:
               "machine)")
         if args.scale:
             scaling(args, run_ranks, RunConfig)
+            return 0
+        if args.prefetch:
+            prefetch_sweep(args, run_ranks, RunConfig)
             return 0
         from distlab.studies.step_limit import STRATEGIES
         args.strategies = tuple(args.strategies or STRATEGIES)

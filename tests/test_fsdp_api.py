@@ -195,6 +195,23 @@ def gather_bytes(precision, rank, world):
     return comm.take_step_stats()[0]["all_gather"]["bytes_sent"]
 
 
+PREFETCH = (0, 1, 2, 3)  # units gathered ahead of need (the blocks model has 3 units)
+
+
+def prefetch_depth(depth, rank, world):
+    """"blocks" trained with fully_shard(prefetch=depth), AdamW: its state, how many of its
+    unit all-gathers were issued before the unit was needed, and the peak bytes of gathered
+    parameters against one block's."""
+    cls, kw = OPTIMIZERS["adamw"]
+    model = fully_shard(make("blocks"), units=(Block,), prefetch=depth)
+    state = train("blocks", model, ZeroOptimizer(model.parameters(), cls, **kw), rank, world)
+    fsdp = model._distlab_fsdp
+    ahead = [g for g in fsdp.gathers if g["unit"].startswith("blocks")]
+    return {"state": state, "gathers": len(ahead),
+            "prefetched": sum(g["prefetched"] for g in ahead), "peak": fsdp.peak["params"], "block": max(u.nbytes for c in fsdp.chain for u in c),
+            "root": sum(u.nbytes for u in fsdp.root)}
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -236,6 +253,7 @@ def guard_rails(rank, world):
     out["units overlap"] = _error(lambda: fully_shard(make("blocks"),
                                                       units=["blocks", "blocks.0"]))
     out["no such unit"] = _error(lambda: fully_shard(make("blocks"), units=["block.0"]))
+    out["negative prefetch"] = _error(lambda: fully_shard(make("blocks"), prefetch=-1))
     lin = fully_shard(nn.Linear(6, 3))
     out["group splits a unit"] = _error(lambda: ZeroOptimizer(
         [{"params": [lin.weight]}, {"params": [lin.bias], "lr": 0.2}], torch.optim.SGD, lr=0.1))
@@ -264,6 +282,8 @@ def two_ranks(rank, world, device, log):
         for name in ("blocks", "tied", "root params"):
             out[name, precision] = ours(name, "default", "adamw", precision, rank, world)
             out[name, precision, "torch"] = torchs(name, "adamw", precision, rank, world, mesh)
+    for depth in PREFETCH:
+        out["prefetch", depth] = prefetch_depth(depth, rank, world)
     for name, units in CASES:
         out["grad pieces", name, units] = grad_pieces(name, units, rank, world)
     for precision in (None, "bf16, reduce fp32"):
@@ -349,6 +369,26 @@ def test_bf16_gathers_move_half_the_bytes(launched):
         assert fp32 > 0 and bf16 * 2 == fp32
 
 
+def test_prefetch_depth_changes_when_gathers_start_not_the_result(launched):
+    # prefetch=d starts the all-gathers of the d units after the running one: with 3 blocks,
+    # d=0 gathers each block when needed (none of its gathers issued ahead: the block waits
+    # for every one), d >= 1 all but forward's first block (5 of each step's 6); and each
+    # unit more keeps one more block gathered, so the forward's peak grows to the root and
+    # min(d + 1, 3) blocks. The arithmetic is the same: bit-identical to prefetch=1.
+    for res in launched:
+        ref = res["blocks", "by type", "adamw"]
+        runs = {d: res["prefetch", d] for d in PREFETCH}
+        for d, run in runs.items():
+            assert all(torch.equal(t, ref[k]) for k, t in run["state"].items()), d
+            assert run["gathers"] == 6 * STEPS
+            assert run["prefetched"] == (0 if d == 0 else 5 * STEPS), d
+            blocks_live = (run["peak"] - run["root"]) / run["block"]
+            print(f"prefetch={d}: {run['prefetched']} of {run['gathers']} block gathers issued "
+                  f"ahead, gathered peak {run['peak']} B (root + {blocks_live:.1f} blocks)")
+            assert run["peak"] >= run["root"] + min(d + 1, 3) * run["block"], d
+        assert runs[0]["peak"] < runs[1]["peak"] < runs[2]["peak"] == runs[3]["peak"]
+
+
 @pytest.mark.parametrize("name,units", CASES)
 def test_gradient_pieces_concatenate_to_one_process_gradient(launched, name, units):
     model = make(name)
@@ -392,6 +432,7 @@ def test_guard_rails_say_what_to_do(launched):
                               "put the modules sharing it in one unit"),
         "units overlap": ("ValueError", "choose units that do not contain each other"),
         "no such unit": ("ValueError: units:", "qualified names"),
+        "negative prefetch": ("ValueError: prefetch=-1", "0: none"),
         "group splits a unit": ("ValueError", "a group holds whole units"),
         "grad_shard of a plain parameter": ("ValueError", "its gradient is .grad"),
         "grad set by hand after the reduce": ("RuntimeError: unit", "a second time"),

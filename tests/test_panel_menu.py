@@ -142,7 +142,8 @@ def test_the_knobs_shown_are_the_ones_the_registry_says_each_strategy_reads():
                                                 "virtual_stages", "pp_op_delay_s"},
                      "3d": {"tp", "pp", "schedule", "microbatches", "virtual_stages",
                             "pp_op_delay_s", "mesh_order"},
-                     "zero3": {"offload", "param_dtype", "reduce_dtype", "fsdp_units"},
+                     "zero3": {"offload", "param_dtype", "reduce_dtype", "fsdp_units",
+                               "fsdp_prefetch"},
                      "ps-async": set()}.items():
         panel.knobs["strategy"].value = s
         assert set(panel.shown()) - set(GENERAL) == knobs, s

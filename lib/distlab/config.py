@@ -82,6 +82,9 @@ class RunConfig:
     # zero3's units, comma-separated module names (a ModuleList's name: each of its items);
     # "": the model's own `fsdp_units` attribute if it has one, else the repeated blocks
     fsdp_units: str = ""
+    # zero3: how many units ahead of the running one have their all-gather started (FSDP2
+    # prefetches 1; 0: each unit is gathered only when its forward or backward needs it)
+    fsdp_prefetch: int = 1
     # fsdp-torch: ranks each shard group spans (0: all of them, FSDP; fewer: HSDP, shard inside
     # groups of that many consecutive ranks, a node's, and replicate across the groups)
     shard_ranks: int = 0
@@ -226,6 +229,9 @@ class RunConfig:
                              f"its NaN; set fault='nan' (got fault={self.fault!r})")
         for name in ("tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
+        if not (isinstance(self.fsdp_prefetch, int) and self.fsdp_prefetch >= 0):
+            raise ValueError(f"fsdp_prefetch={self.fsdp_prefetch!r} must be an integer >= 0 "
+                             "(units gathered ahead of need; 0: none)")
         self._check_model_parallel()
         self._check_finetuning()
         self._check_checkpoints()

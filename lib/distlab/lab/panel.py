@@ -1119,6 +1119,8 @@ def _make_knobs(cfg: RunConfig) -> dict:
                                    style=style),
         "fsdp_units": W.Text(value=cfg.fsdp_units, description="units",
                              placeholder="module names; empty: the blocks", style=style),
+        "fsdp_prefetch": num(W.BoundedIntText, "fsdp_prefetch", "units prefetched", min=0,
+                             max=64),
         "dp_threads": W.Checkbox(value=cfg.dp_threads, description="replicas in threads",
                                  indent=False),
         "dp_gather": choice("dp_gather", DP_GATHERS, "replicas return"),

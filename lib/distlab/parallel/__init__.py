@@ -64,6 +64,7 @@ KNOBS = {
     "mesh_order": ("3d",),
     "cp_ranks": ("cp",), "cp_layout": ("cp",), "cp_attention": ("cp",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
+    "fsdp_prefetch": ("zero3",),
     "shard_ranks": ("fsdp-torch",),
 }
 

@@ -211,6 +211,8 @@ def train_and_time(rank, world, device, log, cfg_dicts: list, repeats: int, warm
             out[d["name"]] += [{"step_s": e["step_s"], "comm": e["comm"],
                                 "blocked_s": blocked_seconds(e), "cpu": e["cpu"],
                                 "prefetch": e.get("zero", {}).get("prefetch"),
+                                "gathered_peak_bytes": e.get("zero", {}).get(
+                                    "gathered_peak_bytes"),
                                 "timeline": e.get("ddp")}
                                for e in rec.steps[warmup:]]
     return out

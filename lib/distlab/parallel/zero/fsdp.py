@@ -18,7 +18,7 @@ grouped between them): the zero3 strategy's cut. A unit is flattened into one pa
 per dtype (distlab.parallel.zero.optimizer's Unit: fp64 next to fp32 makes two).
 
 **Forward and backward.** A unit's forward pre-hook waits for its all-gather and starts the
-next unit's (prefetch); the next unit's start frees it (reshard_after_forward; False keeps it
+next unit's (prefetch; `prefetch` units ahead, 1 as FSDP2); the next unit's start frees it (reshard_after_forward; False keeps it
 until its gradients are in). Hooks on its outputs' gradients gather it again for backward and
 prefetch the unit before it; when its last gradient arrives its parameters are freed and its
 reduce-scatter starts (the gradient path is distlab.parallel.zero.optimizer's
@@ -80,7 +80,7 @@ class MixedPrecisionPolicy:
 
 def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolicy | None = None,
                 group=None, reshard_after_forward: bool = True, offload: bool = False,
-                comm: Comm | None = None) -> nn.Module:
+                prefetch: int = 1, comm: Comm | None = None) -> nn.Module:
     """Shard `module`'s trainable parameters over the ranks of `group` (ZeRO-3), in place;
     returns `module`. Then build distlab.ZeroOptimizer(module.parameters(), ...).
 
@@ -94,19 +94,26 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
                            backward); False keeps it gathered until its gradients are in
     offload                the master shards and their optimizer state on the CPU (on a CPU
                            run, nothing moves)
+    prefetch               units ahead of the running one whose all-gather is started (1, as
+                           FSDP2; 0: each unit gathered when needed). Each one more keeps one
+                           more unit's full parameters alive
     comm                   a distlab.comm.Comm to communicate (and book bytes) through
 
     Call it after moving the module to its device and dtype, and change no parameter after it:
     every rank starts from rank 0's values (parameters, frozen ones and buffers broadcast).
     """
     _refuse_sharded(module)
+    if not (isinstance(prefetch, int) and prefetch >= 0):
+        raise ValueError(f"prefetch={prefetch!r} must be an integer >= 0 (units gathered ahead "
+                         "of need; 0: none)")
     comm = comm if comm is not None else Comm(group)
     specs, policy = unit_specs(module, units), mp_policy or MixedPrecisionPolicy()
     agree(comm, "distlab.fully_shard",  # before the first broadcast
           {"parameters": parameter_layout(module), "buffers": buffer_layout(module),
            "units": [name for name, _ in specs], "mp_policy": repr(policy),
-           "reshard_after_forward": reshard_after_forward, "offload": offload})
-    FullyShard(module, specs, policy, comm, reshard_after_forward, offload)
+           "reshard_after_forward": reshard_after_forward, "offload": offload,
+           "prefetch": prefetch})
+    FullyShard(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
     return module
 
 
@@ -342,9 +349,10 @@ class FullyShard(ShardedGradients):
     forward and backward, and ShardedGradients' gradient path. module._distlab_fsdp."""
 
     def __init__(self, module: nn.Module, specs: list, policy: MixedPrecisionPolicy,
-                 comm: Comm, reshard_after_forward: bool, offload: bool):
+                 comm: Comm, reshard_after_forward: bool, offload: bool, prefetch: int = 1):
         super().__init__(3, comm)
         self.module, self.policy, self.reshard = module, policy, reshard_after_forward
+        self.prefetch = prefetch  # units ahead whose all-gather starts before they run
         self.optimizer = None  # the ZeroOptimizer stepping the shards, once built
         self._steps = StepCounter("fully_shard")  # training forwards; a failing collective says
         self.chain: list[list[Unit]] = []  # each spec's units (one per dtype), in spec order
@@ -528,6 +536,15 @@ class FullyShard(ShardedGradients):
         i = order.index(k) + step
         return order[i] if 0 <= i < len(order) else None
 
+    def _prefetch_ahead(self, k: int, step: int, phase: str, count: int | None = None):
+        """Start the gathers of the `count` (default self.prefetch) chain entries that run
+        after k."""
+        for _ in range(self.prefetch if count is None else count):
+            k = self._next(k, step)
+            if k is None:
+                return
+            self._each(k, self._prefetch, phase)
+
     # -- forward and backward hooks ---------------------------------------------------------
     def _cast_inputs(self, args, kwargs):
         dtype = self.policy.param_dtype
@@ -557,7 +574,7 @@ class FullyShard(ShardedGradients):
             if not self._order_done and k not in self._order:
                 self._order.append(k)
             self._each(k, self._gather, "forward")
-            self._each(self._next(k, +1), self._prefetch, "forward")
+            self._prefetch_ahead(k, +1, "forward")
         return self._cast_inputs(args, kwargs)
 
     def _post_forward(self, k: int, module, args, output):
@@ -578,12 +595,15 @@ class FullyShard(ShardedGradients):
             for u in self.units:
                 self._free(u)
         elif self._order:
-            self._each(self._order[-1], self._prefetch, "backward")  # backward starts there
+            last = self._order[-1]  # backward starts there
+            if self.prefetch:
+                self._each(last, self._prefetch, "backward")
+                self._prefetch_ahead(last, -1, "backward", self.prefetch - 1)
 
     def _pre_backward(self, k: int, grad):
         self._open_backward()
         self._each(k, self._gather, "backward")
-        self._each(self._next(k, -1), self._prefetch, "backward")
+        self._prefetch_ahead(k, -1, "backward")
 
     # -- ShardedGradients' gradient path, freeing as it goes ---------------------------------
     def _open_backward(self):

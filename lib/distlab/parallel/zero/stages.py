@@ -167,7 +167,8 @@ class ZeRO(Strategy):
         self.model = model
         if self.stage == 3:
             fully_shard(model, units=units_of(self.cfg, model), offload=self.offload_to_cpu,
-                        comm=self.comm, mp_policy=mixed_precision_policy(self.cfg))
+                        comm=self.comm, mp_policy=mixed_precision_policy(self.cfg),
+                        prefetch=self.cfg.fsdp_prefetch)
             self.fsdp = model._distlab_fsdp
             self._groups = [({"params": u.params, "name": u.name}, u.modules)
                             for u in self.fsdp.units]

@@ -170,6 +170,11 @@ def prefetch_sweep(args, run_ranks, RunConfig):
               f"{100 * q3:.1f}%; target 3%: {'met' if blocked <= 0.03 * step else 'NOT met'}); "
               f"{statistics.median(e['prefetch']['prefetched'] for e in got):.0f} of "
               f"{got[0]['prefetch']['gathers']} issued ahead; gathered peak {peak:,} B")
+        phases = {ph: statistics.median(e["prefetch"]["blocked_by_phase_s"].get(ph, 0.0)
+                                        for e in got)
+                  for ph in got[0]["prefetch"]["blocked_by_phase_s"]}
+        print(f"{'':<14}blocked by phase (medians): " + ", ".join(
+            f"{ph} {1e3 * v:.2f} ms" for ph, v in phases.items()))
 
 
 def _model(cfg):

@@ -315,6 +315,10 @@ def test_zero3_prefetches_and_frees(runs):
             assert p["blocked_unprefetched_s"] + p["blocked_prefetched_s"] == pytest.approx(
                 p["blocked_s"], abs=1e-9)
             assert 0 <= p["blocked_prefetched_max_s"] <= p["blocked_prefetched_s"] + 1e-12
+            # and into forward's and backward's
+            assert set(p["blocked_by_phase_s"]) == {"forward", "backward"}
+            assert sum(p["blocked_by_phase_s"].values()) == pytest.approx(p["blocked_s"],
+                                                                          abs=1e-9)
             # each gather's moments (benchmarks/step_model.py sets ranks' side by side):
             # issued and needed before it was had, and blocked = had - needed
             assert len(p["timed"]) == p["gathers"]

@@ -278,6 +278,10 @@ class ZeRO(Strategy):
                                                               if not g["prefetched"]),
                                 "blocked_prefetched_s": sum(late),
                                 "blocked_prefetched_max_s": max(late, default=0.0),
+                                # forward's, backward's (and recomputes') blocked time
+                                "blocked_by_phase_s": {
+                                    ph: sum(g["blocked_s"] for g in done if g["phase"] == ph)
+                                    for ph in sorted({g["phase"] for g in done})},
                                 # per gather, in issue order: when this rank issued it, needed
                                 # it and had it (perf_counter, one clock for every process on
                                 # this machine: ranks' records can be set side by side)

@@ -78,67 +78,37 @@ def last_bucket_line(timelines: list, blocked: float, fits: dict, world: int) ->
             "backward ended")
 
 
-def fit_world(args, world, run_ranks) -> dict:
-    """α and β per collective kind on `world` ranks, printed with the fit's worst point."""
-    from distlab.studies import step_limit
-
-    timed = run_ranks(step_limit.collectives_rank, world, list(step_limit.SIZES),
-                      args.coll_reps, timeout_s=120)[0]
-    fits, worst = step_limit.fit(timed)
-    print_fits(fits, worst)
-    return fits
-
-
 def print_fits(fits, worst):
     for kind, f in fits.items():
         print(f"  {kind:<15} α {1e6 * f.alpha:7.1f} µs  β {f.beta / 1e9:6.3f} GB/s  "
               f"(worst point off the fit by {100 * worst[kind]:.0f}%)")
-def scaling(args, run_ranks, RunConfig):
-    """Issue 28 item 3: ddp's step and bytes per rank over ranks (at the default width) and
-    over width (at 2 ranks), each against the prediction; the worst deviation of each curve."""
+def scaling(args, RunConfig):
+    """ddp's step and bytes per rank over ranks (at n_embd 128) and over width (at 2 ranks),
+    each against the prediction and the serial sum; each curve's worst deviation."""
     from distlab.studies import step_limit
-    from distlab.theory.step_time import Compute, predict
 
-    def point(world, n_embd):
-        strategy = "single" if world == 1 else "ddp"
-        cfg = RunConfig(strategy=strategy, world_size=world, steps=args.steps, n_embd=n_embd,
-                        timeout_s=300, name="x")
-        one = step_limit.one_process_steps(world, {"x": (cfg, (0,))},
-                                           cfg.replace(strategy="single", world_size=1),
-                                           reps=args.compute_reps)
-        c = step_limit.rank_compute(strategy, world, one["steps"]["x"][0],
-                                    Compute(**one["plain"]))
-        steps = run_ranks(step_limit.train_and_time, world, [cfg.to_dict()], args.repeats,
-                          args.warmup, timeout_s=600)[0]["x"]
-        measured = statistics.median(e["step_s"] for e in steps)
-        booked = step_limit.median_booked(steps)
-        p = predict(strategy, world, c, booked, fits.get(world, {}))
-        sent = sum(v["bytes_sent"] for v in booked.values())
-        n_params = sum(v.numel() for v in _model(cfg).parameters())
-        formula = 2 * (world - 1) / world * 4 * n_params
-        return measured, p, sent, formula
-
-    fits = {}
     curves = {"ranks (n_embd 128)": [(w, 128) for w in args.scale_worlds],
               "width (2 ranks)": [(2, e) for e in args.widths]}
+    base = RunConfig(steps=args.steps, timeout_s=300)
+    every = sorted({pt for pts in curves.values() for pt in pts})
+    got = step_limit.scaling_points(base, every, repeats=args.repeats, warmup=args.warmup,
+                                    coll_reps=args.coll_reps, compute_reps=args.compute_reps)
+    at = {(g["world"], g["n_embd"]): g for g in got}
     for name, points in curves.items():
         print(f"\n== scaling over {name}: ddp (single at 1 rank). predicted: compute + the "
               "exposed communication; serial: compute + all of it (nothing hidden)")
         worst, worst_serial = 0.0, 0.0
         for world, width in points:
-            if world > 1 and world not in fits:
-                print(f"  α-β on {world} ranks:")
-                fits[world] = fit_world(args, world, run_ranks)
-            measured, p, sent, formula = point(world, width)
-            serial = p.compute.total + p.comm_total
+            g = at[world, width]
+            p, measured, serial = g["prediction"], g["measured_s"], g["serial_s"]
             worst = max(worst, abs(measured / p.total - 1))
             worst_serial = max(worst_serial, abs(measured / serial - 1))
             print(f"  {world} rank(s), n_embd {width:4d}: measured {1e3 * measured:8.2f} ms, "
                   f"predicted {1e3 * p.total:8.2f} ({measured / p.total:.2f}x), serial "
                   f"{1e3 * serial:8.2f} ({measured / serial:.2f}x); compute "
                   f"{1e3 * p.compute.total:.2f}, comm {1e3 * p.comm_total:.2f} of which exposed "
-                  f"{1e3 * p.exposed:.2f}; bytes sent per rank per step {sent:,.0f} "
-                  f"(2(N-1)/N x 4 x params: {formula:,.0f})")
+                  f"{1e3 * p.exposed:.2f}; bytes sent per rank per step {g['sent_bytes']:,.0f} "
+                  f"(2(N-1)/N x 4 x params: {g['ring_bytes']:,.0f})")
         print(f"  worst deviation over {name}: predicted {100 * worst:.0f}%, serial "
               f"{100 * worst_serial:.0f}%")
 
@@ -274,7 +244,7 @@ def main(argv=None) -> int:
         print(f"load average {os.getloadavg()[0]:.1f} at the start (the figures want an idle "
               "machine)")
         if args.scale:
-            scaling(args, run_ranks, RunConfig)
+            scaling(args, RunConfig)
             return 0
         if args.prefetch:
             prefetch_sweep(args, run_ranks, RunConfig)

@@ -119,25 +119,30 @@ def _child(job_path: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.set_flush_denormal(True)
     plain = time_plain_compute(RunConfig.from_dict(job["plain"]), world, job["reps"])
+    plains = {name: time_plain_compute(RunConfig.from_dict(d), world, job["reps"])
+              for name, d in job.get("plains", [])}
     steps = {}
     for name, d, ranks in job["configs"]:
         cfg = RunConfig.from_dict(d)
         steps[name] = {r: _fake_step(cfg, r, job["warmup"]) for r in ranks}
     with open(job_path + ".out", "w") as f:
-        json.dump({"plain": plain, "steps": steps}, f)
+        json.dump({"plain": plain, "plains": plains, "steps": steps}, f)
 
 
 def one_process_steps(world: int, cfgs: dict, plain_cfg, reps: int = 7, warmup: int = 2,
-                      timeout_s: float = 300) -> dict:
+                      timeout_s: float = 300, plains: dict | None = None) -> dict:
     """In a child Python (its own threads and process group; nothing leaks into the caller):
     the plain model's forward/backward/optimizer at one rank's rows, and each config's step
     as the ranks the prediction needs (cfgs: name -> (RunConfig, ranks)). Returns {"plain":
-    {forward, backward, optimizer}, "steps": {name: {rank: {"step_s", ...}}}}."""
+    {forward, backward, optimizer}, "plains": {name: the same} for `plains` (name ->
+    RunConfig: more plain models, timed in the same child), "steps": {name: {rank: {"step_s",
+    ...}}}}."""
     with tempfile.TemporaryDirectory(prefix="distlab-compute-") as d:
         path = os.path.join(d, "job.json")
         with open(path, "w") as f:
             json.dump({"world": world, "reps": reps, "warmup": warmup,
                        "plain": plain_cfg.to_dict(),
+                       "plains": [[n, c.to_dict()] for n, c in (plains or {}).items()],
                        "configs": [[n, c.to_dict(), list(r)] for n, (c, r) in cfgs.items()]}, f)
         try:
             p = subprocess.run([sys.executable, "-m", "distlab.studies.step_limit", path],
@@ -332,6 +337,54 @@ def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup
         row.update(explain(row))
     return {"rows": rows, "fits": fits, "fit_worst": worst, "plain": plain, "cores": cores,
             "world": world}
+
+
+# -- how cost grows with the work --------------------------------------------------------------
+def scaling_points(base, points, repeats: int = 2, warmup: int = 3, coll_reps: int = 7,
+                   compute_reps: int = 7, sizes=SIZES, fits: dict | None = None,
+                   timeout_s: float = 600) -> list[dict]:
+    """ddp's step (single at 1 rank) at each (world, n_embd) of `points`, measured on the ranks
+    beside its prediction (compute + exposed communication) and the serial sum (compute + all
+    of it, nothing hidden), with the bytes each rank sent against the ring's 2(N-1)/N x 4 x
+    parameters. One child and one launch per world size; `fits`: world -> {kind: AlphaBeta}
+    already measured (else timed in that world's launch). Each point: {world, n_embd,
+    measured_s, prediction, serial_s, sent_bytes, ring_bytes, params}."""
+    from distlab.caller.launch import run_ranks
+    from distlab.rank.build import build_model
+    from distlab.theory.step_time import Compute, predict
+
+    fits = dict(fits or {})
+    out = []
+    for world in sorted({w for w, _ in points}):
+        strategy = "single" if world == 1 else "ddp"
+        cfgs = {f"n_embd {e}": base.replace(strategy=strategy, world_size=world, n_embd=e,
+                                            name=f"n_embd {e}")
+                for w, e in points if w == world}
+        plains = {n: c.replace(strategy="single", world_size=1) for n, c in cfgs.items()}
+        first = next(iter(plains.values()))
+        one = one_process_steps(world, {n: (c, (0,)) for n, c in cfgs.items()}, first,
+                                reps=compute_reps, warmup=min(warmup, base.steps - 1),
+                                timeout_s=timeout_s, plains=plains)
+        dicts = [c.to_dict() for c in cfgs.values()]
+        if world == 1 or world in fits:
+            steps = run_ranks(train_and_time, world, dicts, repeats, warmup,
+                              timeout_s=timeout_s)[0]
+        else:
+            got = run_ranks(measure, world, list(sizes), coll_reps, dicts, repeats, warmup,
+                            timeout_s=timeout_s)[0]
+            fits[world], steps = fit(got["collectives"])[0], got["steps"]
+        for name, cfg in cfgs.items():
+            compute = rank_compute(strategy, world, one["steps"][name][0],
+                                   Compute(**one["plains"][name]))
+            booked = median_booked(steps[name])
+            p = predict(strategy, world, compute, booked, fits.get(world, {}))
+            params = sum(v.numel() for v in build_model(cfg).parameters())
+            out.append({"world": world, "n_embd": cfg.n_embd, "prediction": p,
+                        "measured_s": statistics.median(e["step_s"] for e in steps[name]),
+                        "serial_s": p.compute.total + p.comm_total,
+                        "sent_bytes": sum(v["bytes_sent"] for v in booked.values()),
+                        "ring_bytes": 2 * (world - 1) / world * 4 * params, "params": params})
+    return out
 
 
 TARGET = 1.2  # the bar set here: a written-here strategy within 1.2x of its prediction

@@ -91,7 +91,7 @@ def scaling(args, RunConfig):
               "width (2 ranks)": [(2, e) for e in args.widths]}
     base = RunConfig(steps=args.steps, timeout_s=300)
     every = sorted({pt for pts in curves.values() for pt in pts})
-    got = step_limit.scaling_points(base, every, repeats=args.repeats, warmup=args.warmup,
+    got = step_limit.growth_points(base, every, repeats=args.repeats, warmup=args.warmup,
                                     coll_reps=args.coll_reps, compute_reps=args.compute_reps)
     at = {(g["world"], g["n_embd"]): g for g in got}
     for name, points in curves.items():

@@ -439,6 +439,50 @@ display(Markdown(
     f"{sorted(zero3_gathers)[len(zero3_gathers) // 2]:.1%} of its step (median)."))
 
 # %% [markdown]
+# ### How cost grows with the work
+#
+# The same model, priced and measured as the work grows: ddp over more ranks at one width,
+# and over a wider model at 2 ranks (`distlab.studies.step_limit.growth_points`; 1 rank is
+# the plain single process). Each rank's compute comes from its one-process step, the
+# communication from the α-β fits above (and fitted again on the larger worlds), so the
+# dashed line is predicted before the solid one is measured. The two coloured lines are the
+# model's parts: compute, and all the communication a step sends (hidden or not). Where the
+# red line crosses the blue one, communication costs more than compute, and adding ranks
+# buys less than it costs: the ring's bytes per rank, 2(N−1)/N of the gradients, barely grow
+# with N, but on shared cores each collective's α does. Over width the other way: compute
+# grows with n_embd² per token, the bytes with the parameters, and the overlap rule hides
+# more. The dotted line is the serial sum (nothing hidden); hover for bytes per rank.
+
+# %%
+from distlab.lab.how_far import growth_figure, growth_summary
+from distlab.studies.step_limit import growth_points
+
+width = TT.n_embd
+growth = growth_points(
+    TT, [(w, width) for w in ((1, 2, 4) if QUICK else (1, 2, 4, 8))]
+    + [(2, e) for e in ((32, 128) if QUICK else (64, 256, 384))],
+    repeats=1 if QUICK else 2, warmup=2 if QUICK else 3, coll_reps=3 if QUICK else 7,
+    compute_reps=3 if QUICK else 7, fits={2: limit["fits"]},
+    sizes=(64 << 10, 1 << 20) if QUICK else (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20))
+growth_figure(growth).show()
+summary = growth_summary(growth)
+
+
+def crossover(curve):
+    c = summary[curve]["crossover"]
+    return ("modelled communication never exceeds compute on this curve" if c is None else
+            f"modelled communication first exceeds compute at {c['world']} ranks, n_embd "
+            f"{c['n_embd']} ({c['prediction'].comm_total * 1e3:.1f} ms against "
+            f"{c['prediction'].compute.total * 1e3:.1f} ms)")
+
+
+display(Markdown(
+    f"Over ranks: measured within **{summary['ranks']['worst']:.0%}** of the prediction at "
+    f"worst ({summary['ranks']['worst_serial']:.0%} of the serial sum); "
+    f"{crossover('ranks')}. Over width: within **{summary['width']['worst']:.0%}** "
+    f"({summary['width']['worst_serial']:.0%} of the serial sum); {crossover('width')}."))
+
+# %% [markdown]
 # ### Does time per step × steps predict a run?
 #
 # From the 2-rank run's median step, predict a run three times as long, then run it and
@@ -505,6 +549,9 @@ time_claims = [
           "step", "FSDP's prefetch (Zhao et al. 2023); the bar: 3%",
           f"median {sorted(zero3_gathers)[len(zero3_gathers) // 2]:.1%} of the step",
           sorted(zero3_gathers)[len(zero3_gathers) // 2] <= 0.03),
+    claim("with the model and global batch fixed, more ranks make communication cost more "
+          "than compute", "the α-β model (Hockney 1994), priced with this machine's fits",
+          crossover("ranks"), summary["ranks"]["crossover"] is not None, basis="modelled"),
 ]
 claims_table(time_claims)
 assert time_claims[0]["holds"], time_claims[0]

@@ -7,11 +7,17 @@ distlab.theory.step_time adds them up).
                              cores bound as a tick
     limit_rows(result)       the table under it: ratio, the gap's two measured parts, the why
     term_rows(result)        the model's exposed terms by name, per strategy
+    growth_figure(points)    ddp's step over ranks and over width (step_limit.growth_points):
+                             measured, predicted and serial, with the modelled compute and
+                             communication whose crossing is where communication dominates
+    growth_summary(points)   per curve: the worst deviation from the prediction, and the first
+                             point where the modelled communication exceeds compute
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from distlab.lab.common import RUN_COLORS
 
@@ -92,3 +98,60 @@ def term_rows(result: dict) -> list[list]:
 
 
 TERM_HEADER = ["strategy", "exposed terms (ms)", "all its communication by kind, α-β (ms)"]
+
+
+# -- how cost grows with the work ---------------------------------------------------------------
+def growth_curves(points: list) -> dict:
+    """The points split into the two curves: over ranks (at the most common width) and over
+    width (at 2 ranks), each sorted along its axis."""
+    widths = [p["n_embd"] for p in points]
+    width = max(set(widths), key=widths.count)
+    return {"ranks": sorted((p for p in points if p["n_embd"] == width),
+                            key=lambda p: p["world"]),
+            "width": sorted((p for p in points if p["world"] == 2), key=lambda p: p["n_embd"])}
+
+
+def growth_summary(points: list) -> dict:
+    """Per curve: the worst |measured / predicted - 1| and |measured / serial - 1|, and the
+    first point whose modelled communication exceeds its compute (None: none does)."""
+    out = {}
+    for name, curve in growth_curves(points).items():
+        cross = next((p for p in curve
+                      if p["prediction"].comm_total > p["prediction"].compute.total), None)
+        out[name] = {
+            "worst": max(abs(p["measured_s"] / p["prediction"].total - 1) for p in curve),
+            "worst_serial": max(abs(p["measured_s"] / p["serial_s"] - 1) for p in curve),
+            "crossover": cross}
+    return out
+
+
+def growth_figure(points: list) -> go.Figure:
+    curves = growth_curves(points)
+    width = curves["ranks"][0]["n_embd"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        f"over ranks (n_embd {width})", "over width (2 ranks)"))
+    lines = {"measured": (lambda p: p["measured_s"], "solid", "black"),
+             "predicted: compute + exposed": (lambda p: p["prediction"].total, "dash", "black"),
+             "serial: compute + all communication": (lambda p: p["serial_s"], "dot", "gray"),
+             "modelled compute": (lambda p: p["prediction"].compute.total, "solid",
+                                  RUN_COLORS[0]),
+             "modelled communication (all)": (lambda p: p["prediction"].comm_total, "solid",
+                                              RUN_COLORS[1])}
+    for col, (name, curve) in enumerate(curves.items(), start=1):
+        x = [p["world"] if name == "ranks" else p["n_embd"] for p in curve]
+        hover = [f"{p['world']} rank(s), n_embd {p['n_embd']}<br>bytes sent per rank per "
+                 f"step {p['sent_bytes']:,.0f} (ring 2(N-1)/N·4·params: "
+                 f"{p['ring_bytes']:,.0f})" for p in curve]
+        for label, (value, dash, color) in lines.items():
+            fig.add_scatter(x=x, y=[_ms(value(p)) for p in curve], name=label,
+                            legendgroup=label, showlegend=col == 1, mode="lines+markers",
+                            line=dict(dash=dash, color=color), customdata=hover,
+                            hovertemplate="%{customdata}<br>" + label
+                                          + " %{y:.1f} ms<extra></extra>", row=1, col=col)
+        fig.update_xaxes(title_text="ranks" if name == "ranks" else "n_embd",
+                         tickvals=x, row=1, col=col)
+    fig.update_yaxes(title_text="ms per step (median)", row=1, col=1)
+    fig.update_layout(template="plotly_white", height=440, width=980,
+                      title="How cost grows with the work: ddp, measured against the model",
+                      legend=dict(orientation="h", y=-0.22))
+    return fig

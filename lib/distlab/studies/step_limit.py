@@ -195,11 +195,6 @@ def time_collectives(sizes, repeats: int) -> dict:
     return out
 
 
-def collectives_rank(rank, world, device, log, sizes, repeats: int) -> dict:
-    """Rank function: `time_collectives` alone (the benchmark's scaling curves)."""
-    return time_collectives(sizes, repeats)
-
-
 def train_and_time(rank, world, device, log, cfg_dicts: list, repeats: int, warmup: int):
     """Each config trained `repeats` times (order alternating, so the machine's drift falls on
     every config alike); per config its steps after warmup: step_s, what the collectives
@@ -340,7 +335,7 @@ def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup
 
 
 # -- how cost grows with the work --------------------------------------------------------------
-def scaling_points(base, points, repeats: int = 2, warmup: int = 3, coll_reps: int = 7,
+def growth_points(base, points, repeats: int = 2, warmup: int = 3, coll_reps: int = 7,
                    compute_reps: int = 7, sizes=SIZES, fits: dict | None = None,
                    timeout_s: float = 600) -> list[dict]:
     """ddp's step (single at 1 rank) at each (world, n_embd) of `points`, measured on the ranks

@@ -122,3 +122,30 @@ def test_bad_input_is_refused():
         predict("ddp", 0, C, {}, FITS)
     assert set(EXPOSED) >= {"allreduce", "ddp", "zero1", "zero2", "zero3"}
     assert math.isclose(predict("single", 1, C, {}, FITS).total, C.total)
+
+
+def test_growth_summary_finds_the_crossover_and_the_worst_deviation():
+    # ddp over ranks at one width (and two widths at 2 ranks): the modelled all-reduce grows
+    # with the ranks while compute does not, so communication overtakes at the first point
+    # where it costs more; the worst deviation is the largest |measured / predicted - 1|.
+    from distlab.lab.how_far import growth_curves, growth_summary
+
+    def point(world, n_embd, all_reduce_bytes, measured_over_predicted):
+        fits = {"all_reduce": AlphaBeta(1e-3 * world, 1e9)}
+        kinds = booked(all_reduce=(4, all_reduce_bytes)) if world > 1 else {}
+        p = predict("ddp" if world > 1 else "single", world, C, kinds, fits)
+        return {"world": world, "n_embd": n_embd, "prediction": p,
+                "measured_s": measured_over_predicted * p.total,
+                "serial_s": p.compute.total + p.comm_total}
+
+    points = [point(4, 64, 8 * MB, 1.1), point(1, 64, 0, 1.0), point(2, 64, 4 * MB, 1.3),
+              point(8, 64, 16 * MB, 0.9), point(2, 32, 2 * MB, 1.05)]
+    curves = growth_curves(points)
+    assert [p["world"] for p in curves["ranks"]] == [1, 2, 4, 8]
+    assert [p["n_embd"] for p in curves["width"]] == [32, 64]
+    got = growth_summary(points)
+    comm = {p["world"]: p["prediction"].comm_total for p in curves["ranks"]}
+    first = min(w for w in comm if comm[w] > C.total)  # 8 ranks: 4 x 8 ms + 16 ms > 34 ms
+    assert got["ranks"]["crossover"]["world"] == first == 8
+    assert got["ranks"]["worst"] == pytest.approx(0.3)
+    assert got["width"]["crossover"] is None and got["width"]["worst"] == pytest.approx(0.3)

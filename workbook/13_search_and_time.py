@@ -447,7 +447,7 @@ display(Markdown(
 # communication from the α-β fits above (and fitted again on the larger worlds), so the
 # dashed line is predicted before the solid one is measured. The two coloured lines are the
 # model's parts: compute, and all the communication a step sends (hidden or not). Where the
-# red line crosses the blue one, communication costs more than compute, and adding ranks
+# orange line crosses the blue one, communication costs more than compute, and adding ranks
 # buys less than it costs: the ring's bytes per rank, 2(N−1)/N of the gradients, barely grow
 # with N, but on shared cores each collective's α does. Over width the other way: compute
 # grows with n_embd² per token, the bytes with the parameters, and the overlap rule hides
@@ -459,8 +459,8 @@ from distlab.studies.step_limit import growth_points
 
 width = TT.n_embd
 growth = growth_points(
-    TT, [(w, width) for w in ((1, 2, 4) if QUICK else (1, 2, 4, 8))]
-    + [(2, e) for e in ((32, 128) if QUICK else (64, 256, 384))],
+    TT, [(w, width) for w in ((2, 4) if QUICK else (1, 2, 4, 8))]
+    + [(2, e) for e in ((32,) if QUICK else (64, 256, 384))],
     repeats=1 if QUICK else 2, warmup=2 if QUICK else 3, coll_reps=3 if QUICK else 7,
     compute_reps=3 if QUICK else 7, fits={2: limit["fits"]},
     sizes=(64 << 10, 1 << 20) if QUICK else (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20))

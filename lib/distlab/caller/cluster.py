@@ -29,9 +29,11 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 SUBNET = "127.100.0"  # node i has SUBNET.(i+1); never a private or public address
@@ -93,6 +95,7 @@ class Cluster:
         self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.made: list[str] = []  # namespaces, in the order made (removed in reverse)
         self.procs: list[subprocess.Popen] = []
+        self.agent_logs: str | None = None  # torchrun's --log-dir for the agents (temporary)
 
     # -- names -----------------------------------------------------------------------------
     def namespace(self, node: int) -> str:
@@ -172,6 +175,9 @@ class Cluster:
         for name in reversed(self.made):
             _ip("ip", "netns", "del", name, check=False)
         self.made.clear()
+        if self.agent_logs is not None:
+            shutil.rmtree(self.agent_logs, ignore_errors=True)
+            self.agent_logs = None
         if self in _LIVE:
             _LIVE.remove(self)
 
@@ -228,7 +234,10 @@ class Cluster:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
                    "--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}",
-                   "--rdzv-id", self.tag, "--local-addr", self.address(i)]
+                   "--rdzv-id", self.tag, "--local-addr", self.address(i),
+                   # torchrun makes a log folder per agent, by default a torchelastic_* one
+                   # in the system's temp that nothing removes: here, one that down() does
+                   "--log-dir", os.path.join(self._agent_logs(), f"node{i}")]
             cmd += (["--rdzv-conf", ",".join(conf)] if conf else []) + list(argv)
             node_env = {"GLOO_SOCKET_IFNAME": self.interface(i), "OMP_NUM_THREADS": "1",
                         **elastic, **(env or {})}
@@ -236,6 +245,11 @@ class Cluster:
                 popen = {**popen, "stdout": outputs[i], "stderr": subprocess.STDOUT}
             agents.append(self.start(i, cmd, env=node_env, **popen))
         return agents
+
+    def _agent_logs(self) -> str:
+        if self.agent_logs is None:
+            self.agent_logs = tempfile.mkdtemp(prefix=f"{self.tag}-agents-")
+        return self.agent_logs
 
     def kill_node(self, node: int) -> None:
         """The node fails: every process inside it is killed (SIGKILL), its agent and ranks

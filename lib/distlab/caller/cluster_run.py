@@ -76,7 +76,8 @@ def launch_on_nodes(cfg, run_dir: str) -> "NodesRun":
                 raise
             note = None
         else:
-            cl, agents = None, _host_agents(cfg.nodes, per_node, argv, logs, join_timeout(cfg))
+            cl, agents = None, _host_agents(cfg.nodes, per_node, argv, logs, join_timeout(cfg),
+                                            os.path.join(run_dir, "agents"))
             note = (f"simulated nodes are not available here ({why}): the {cfg.nodes} nodes "
                     "ran on this machine's loopback with no link limit, so no figure of this "
                     "run measures a slow link")
@@ -90,15 +91,17 @@ def launch_on_nodes(cfg, run_dir: str) -> "NodesRun":
 
 
 def _host_agents(nodes: int, per_node: int, argv: list[str], logs: list,
-                 join_timeout_s: float) -> list:
-    """The fallback: one agent per "node", all on 127.0.0.1, nothing throttled."""
+                 join_timeout_s: float, log_dir: str) -> list:
+    """The fallback: one agent per "node", all on 127.0.0.1, nothing throttled. log_dir:
+    torchrun's folder for the agents (else a torchelastic_* folder in the system's temp that
+    nothing removes)."""
     port, tag = _free_port(), f"distlab-{os.getpid()}-{_free_port()}"
     agents = []
     for i in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
-               "--local-addr", "127.0.0.1",
+               "--local-addr", "127.0.0.1", "--log-dir", os.path.join(log_dir, f"node{i}"),
                "--rdzv-conf", f"join_timeout={max(1, round(join_timeout_s))}"] + argv
         agents.append(subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT,
                                        env={**os.environ, "OMP_NUM_THREADS": "1"},

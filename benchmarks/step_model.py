@@ -27,6 +27,8 @@ sum (compute + all the communication, nothing hidden), with each curve's worst d
 With --prefetch instead: zero3 at 2 ranks with its parameter all-gathers started 0, 1, 2 and
 5 (all) units ahead of need (RunConfig.fsdp_prefetch), the fraction of the step blocked on
 them against the 3% target, and the gathered parameters' peak each depth costs.
+With --nodes instead (root: simulated nodes): ddp and zero3 on 2 simulated nodes of 1 rank
+each, α and β fitted over their link at each --link-mbit rate (the slow tier), the same table.
 Runs go to a temporary folder, removed at the end.
 """
 
@@ -159,8 +161,33 @@ def one_world(args, world, RunConfig):
     got = step_limit.limit_rows(base, world, args.strategies, repeats=args.repeats,
                                 warmup=args.warmup, coll_reps=args.coll_reps,
                                 compute_reps=args.compute_reps)
+    print_result(got, base, f"{world} ranks")
+    return got
+
+
+def on_nodes(args, RunConfig):
+    """The same across 2 simulated nodes (1 rank each) joined by a link of --link-mbit: α and
+    β fitted over that link, the strategies trained across it."""
+    from distlab.caller.cluster import available
+    from distlab.studies import step_limit
+
+    why = available()
+    if why is not None:
+        print(f"simulated nodes are not available here ({why}): nothing measured")
+        return
+    base = RunConfig(steps=args.steps, timeout_s=300)
+    for mbit in args.link_mbit:
+        got = step_limit.node_rows(base, link_mbit=mbit,
+                                   strategies=args.strategies or ("ddp", "zero3"),
+                                   repeats=args.repeats, warmup=args.warmup,
+                                   coll_reps=args.coll_reps, compute_reps=args.compute_reps)
+        print_result(got, base, f"2 simulated nodes x 1 rank, a {mbit:g} Mbit/s link")
+
+
+def print_result(got, base, title):
+    world = got["world"]
     c = got["plain"]
-    print(f"\n== {world} ranks: GPT {base.n_layer} layers n_embd {base.n_embd}, global batch "
+    print(f"\n== {title}: GPT {base.n_layer} layers n_embd {base.n_embd}, global batch "
           f"{base.global_batch} x seq {base.seq_len}, AdamW; {got['cores']} cores, "
           f"{max(1, got['cores'] // world)} thread(s) per rank")
     print(f"plain model at one rank's rows ({base.global_batch // world}), one process: forward "
@@ -189,7 +216,6 @@ def one_world(args, world, RunConfig):
                                                    for k, v in p.terms.items()) or "none"))
     for row in got["rows"]:
         extra_lines(row, got["fits"], world)
-    return got
 
 
 def extra_lines(row, fits, world):
@@ -213,6 +239,8 @@ def extra_lines(row, fits, world):
     print(f"{'':<10} of which: gathers issued only when needed (the step's first) "
           f"{1e3 * first:.2f} ms; prefetches that arrived late {1e3 * late:.2f} ms, the longest "
           f"wait {1e3 * worst:.2f} ms")
+    if len(row["ranks_steps"]) < 2:  # across nodes only rank 0's steps come back
+        return
     peer, transfer = peer_wait_split(row["ranks_steps"])
     print(f"{'':<10} the blocked time by when every rank had issued the same gather, over "
           f"{len(pf)} steps: before (rank 0 waited for a slower rank to join) "
@@ -234,6 +262,9 @@ def main(argv=None) -> int:
                    help="instead: ddp's step over ranks and over width against the prediction")
     p.add_argument("--scale-worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 384])
+    p.add_argument("--nodes", action="store_true",
+                   help="instead: ddp and zero3 across 2 simulated nodes (root), per link rate")
+    p.add_argument("--link-mbit", type=float, nargs="+", default=[100.0, 400.0])
     p.add_argument("--prefetch", action="store_true",
                    help="instead: zero3's blocked fraction by prefetch depth, at 2 ranks")
     p.add_argument("--prefetch-depths", type=int, nargs="+", default=[0, 1, 2, 5])
@@ -245,6 +276,9 @@ def main(argv=None) -> int:
               "machine)")
         if args.scale:
             scaling(args, RunConfig)
+            return 0
+        if args.nodes:
+            on_nodes(args, RunConfig)
             return 0
         if args.prefetch:
             prefetch_sweep(args, run_ranks, RunConfig)

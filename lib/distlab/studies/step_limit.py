@@ -22,7 +22,8 @@ Three measurements feed it, each of the strategy's own shapes and code:
   duration and an async one's wait), and what its collectives booked.
 
 `measure` does the last two in one launch (a launch costs seconds); `limit_rows` puts it all
-together. On a fake process group a receive leaves its buffer as it was (uninitialised
+together; `node_rows` does the same across simulated nodes, with α and β fitted over their
+rate-limited link (the slow tier) in a torchrun job. On a fake process group a receive leaves its buffer as it was (uninitialised
 memory): the child flushes denormals so garbage cannot slow the arithmetic, and a pipeline
 stage's shape header, which a real receive would fill, is given by the study (a GPT stage
 passes (rows, seq_len, n_embd) fp32 on). The fake group is torch's testing module
@@ -290,22 +291,86 @@ def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup
     model's forward/backward/optimizer at one rank's rows}. Each row also carries its CPU
     seconds, the cores bound and `explain`'s figures."""
     from distlab.caller.launch import run_ranks
-    from distlab.theory.step_time import Compute, predict
 
     if world < 2:
         raise ValueError(f"world={world}: the strategies need at least 2 ranks")
-    cores = os.cpu_count() or 1
     cfgs = {s: strategy_config(base, s, world) for s in strategies}
-    stages = {s: (range(world) if s == "pp" else (0,)) for s in strategies}
-    one = one_process_steps(world, {s: (c, stages[s]) for s, c in cfgs.items()},
-                            base.replace(strategy="single", world_size=1, name="plain"),
-                            reps=compute_reps, warmup=min(warmup, base.steps - 1),
-                            timeout_s=timeout_s)
-    plain = Compute(**one["plain"])
+    one = _one_process(base, cfgs, world, compute_reps, warmup, timeout_s)
     every = run_ranks(measure, world, list(sizes), coll_reps,
                       [c.to_dict() for c in cfgs.values()], repeats, warmup,
                       timeout_s=timeout_s)
-    got = every[0]
+    return _rows(cfgs, one, every[0], [r["steps"] for r in every], world)
+
+
+def node_rows(base, nodes: int = 2, ranks_per_node: int = 1, link_mbit: float = 100.0,
+              strategies=("ddp", "zero3"), repeats: int = 2, warmup: int = 3,
+              coll_reps: int = 5, compute_reps: int = 7, sizes=SIZES,
+              timeout_s: float = 900) -> dict:
+    """limit_rows across simulated nodes (distlab.caller.cluster: root only): the collectives
+    timed and fitted over the nodes' rate-limited link (its tier), and the strategies trained
+    there, as one torchrun job (one agent per node). The compute is this machine's, as for
+    limit_rows: the nodes share its cores. Only rank 0's steps come back."""
+    from distlab.studies import run_in_nodes
+
+    world = nodes * ranks_per_node
+    if world < 2:
+        raise ValueError(f"{nodes} nodes x {ranks_per_node} ranks: the strategies need at "
+                         "least 2 ranks")
+    cfgs = {s: strategy_config(base, s, world) for s in strategies}
+    one = _one_process(base, cfgs, world, compute_reps, warmup, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="distlab-nodes-") as d:
+        job = os.path.join(d, "job.json")
+        with open(job, "w") as f:
+            json.dump({"sizes": list(sizes), "coll_reps": coll_reps, "repeats": repeats,
+                       "warmup": warmup, "timeout_s": timeout_s,
+                       "configs": [c.to_dict() for c in cfgs.values()]}, f)
+        got = run_in_nodes("distlab.studies.step_limit", ["--in-nodes", job], nodes,
+                           ranks_per_node, link_mbit, timeout_s=timeout_s)
+    out = _rows(cfgs, one, got, [got["steps"]], world)
+    out.update(nodes=nodes, link_mbit=link_mbit)
+    return out
+
+
+def _in_nodes(job_path: str) -> None:
+    """`torchrun ... -m distlab.studies.step_limit --in-nodes JOB`: `measure` in a torchrun
+    job's ranks; rank 0 reports the result as one JSON line."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from distlab.events import EventLog
+    from distlab.studies import report
+
+    with open(job_path) as f:
+        job = json.load(f)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    with tempfile.TemporaryDirectory(prefix="distlab-nodes-rank-") as d:
+        log = EventLog(os.path.join(d, "log.jsonl"), rank)
+        out = measure(rank, world, torch.device("cpu"), log, job["sizes"], job["coll_reps"],
+                      job["configs"], job["repeats"], job["warmup"])
+        log.close()
+    report(out)
+
+
+def _one_process(base, cfgs: dict, world: int, compute_reps: int, warmup: int,
+                 timeout_s: float) -> dict:
+    stages = {s: (range(world) if s == "pp" else (0,)) for s in cfgs}
+    return one_process_steps(world, {s: (c, stages[s]) for s, c in cfgs.items()},
+                             base.replace(strategy="single", world_size=1, name="plain"),
+                             reps=compute_reps, warmup=min(warmup, base.steps - 1),
+                             timeout_s=timeout_s)
+
+
+def _rows(cfgs: dict, one: dict, got: dict, ranks_steps: list, world: int) -> dict:
+    """The rows from the one-process timings and one launch's `measure` (rank 0's), with
+    every rank's steps where they came back (ranks_steps: per rank, name -> steps)."""
+    from distlab.theory.step_time import Compute, predict
+
+    cores = os.cpu_count() or 1
+    plain = Compute(**one["plain"])
     fits, worst = fit(got["collectives"])
     rows = []
     for s, cfg in cfgs.items():
@@ -323,7 +388,7 @@ def limit_rows(base, world: int, strategies=STRATEGIES, repeats: int = 2, warmup
             # CPU seconds a step took on rank 0: the process's, and its training thread's
             "cpu_s": statistics.median(e["cpu"]["process_s"] for e in steps),
             "main_thread_cpu_s": statistics.median(e["cpu"]["main_thread_s"] for e in steps),
-            "steps": steps, "ranks_steps": [r["steps"][s] for r in every]})
+            "steps": steps, "ranks_steps": [r[s] for r in ranks_steps]})
     for row in rows:
         # N ranks, each needing cpu_s of CPU a step, on C cores cannot step faster than
         # N * cpu_s / C: where the ranks outnumber the cores, a collective "hidden" behind
@@ -412,4 +477,7 @@ def explain(row: dict) -> dict:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    if sys.argv[1] == "--in-nodes":
+        _in_nodes(sys.argv[2])
+    else:
+        _child(sys.argv[1])

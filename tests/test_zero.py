@@ -301,16 +301,18 @@ def test_zero1_torch_broadcasts_partitions(runs):
 
 def test_zero3_prefetches_and_frees(runs):
     # After the first forward recorded the order, every all-gather but the first of a forward
-    # is a prefetch; gathered parameters peak at a few units (the one computing, the next one
-    # arriving, and in backward the one whose last gradients are still on their way).
+    # is a prefetch, and from the second step on that one too (started between steps);
+    # gathered parameters peak at a few units (the one computing, the next one arriving, and
+    # in backward the one whose last gradients are still on their way).
     world, out = runs
     units = _units(BASE)
     biggest = 4 * max(padded_size(u, world) for u in units)
     for events in out["zero3"]["events"]:
+        first = events[0]["zero"]["prefetch"]
+        assert (first["gathers"], first["prefetched"]) == (2 * len(units), 2 * len(units) - 1)
         for e in events[1:]:
             p = e["zero"]["prefetch"]
-            assert p["gathers"] == 2 * len(units)
-            assert p["prefetched"] == 2 * len(units) - 1  # all but the first unit's in forward
+            assert p["gathers"] == p["prefetched"] == 2 * len(units)
             # the blocked time splits into the gathers issued when needed and late prefetches
             assert p["blocked_unprefetched_s"] + p["blocked_prefetched_s"] == pytest.approx(
                 p["blocked_s"], abs=1e-9)

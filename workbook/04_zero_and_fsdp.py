@@ -180,6 +180,8 @@ two = launch_together({s: SGD.replace(strategy=s, world_size=2, steps=2) for s i
 #   storage is resized to 0 bytes). Before a unit's forward its all-gather is awaited and
 #   the *next* unit's is started (**prefetch**), so the transfer hides behind compute;
 #   backward gathers again, in reverse order, and reduce-scatters each unit's gradient.
+#   Between steps, once the optimizer has stepped the shards, the next forward's first
+#   unit is gathered while the loop logs the step and reads the next batch.
 # * **offload** (`offload=True`): the optimizer's master shard and its state live on the
 #   CPU (ZeRO-Offload, Ren et al. 2021). On a CUDA run each step copies gradient shards
 #   to the CPU, steps there and copies the shard back; on this CPU run there is nothing
@@ -203,16 +205,17 @@ assert z3["padded"] == psi
 
 # %% [markdown]
 # ZeRO-3 all-gathers every unit twice per step (forward, then backward). After the first
-# forward has recorded the order, every gather but the very first of a step is issued
-# while the unit before it computes. The step events count them, with the seconds the
-# compute was still blocked waiting, and the largest bytes of gathered parameters and of
-# flat gradients alive at once (a few units, never the whole model).
+# step has recorded the order, every gather is issued before it is needed: forward's first
+# between steps, each other one while the unit before it computes. The step events count
+# them, with the seconds the compute was still blocked waiting, and the largest bytes of
+# gathered parameters and of flat gradients alive at once (a few units, never the whole
+# model).
 
 # %%
 unit_bytes = 4 * max(p for _, _, p in z3["units"])
 rows = prefetch_counts(four["zero3"])  # the steps after the first, which records the order
 for p in rows:
-    assert p["gathers"] == 2 * len(z3["units"]) and p["prefetched"] == p["gathers"] - 1
+    assert p["gathers"] == 2 * len(z3["units"]) and p["prefetched"] == p["gathers"]
 gathered_units = z3["gathered_peak_bytes"] / unit_bytes
 grad_units = z3["grad_buffer_peak_bytes"] / unit_bytes
 print(f"all-gathers per step: {rows[-1]['gathers']}, prefetched: {rows[-1]['prefetched']}; "

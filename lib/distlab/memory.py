@@ -87,7 +87,7 @@ class ActivationMeter:
         self.bytes = 0
         self.param_cast_bytes = 0  # autocast's low-precision copies of parameters (see above)
         self.by_dtype: dict[str, int] = {}  # `bytes` split by dtype name ("float32", ...)
-        self._seen = set()  # data pointers of storages counted, or known to be parameters
+        self._seen = set()  # data pointers of the activations' storages counted
         self._param_storages = set()  # the parameters' StorageImpls (see measure)
 
     def _is_param_cast(self, t) -> bool:
@@ -119,13 +119,14 @@ class ActivationMeter:
     @contextmanager
     def measure(self):
         # Weights saved for backward (linear saves its weight) are parameters, not activations:
-        # mark their storages as seen so they are not counted. By data pointer, and by the
-        # StorageImpl too: ZeRO-3 frees and re-gathers parameter buffers in place (resize_),
-        # which moves their data but keeps the StorageImpl.
+        # known by their StorageImpl, not by data pointer: ZeRO-3 frees and re-gathers
+        # parameter buffers in place (resize_), which moves their data but keeps the
+        # StorageImpl, and memory a unit held when forward began (gathered between steps) can
+        # be an activation's by the time it is saved.
         self.bytes, self.param_cast_bytes, self.by_dtype = 0, 0, {}
         params = [p for p in self.model.parameters()
                   if type(p) in _PLAIN]  # a DTensor (FSDP2) has no storage of its own
-        self._seen = {p.untyped_storage().data_ptr() for p in params}
+        self._seen = set()  # activations' storages counted (by data pointer: saved twice)
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         _ACTIVE_METERS.append(self)
         try:

@@ -218,6 +218,10 @@ class Strategy:
         """Extra fields for this step's event (bucket timeline, staleness, ...)."""
         return {}
 
+    def between_steps(self, model) -> None:
+        """After a step is logged, evaluated and checkpointed, when another follows: start
+        what the next step needs first (ZeRO-3: its first all-gathers)."""
+
     # -- training checkpoints (distlab.checkpoint) ----------------------------------------------
     def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
         """This rank's part of a training checkpoint. "full" format: the whole model's and

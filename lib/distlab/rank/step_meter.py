@@ -41,17 +41,27 @@ class StepMeter:
             self.peak.adopt([*model.parameters(), *model.buffers()])
         self.t0 = 0.0
         self.link = os.environ.get("GLOO_SOCKET_IFNAME")  # the node's link, across nodes
+        self._cleared = False  # between(): what was booked since is the next step's
 
     @property
     def peak_label(self) -> str | None:
         """What memory["peak"] means (for the start event), None without a peak tracker."""
         return PEAK_LABEL if self.peak is not None else None
 
+    def between(self) -> None:
+        """After a step's evaluation and checkpoint, before the strategy starts the next step's
+        work (Strategy.between_steps): what was booked until now is no step's, what is booked
+        from here on is the next step's."""
+        self.comm.take_step_stats()
+        self._cleared = True
+
     def start(self) -> None:
         """Start the step's timer (before the batch is read: the step's cost includes it)."""
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.comm.take_step_stats()  # between steps (evaluation, checkpoints) is no step's
+        if not self._cleared:  # between steps (evaluation, checkpoints) is no step's
+            self.comm.take_step_stats()
+        self._cleared = False
         wire.LEDGER.begin()
         self.t0 = time.perf_counter()
         self.cpu0 = (time.process_time(), time.thread_time())

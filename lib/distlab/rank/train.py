@@ -16,6 +16,7 @@
                               collective, memory by category), loss scale and skipped, and
                               with diagnostics=True what the Probe measured (distlab.debug.probe)
         save a checkpoint if one is due; leave if the job got a preemption notice
+        strategy.between_steps(model)        if a step follows (ZeRO-3: its first all-gathers)
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         if ckpt.after_step(step):
             break  # preempted: every rank saved, now they leave together
         faults.after_step()
+        if step + 1 < cfg.steps:
+            meter.between()  # what between_steps books is the next step's
+            strategy.between_steps(model)
     finetune.finish(strategy, model, comm)
     if keep is not None:
         keep.update(model=model, losses=losses, comm=comm_per_step)

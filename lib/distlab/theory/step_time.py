@@ -134,14 +134,14 @@ def _zero2(c: Compute, t: dict, n: dict) -> dict:
 
 
 def _zero3(c: Compute, t: dict, n: dict) -> dict:
-    # all-gathers prefetched a unit ahead in forward and in backward: the first of each pass
-    # waits; reduce-scatters in backward as zero2's
-    first = _per_call(t["all_gather"], n["all_gather"])
-    first_two = min(2 * first, t["all_gather"])
+    # all-gathers prefetched a unit ahead in forward and in backward; forward's first starts
+    # between steps (distlab's zero3 strategy), so only backward's first waits: it is issued
+    # when forward ends. Reduce-scatters in backward as zero2's
+    first = min(_per_call(t["all_gather"], n["all_gather"]), t["all_gather"])
     last_rs = _per_call(t["reduce_scatter"], n["reduce_scatter"])
-    return {"first all-gather of forward and of backward": first_two,
+    return {"first all-gather of backward": first,
             "all-gathers compute cannot cover":
-                behind(t["all_gather"], first_two, c.forward + c.backward) - first_two,
+                behind(t["all_gather"], first, c.forward + c.backward) - first,
             "last reduce-scatter": min(last_rs, t["reduce_scatter"]),
             "reduce-scatters backward cannot cover":
                 behind(t["reduce_scatter"], last_rs, c.backward) - last_rs}

@@ -22,7 +22,9 @@ next unit's (prefetch; `prefetch` units ahead, 1 as FSDP2); the next unit's star
 until its gradients are in). Hooks on its outputs' gradients gather it again for backward and
 prefetch the unit before it; when its last gradient arrives its parameters are freed and its
 reduce-scatter starts (the gradient path is distlab.parallel.zero.optimizer's
-ShardedGradients, the one every ZeRO stage uses).
+ShardedGradients, the one every ZeRO stage uses). Between steps, `prefetch_forward` starts the
+next forward's first gathers (the zero3 strategy calls it; FSDP2 leaves it to its user, as
+module.unshard(async_op=True)).
 
 **Mixed precision** (MixedPrecisionPolicy, as FSDP2's): the shards stay in the parameters'
 dtype (fp32: the masters the optimizer steps); each all-gather sends the shard cast to
@@ -544,6 +546,20 @@ class FullyShard(ShardedGradients):
             if k is None:
                 return
             self._each(k, self._prefetch, phase)
+
+    def prefetch_forward(self):
+        """After the optimizer step (the shards hold the new values), between steps: start the
+        next forward's first gathers (the root's, the first unit's and the `prefetch` - 1
+        after it), so they travel while the loop logs the step and fetches the next batch
+        instead of while the forward waits. FSDP2 leaves this to its user
+        (module.unshard(async_op=True)). Those units stay gathered until that forward."""
+        if not self._order_done or not self.prefetch:
+            return
+        for u in self.root:
+            self._prefetch(u, "forward")
+        first = self._order[0]
+        self._each(first, self._prefetch, "forward")
+        self._prefetch_ahead(first, +1, "forward", self.prefetch - 1)
 
     # -- forward and backward hooks ---------------------------------------------------------
     def _cast_inputs(self, args, kwargs):

@@ -255,6 +255,10 @@ class ZeRO(Strategy):
             return {"params": params, "grads": grads, "optim": 0, "optim_offloaded": optim}
         return {"params": params, "grads": grads, "optim": optim}
 
+    def between_steps(self, model) -> None:
+        if self.fsdp is not None:
+            self.fsdp.prefetch_forward()
+
     def step_info(self) -> dict:
         grads, fsdp = self.optimizer.grads, self.fsdp
         info = {"stage": self.stage, "numel": sum(u.numel for u in self.units),
@@ -287,7 +291,7 @@ class ZeRO(Strategy):
                                 # this machine: ranks' records can be set side by side)
                                 "timed": [[g["issued"], g["needed"], g["waited"]]
                                           for g in done]}
-            fsdp.gathers = []
+            fsdp.gathers = [g for g in fsdp.gathers if "blocked_s" not in g]  # in flight
             fsdp.peak = dict(fsdp.live)
         grads.grad_bytes_peak = grads.grad_bytes_live
         return {"zero": info}

@@ -405,7 +405,8 @@ table(["ranks", "step (ms, median)", "tokens / s", "scaling efficiency"],
 #   own shapes (a TP shard, a pipeline stage: the slowest), copies and optimizer step;
 # - **each collective**: t = α + B/β (Hockney), α and β fitted on these ranks per kind;
 # - **what overlaps**: DDP's buckets behind backward (Li et al. 2020), ZeRO-3's all-gathers
-#   a unit ahead, the pipeline's bubble (p−1)/m (Huang et al. 2019), ring attention's hops
+#   a unit ahead (forward's first between steps, so backward's first is the one that
+#   waits), the pipeline's bubble (p−1)/m (Huang et al. 2019), ring attention's hops
 #   behind its block compute (Liu et al. 2023); TP's all-reduces wait where they are issued.
 #
 # Then each strategy trains on the ranks, and its step splits into the time blocked in

@@ -2,9 +2,12 @@
 leaves no rank behind, in a real Jupyter kernel driven by jupyter_client."""
 
 import ast
+import os
+import shutil
+import tempfile
 import time
 
-from jupyter_client.manager import start_new_kernel
+from jupyter_client.manager import KernelManager
 
 from test_process_safety import TINY, assert_all_gone
 
@@ -44,8 +47,21 @@ def _reply_to(kc, msg_id, timeout):
             return msg["content"]
 
 
+def _start_kernel(folder):
+    """jupyter_client's start_new_kernel, on Unix sockets in `folder`: not TCP ports, which a
+    rank's gloo socket can take between jupyter_client finding them free and the kernel
+    binding them (conftest.py says the same for nbval's kernels)."""
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(folder, "k"))
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return km, kc
+
+
 def test_kernel_interrupt_during_wait_stops_the_run():
-    km, kc = start_new_kernel(kernel_name="python3")
+    folder = tempfile.mkdtemp(prefix="distlab-kernel-")  # short: a socket path has 107 bytes
+    km, kc = _start_kernel(folder)
     try:
         reply, out = _execute(kc, LAUNCH)
         assert reply["status"] == "ok", reply
@@ -72,3 +88,4 @@ def test_kernel_interrupt_during_wait_stops_the_run():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        shutil.rmtree(folder, ignore_errors=True)

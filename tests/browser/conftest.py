@@ -135,6 +135,8 @@ def lab_server(tmp_path_factory):
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
            f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}",
+           # kernels on Unix sockets, not TCP ports a rank's gloo socket could take first
+           "--KernelManager.transport=ipc",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")

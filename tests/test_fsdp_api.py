@@ -208,7 +208,8 @@ def prefetch_depth(depth, rank, world):
     fsdp = model._distlab_fsdp
     ahead = [g for g in fsdp.gathers if g["unit"].startswith("blocks")]
     return {"state": state, "gathers": len(ahead),
-            "prefetched": sum(g["prefetched"] for g in ahead), "peak": fsdp.peak["params"], "block": max(u.nbytes for c in fsdp.chain for u in c),
+            "prefetched": sum(g["prefetched"] for g in ahead), "peak": fsdp.peak["params"],
+            "block": max(u.nbytes for c in fsdp.chain for u in c),
             "root": sum(u.nbytes for u in fsdp.root)}
 
 

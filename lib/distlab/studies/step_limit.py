@@ -23,10 +23,12 @@ Three measurements feed it, each of the strategy's own shapes and code:
 
 `measure` does the last two in one launch (a launch costs seconds); `limit_rows` puts it all
 together; `node_rows` does the same across simulated nodes, with α and β fitted over their
-rate-limited link (the slow tier) in a torchrun job. On a fake process group a receive leaves its buffer as it was (uninitialised
-memory): the child flushes denormals so garbage cannot slow the arithmetic, and a pipeline
-stage's shape header, which a real receive would fill, is given by the study (a GPT stage
-passes (rows, seq_len, n_embd) fp32 on). The fake group is torch's testing module
+rate-limited link (the slow tier) in a torchrun job.
+
+On a fake process group a receive leaves its buffer as it was (uninitialised memory): the
+child flushes denormals so garbage cannot slow the arithmetic, and a pipeline stage's shape
+header, which a real receive would fill, is given by the study (a GPT stage passes (rows,
+seq_len, n_embd) fp32 on). The fake group is torch's testing module
 (torch.testing._internal.distributed.fake_pg), not a public API.
 """
 
@@ -421,10 +423,11 @@ def growth_points(base, points, repeats: int = 2, warmup: int = 3, coll_reps: in
                                             name=f"n_embd {e}")
                 for w, e in points if w == world}
         plains = {n: c.replace(strategy="single", world_size=1) for n, c in cfgs.items()}
-        first = next(iter(plains.values()))
-        one = one_process_steps(world, {n: (c, (0,)) for n, c in cfgs.items()}, first,
+        first, *rest = plains
+        one = one_process_steps(world, {n: (c, (0,)) for n, c in cfgs.items()}, plains[first],
                                 reps=compute_reps, warmup=min(warmup, base.steps - 1),
-                                timeout_s=timeout_s, plains=plains)
+                                timeout_s=timeout_s, plains={n: plains[n] for n in rest})
+        plain_of = {first: one["plain"], **one["plains"]}
         dicts = [c.to_dict() for c in cfgs.values()]
         if world == 1 or world in fits:
             steps = run_ranks(train_and_time, world, dicts, repeats, warmup,
@@ -435,7 +438,7 @@ def growth_points(base, points, repeats: int = 2, warmup: int = 3, coll_reps: in
             fits[world], steps = fit(got["collectives"])[0], got["steps"]
         for name, cfg in cfgs.items():
             compute = rank_compute(strategy, world, one["steps"][name][0],
-                                   Compute(**one["plains"][name]))
+                                   Compute(**plain_of[name]))
             booked = median_booked(steps[name])
             p = predict(strategy, world, compute, booked, fits.get(world, {}))
             params = sum(v.numel() for v in build_model(cfg).parameters())

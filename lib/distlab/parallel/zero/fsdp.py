@@ -18,13 +18,13 @@ grouped between them): the zero3 strategy's cut. A unit is flattened into one pa
 per dtype (distlab.parallel.zero.optimizer's Unit: fp64 next to fp32 makes two).
 
 **Forward and backward.** A unit's forward pre-hook waits for its all-gather and starts the
-next unit's (prefetch; `prefetch` units ahead, 1 as FSDP2); the next unit's start frees it (reshard_after_forward; False keeps it
-until its gradients are in). Hooks on its outputs' gradients gather it again for backward and
-prefetch the unit before it; when its last gradient arrives its parameters are freed and its
-reduce-scatter starts (the gradient path is distlab.parallel.zero.optimizer's
-ShardedGradients, the one every ZeRO stage uses). Between steps, `prefetch_forward` starts the
-next forward's first gathers (the zero3 strategy calls it; FSDP2 leaves it to its user, as
-module.unshard(async_op=True)).
+next unit's (prefetch; `prefetch` units ahead, 1 as FSDP2); the next unit's start frees it
+(reshard_after_forward; False keeps it until its gradients are in). Hooks on its outputs'
+gradients gather it again for backward and prefetch the unit before it; when its last
+gradient arrives its parameters are freed and its reduce-scatter starts (the gradient path
+is distlab.parallel.zero.optimizer's ShardedGradients, the one every ZeRO stage uses).
+Between steps, `prefetch_forward` starts the next forward's first gathers (the zero3
+strategy calls it; FSDP2 leaves it to its user, as module.unshard(async_op=True)).
 
 **Mixed precision** (MixedPrecisionPolicy, as FSDP2's): the shards stay in the parameters'
 dtype (fp32: the masters the optimizer steps); each all-gather sends the shard cast to
@@ -547,6 +547,13 @@ class FullyShard(ShardedGradients):
                 return
             self._each(k, self._prefetch, phase)
 
+    def _prefetch_from(self, k: int, step: int, phase: str):
+        """Start entry k's gathers and the `prefetch` - 1 entries' after it: the next pass
+        starts at k (nothing when prefetch is 0)."""
+        if self.prefetch:
+            self._each(k, self._prefetch, phase)
+            self._prefetch_ahead(k, step, phase, self.prefetch - 1)
+
     def prefetch_forward(self):
         """After the optimizer step (the shards hold the new values), between steps: start the
         next forward's first gathers (the root's, the first unit's and the `prefetch` - 1
@@ -557,9 +564,7 @@ class FullyShard(ShardedGradients):
             return
         for u in self.root:
             self._prefetch(u, "forward")
-        first = self._order[0]
-        self._each(first, self._prefetch, "forward")
-        self._prefetch_ahead(first, +1, "forward", self.prefetch - 1)
+        self._prefetch_from(self._order[0], +1, "forward")
 
     # -- forward and backward hooks ---------------------------------------------------------
     def _cast_inputs(self, args, kwargs):
@@ -611,10 +616,7 @@ class FullyShard(ShardedGradients):
             for u in self.units:
                 self._free(u)
         elif self._order:
-            last = self._order[-1]  # backward starts there
-            if self.prefetch:
-                self._each(last, self._prefetch, "backward")
-                self._prefetch_ahead(last, -1, "backward", self.prefetch - 1)
+            self._prefetch_from(self._order[-1], -1, "backward")  # backward starts there
 
     def _pre_backward(self, k: int, grad):
         self._open_backward()

@@ -4,7 +4,9 @@ import os
 import shutil
 import tempfile
 
-# Notebooks read WORKBOOK_QUICK in their parameters cell; nbval's kernels inherit it.
+# Notebooks read WORKBOOK_QUICK in their parameters cell; nbval's kernels inherit it. This file
+# sits at the root so that `pytest workbook/NN_name.ipynb` alone runs quick too (under tests/ it
+# was read only when tests/ was collected: one notebook alone ran in full mode, 307 s for 17).
 os.environ.setdefault("WORKBOOK_QUICK", "1")
 # Runs made by tests go to a throwaway folder, never into the checkout; the process that made
 # it (pytest's, whose xdist workers inherit the variable) removes it when the session ends.
@@ -38,10 +40,3 @@ def _kernels_on_unix_sockets():
 
 
 _kernels_on_unix_sockets()
-
-
-def pytest_collection_modifyitems(items):
-    """The browser tests first (a stable sort keeps the rest in order): xdist (--dist loadfile)
-    hands files out in this order, and collected last, the two (~50 and ~20 s) ran alone on one
-    worker for the suite's last minute while the other workers sat idle."""
-    items.sort(key=lambda item: "browser" not in item.path.parts)

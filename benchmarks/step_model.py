@@ -26,7 +26,9 @@ over width (n_embd 64 to 384 at 2 ranks), each against the prediction and agains
 sum (compute + all the communication, nothing hidden), with each curve's worst deviation.
 With --prefetch instead: zero3 at 2 ranks with its parameter all-gathers started 0, 1, 2 and
 5 (all) units ahead of need (RunConfig.fsdp_prefetch), the fraction of the step blocked on
-them against the 3% target, and the gathered parameters' peak each depth costs.
+them against the 3% target, the gathered parameters' peak each depth costs, and how long a
+step's threads waited for a core (Linux's run_delay), with the blocked fraction in the half of
+the steps where gloo's threads waited least against the half where they waited most.
 With --nodes instead (root: simulated nodes): ddp and zero3 on 2 simulated nodes of 1 rank
 each, α and β fitted over their link at each --link-mbit rate (the slow tier), the same table.
 Runs go to a temporary folder, removed at the end.
@@ -147,6 +149,24 @@ def prefetch_sweep(args, run_ranks, RunConfig):
                   for ph in got[0]["prefetch"]["blocked_by_phase_s"]}
         print(f"{'':<14}blocked by phase (medians): " + ", ".join(
             f"{ph} {1e3 * v:.2f} ms" for ph, v in phases.items()))
+        core_wait_line(got)
+
+
+def core_wait_line(steps: list) -> None:
+    """Rank 0's threads waiting for a core, per step (Linux's run_delay): the training
+    thread's and the others' (gloo's, moving the gathers), and the blocked fraction in the
+    half of the steps where the others waited least against the half where they waited most
+    (distlab.studies.step_limit.blocked_by_core_wait)."""
+    from distlab.studies.step_limit import blocked_by_core_wait
+    split = blocked_by_core_wait(steps)
+    if split is None:
+        return
+    print(f"{'':<14}waiting for a core a step (medians): training thread "
+          f"{1e3 * split['main_wait_s']:.2f} ms, the other threads "
+          f"{1e3 * split['others_wait_s']:.2f} ms; blocked: "
+          f"{100 * split['blocked_least_waiting']:.1f}% of the step in the half of steps "
+          f"where the others waited least, {100 * split['blocked_most_waiting']:.1f}% where "
+          "they waited most")
 
 
 def _model(cfg):

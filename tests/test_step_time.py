@@ -149,3 +149,33 @@ def test_growth_summary_finds_the_crossover_and_the_worst_deviation():
     assert got["ranks"]["crossover"]["world"] == first == 8
     assert got["ranks"]["worst"] == pytest.approx(0.3)
     assert got["width"]["crossover"] is None and got["width"]["worst"] == pytest.approx(0.3)
+
+
+def test_core_wait_splits_the_training_threads_wait_from_the_others():
+    """distlab.rank.step_meter: each thread's run_delay difference over the step, the calling
+    (training) thread's apart; a thread born during the step counts from zero."""
+    import sys
+    import threading
+
+    from distlab.rank.step_meter import core_wait, run_queue_delays
+    me = threading.get_native_id()
+    got = core_wait({me: 1_000, 7: 5_000}, {me: 3_000_000, 7: 2_005_000, 8: 1_000_000})
+    assert got == pytest.approx({"main": 0.002999, "others": 0.003})
+    assert core_wait(None, {me: 1}) is None
+    if sys.platform == "linux":  # the kernel's schedstat: this thread is among them
+        delays = run_queue_delays()
+        assert me in delays and all(ns >= 0 for ns in delays.values())
+
+
+def test_blocked_by_core_wait_compares_the_halves_of_the_steps():
+    from distlab.studies.step_limit import blocked_by_core_wait
+
+    def step(others, blocked):
+        return {"step_s": 0.1, "prefetch": {"blocked_s": blocked},
+                "cpu": {"wait_s": {"main": 0.001, "others": others}}}
+    steps = [step(0.01, 0.001), step(0.03, 0.009), step(0.02, 0.002), step(0.04, 0.007)]
+    got = blocked_by_core_wait(steps)
+    assert got["blocked_least_waiting"] == pytest.approx(0.015)  # the steps waiting 10, 20 ms
+    assert got["blocked_most_waiting"] == pytest.approx(0.08)
+    assert got["others_wait_s"] == pytest.approx(0.025) and got["main_wait_s"] == 0.001
+    assert blocked_by_core_wait(steps[:3]) is None  # too few steps to halve

@@ -420,7 +420,8 @@ table(["ranks", "step (ms, median)", "tokens / s", "scaling efficiency"],
 # %%
 from distlab.lab.how_far import (LIMIT_HEADER, TERM_HEADER, limit_figure, limit_rows,
                                  term_rows)
-from distlab.studies.step_limit import STRATEGIES, TARGET, limit_rows as measure_limits
+from distlab.studies.step_limit import STRATEGIES, TARGET, blocked_by_core_wait
+from distlab.studies.step_limit import limit_rows as measure_limits
 
 limit = measure_limits(
     TT, 2, ("ddp", "zero3", "tp", "pp") if QUICK else STRATEGIES,
@@ -432,12 +433,20 @@ table(LIMIT_HEADER, limit_rows(limit))
 table(TERM_HEADER, term_rows(limit))
 zero3_rows = [r for r in limit["rows"] if r["strategy"] == "zero3"]
 zero3_gathers = [e["prefetch"]["blocked_s"] / e["step_s"] for e in zero3_rows[0]["steps"]]
+zero3_cores = blocked_by_core_wait(zero3_rows[0]["steps"])  # None off Linux, or few steps
 display(Markdown(
     "α-β fits (2 ranks): " + "; ".join(
         f"{k} α {f.alpha * 1e6:.0f} µs, β {f.beta / 1e9:.2f} GB/s (worst point "
         f"{limit['fit_worst'][k]:.0%} off)" for k, f in limit["fits"].items())
     + f". ZeRO-3's compute waited on parameter all-gathers for "
-    f"{sorted(zero3_gathers)[len(zero3_gathers) // 2]:.1%} of its step (median)."))
+    f"{sorted(zero3_gathers)[len(zero3_gathers) // 2]:.1%} of its step (median)."
+    + (f" Its gathers move on gloo's threads, which share the cores with the ranks' compute: "
+       f"a step, they waited {zero3_cores['others_wait_s'] * 1e3:.1f} ms for a core, the "
+       f"training thread {zero3_cores['main_wait_s'] * 1e3:.1f} ms (Linux's run_delay). "
+       f"Compute blocked {zero3_cores['blocked_least_waiting']:.1%} of the step in the half of "
+       f"the steps where gloo's threads waited least, {zero3_cores['blocked_most_waiting']:.1%} "
+       "in the other half: were the cores the cause, the second would be the larger."
+       if zero3_cores else "")))
 
 # %% [markdown]
 # ### How cost grows with the work
@@ -552,7 +561,10 @@ time_claims = [
           all(r["ratio"] <= TARGET for r in limit["rows"])),
     claim("ZeRO-3's prefetch hides its all-gathers: compute waits on them at most 3% of the "
           "step", "FSDP's prefetch (Zhao et al. 2023); the bar: 3%",
-          f"median {sorted(zero3_gathers)[len(zero3_gathers) // 2]:.1%} of the step",
+          f"median {sorted(zero3_gathers)[len(zero3_gathers) // 2]:.1%} of the step"
+          + (f" ({zero3_cores['blocked_least_waiting']:.1%} in the steps whose gloo threads "
+             f"waited least for a core, {zero3_cores['blocked_most_waiting']:.1%} in the rest)"
+             if zero3_cores else ""),
           sorted(zero3_gathers)[len(zero3_gathers) // 2] <= 0.03),
     claim("with the model and global batch fixed, more ranks make communication cost more "
           "than compute", "the α-β model (Hockney 1994), priced with this machine's fits",

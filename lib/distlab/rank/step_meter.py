@@ -4,7 +4,8 @@
     meter.saw_batch(x, y)          once the batch is read: the peak tracker's step begins
     with meter.forward(): ...      around each forward: activation bytes saved for backward
     fields = meter.end(...)        after the update: step time, CPU seconds (the process's and
-                                   the training thread's), bytes per collective (booked,
+                                   the training thread's; on Linux also the seconds each waited
+                                   for a core: wait_s), bytes per collective (booked,
                                    distlab.comm, and on the wire, distlab.wire), memory by
                                    category (distlab.memory), CUDA's max allocated
 
@@ -23,6 +24,7 @@ the node's ranks sent across the link between them, with no sampling from outsid
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -65,6 +67,7 @@ class StepMeter:
         wire.LEDGER.begin()
         self.t0 = time.perf_counter()
         self.cpu0 = (time.process_time(), time.thread_time())
+        self.queued0 = run_queue_delays()
 
     def saw_batch(self, x, y) -> None:
         if self.peak is not None:  # the batch's own bytes are live from here on
@@ -97,9 +100,46 @@ class StepMeter:
             memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
             # live at the step's end (before zero_grad): what stays on the device between steps
             memory["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+        cpu = {"process_s": process_s, "main_thread_s": main_s}
+        waited = core_wait(self.queued0, run_queue_delays())
+        if waited is not None:
+            cpu["wait_s"] = waited
         out = {"step_s": step_s, "memory": memory, "comm": comm_stats, "wire": on_wire,
-               "cpu": {"process_s": process_s, "main_thread_s": main_s}}
+               "cpu": cpu}
         link = wire.link_counters(self.link)
         if link is not None:
             out["link"] = link
         return out
+
+
+def run_queue_delays() -> dict[int, int] | None:
+    """Nanoseconds each of this process's threads has spent runnable but waiting for a core
+    (the second field of Linux's /proc/<pid>/task/<tid>/schedstat, the scheduler's run_delay),
+    by thread id; None where the kernel does not give it."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    delays = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                delays[int(tid)] = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return delays or None
+
+
+def core_wait(before: dict | None, after: dict | None) -> dict | None:
+    """Seconds this step's threads waited for a core: {"main": the training thread's,
+    "others": every other thread's (the backend's), summed}. On a machine with fewer free cores
+    than runnable threads, a collective's thread waiting for a core delays the collective while
+    the training thread waits on it. A thread born during the step counts from zero."""
+    if before is None or after is None:
+        return None
+    main = threading.get_native_id()  # end() runs on the training thread
+    out = {"main": 0.0, "others": 0.0}
+    for tid, ns in after.items():
+        out["main" if tid == main else "others"] += (ns - before.get(tid, 0)) / 1e9
+    return out
+

@@ -390,6 +390,7 @@ def _rows(cfgs: dict, one: dict, got: dict, ranks_steps: list, world: int) -> di
             # CPU seconds a step took on rank 0: the process's, and its training thread's
             "cpu_s": statistics.median(e["cpu"]["process_s"] for e in steps),
             "main_thread_cpu_s": statistics.median(e["cpu"]["main_thread_s"] for e in steps),
+            "core_wait_s": core_wait_median(steps),
             "steps": steps, "ranks_steps": [r[s] for r in ranks_steps]})
     for row in rows:
         # N ranks, each needing cpu_s of CPU a step, on C cores cannot step faster than
@@ -453,6 +454,34 @@ def growth_points(base, points, repeats: int = 2, warmup: int = 3, coll_reps: in
 TARGET = 1.2  # the bar set here: a written-here strategy within 1.2x of its prediction
 
 
+def core_wait_median(steps: list) -> dict | None:
+    """Rank 0's seconds a step waiting for a core (distlab.rank.step_meter's wait_s), the
+    training thread's and the other threads', medians over the steps; None without them (not
+    Linux)."""
+    waits = [e["cpu"]["wait_s"] for e in steps if "wait_s" in e["cpu"]]
+    if not waits:
+        return None
+    return {k: statistics.median(w[k] for w in waits) for k in ("main", "others")}
+
+
+def blocked_by_core_wait(steps: list) -> dict | None:
+    """ZeRO-3's steps (rank 0's) split in two halves by how long the backend's threads waited
+    for a core: the median fraction of the step blocked on all-gathers in each half, and the
+    median waits. If gloo's threads waiting for a core delay the gathers the training thread
+    then waits on, the half where they waited most blocks longest. None with fewer than 4
+    steps carrying both figures."""
+    pairs = sorted((e["cpu"]["wait_s"]["others"], e["prefetch"]["blocked_s"] / e["step_s"])
+                   for e in steps if "wait_s" in e["cpu"] and e.get("prefetch"))
+    if len(pairs) < 4:
+        return None
+    low, high = pairs[:len(pairs) // 2], pairs[len(pairs) // 2:]
+    return {"blocked_least_waiting": statistics.median(b for _, b in low),
+            "blocked_most_waiting": statistics.median(b for _, b in high),
+            "others_wait_s": statistics.median(w for w, _ in pairs),
+            "main_wait_s": statistics.median(e["cpu"]["wait_s"]["main"] for e in steps
+                                             if "wait_s" in e["cpu"])}
+
+
 def explain(row: dict) -> dict:
     """Where a strategy's measured step parts from its prediction, from the run itself:
 
@@ -467,11 +496,13 @@ def explain(row: dict) -> dict:
     waits = row["blocked_s"] - p.exposed
     slower = row["measured_s"] - row["blocked_s"] - p.compute.total
     backend = row["cpu_s"] - row["main_thread_cpu_s"]
+    queued = row.get("core_wait_s")
     if ratio <= TARGET:
         why = f"within {TARGET}x"
     elif waits >= slower:
         why = (f"the backend's cost: waits {1e3 * waits:.1f} ms longer than the α-β fit "
-               "prices them")
+               "prices them" + (f", while its threads waited {1e3 * queued['others']:.1f} ms "
+                                "for a core" if queued else ""))
     else:
         why = (f"this machine's cores: compute {1e3 * slower:.1f} ms slower than alone while "
                f"the backend's threads burned {1e3 * backend:.1f} ms of CPU")

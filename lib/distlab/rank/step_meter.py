@@ -65,9 +65,9 @@ class StepMeter:
             self.comm.take_step_stats()
         self._cleared = False
         wire.LEDGER.begin()
+        self.queued0 = run_queue_delays()  # ~50 µs: before the step's clocks start
         self.t0 = time.perf_counter()
         self.cpu0 = (time.process_time(), time.thread_time())
-        self.queued0 = run_queue_delays()
 
     def saw_batch(self, x, y) -> None:
         if self.peak is not None:  # the batch's own bytes are live from here on
@@ -122,9 +122,12 @@ def run_queue_delays() -> dict[int, int] | None:
         return None
     delays = {}
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                delays[int(tid)] = int(f.read().split()[1])
+        try:  # os.open/os.read: half the cost of open() for a file this small
+            fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            try:
+                delays[int(tid)] = int(os.read(fd, 128).split()[1])
+            finally:
+                os.close(fd)
         except (OSError, IndexError, ValueError):
             continue  # the thread ended meanwhile
     return delays or None

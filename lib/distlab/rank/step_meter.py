@@ -145,4 +145,3 @@ def core_wait(before: dict | None, after: dict | None) -> dict | None:
     for tid, ns in after.items():
         out["main" if tid == main else "others"] += (ns - before.get(tid, 0)) / 1e9
     return out
-

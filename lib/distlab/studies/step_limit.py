@@ -475,11 +475,10 @@ def blocked_by_core_wait(steps: list) -> dict | None:
     if len(pairs) < 4:
         return None
     low, high = pairs[:len(pairs) // 2], pairs[len(pairs) // 2:]
+    waits = core_wait_median(steps)
     return {"blocked_least_waiting": statistics.median(b for _, b in low),
             "blocked_most_waiting": statistics.median(b for _, b in high),
-            "others_wait_s": statistics.median(w for w, _ in pairs),
-            "main_wait_s": statistics.median(e["cpu"]["wait_s"]["main"] for e in steps
-                                             if "wait_s" in e["cpu"])}
+            "others_wait_s": waits["others"], "main_wait_s": waits["main"]}
 
 
 def explain(row: dict) -> dict:

@@ -38,7 +38,7 @@ def test_round_trip_through_dict_and_unknown_fields():
     cfg = RunConfig(strategy="allreduce", world_size=2, lr=0.1)
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown RunConfig field"):
-        RunConfig.from_dict({**cfg.to_dict(), "zero_stage": 3})
+        RunConfig.from_dict({**cfg.to_dict(), "zero_level": 3})
     assert cfg.replace(world_size=4).local_batch == 4
     assert set(STRATEGIES) >= {"single", "allreduce"}
 

@@ -97,6 +97,15 @@ class RunConfig:
     schedule: str = "gpipe"  # naive | gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # interleaved: model chunks per pipeline rank
     mesh_order: str = MESH_ORDERS[0]  # 3d: rank order, fastest kind first (MESH_ORDERS)
+    # the mesh (strategy "mesh", distlab.parallel.parallelize): world = pp x dp_replicate x
+    # dp_shard x cp x tp. cp: ranks that split every sequence; dp_shard: ranks that shard the
+    # model state with ZeRO stage zero_stage (0: the ranks the other degrees leave);
+    # dp_replicate: replicas of those shards (HSDP). Setting any of them, or tp/pp without a
+    # strategy, picks "mesh"; world_size left at 1 becomes the degrees' product
+    cp: int = 1
+    dp_shard: int = 0
+    dp_replicate: int = 1
+    zero_stage: int = 3  # fully_shard's, as torchtitan's dp_shard; 0 all-reduces whole gradients
     # context parallelism (distlab.parallel.context): ranks per replica that split each
     # sequence (0: all), which tokens each holds, and how attention crosses the split
     cp_ranks: int = 0
@@ -194,6 +203,7 @@ class RunConfig:
 
     def __post_init__(self):
         self._check_types()
+        self._pick_mesh()
         strategy_class(self.strategy)  # ValueError naming the registry's strategies
         _choice("allreduce", self.allreduce, ALLREDUCE_ALGORITHMS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -304,6 +314,20 @@ class RunConfig:
                 raise ValueError(f"fault_rank={self.fault_rank} must be in [0, {self.world_size})")
             if not 0 <= self.fault_step < self.steps:
                 raise ValueError(f"fault_step={self.fault_step} must be in [0, {self.steps})")
+
+    def _pick_mesh(self):
+        """RunConfig(tp=2, cp=2, dp_shard=2): degrees named without a strategy run on the
+        mesh, and a world size left at 1 is their product."""
+        named = (self.cp > 1 or self.dp_shard > 0 or self.dp_replicate > 1)
+        if self.strategy == "single" and (named or self.tp > 1 or self.pp > 1):
+            self.strategy = "mesh"
+        if self.strategy == "mesh":
+            for name in ("cp", "dp_replicate", "pp", "tp"):
+                _positive_int(name, getattr(self, name))
+            _positive_int("dp_shard", self.dp_shard, minimum=0)
+            if self.world_size == 1:
+                self.world_size = self.pp * self.dp_replicate * max(self.dp_shard, 1) * (
+                    self.cp * self.tp)
 
     @property
     def pair_mbit(self) -> dict:

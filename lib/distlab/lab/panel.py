@@ -1141,6 +1141,13 @@ def _make_knobs(cfg: RunConfig) -> dict:
         "backup_workers": num(W.BoundedIntText, "backup_workers", "backup workers", min=0,
                               max=64),
         "cp_ranks": num(W.BoundedIntText, "cp_ranks", "cp ranks (0: all)", min=0, max=1024),
+        # the mesh's other degrees (distlab.parallel.parallelize): tp and pp are above
+        "cp": num(W.BoundedIntText, "cp", "cp (context-parallel ranks)", min=1, max=1024),
+        "dp_shard": num(W.BoundedIntText, "dp_shard", "dp_shard (0: the rest)", min=0,
+                        max=1024),
+        "dp_replicate": num(W.BoundedIntText, "dp_replicate", "dp_replicate (HSDP)", min=1,
+                            max=1024),
+        "zero_stage": choice("zero_stage", (0, 1, 2, 3), "ZeRO stage on dp_shard"),
         "cp_layout": choice("cp_layout", ("zigzag", "contiguous"), "sequence split"),
         "cp_attention": choice("cp_attention", ("ring", "ulysses"), "attention"),
     }

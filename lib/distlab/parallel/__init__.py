@@ -44,6 +44,8 @@ REGISTRY = {
     "pp": "distlab.parallel.pipeline.pp:PipelineParallel",
     "pp-torch": "distlab.parallel.pipeline.pp_torch:TorchPP",
     "3d": "distlab.parallel.mesh:ThreeD",
+    # every dimension at once: pp x dp_replicate x dp_shard x cp x tp (parallel/parallelize.py)
+    "mesh": "distlab.parallel.parallelize:MeshParallel",
     # context parallelism (parallel/context/)
     "cp": "distlab.parallel.context.strategy:ContextParallelDP",
     # expert parallelism (parallel/expert/)
@@ -59,12 +61,14 @@ KNOBS = {
     "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp", "ddp-torch"), "topk_ratio": ("ddp",),
     "powersgd_rank": ("ddp-torch",),
     "sync_every": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
-    "microbatches": ("pp", "pp-torch", "3d"), "schedule": ("pp", "pp-torch", "3d"),
-    "virtual_stages": ("pp", "pp-torch", "3d"), "pp_op_delay_s": ("pp", "3d"),
+    "microbatches": ("pp", "pp-torch", "3d", "mesh"),
+    "schedule": ("pp", "pp-torch", "3d", "mesh"),
+    "virtual_stages": ("pp", "pp-torch", "3d", "mesh"), "pp_op_delay_s": ("pp", "3d", "mesh"),
     "mesh_order": ("3d",),
-    "cp_ranks": ("cp",), "cp_layout": ("cp",), "cp_attention": ("cp",),
+    "cp_ranks": ("cp",), "cp_layout": ("cp", "mesh"), "cp_attention": ("cp", "mesh"),
+    "cp": ("mesh",), "dp_shard": ("mesh",), "dp_replicate": ("mesh",), "zero_stage": ("mesh",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
-    "fsdp_prefetch": ("zero3",),
+    "fsdp_prefetch": ("zero3", "mesh"),
     "shard_ranks": ("fsdp-torch",),
 }
 

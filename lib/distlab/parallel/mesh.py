@@ -32,6 +32,8 @@ sequence-sharded activations), grad_clip (a norm over three kinds of groups), da
 
 from __future__ import annotations
 
+import itertools
+
 import torch.distributed as dist
 
 from distlab.comm import Comm
@@ -49,23 +51,53 @@ CARRIES = {"tp": "activations' partial sums: all-reduce per block, forward and b
 ORDERS = ("tp-dp-pp", "dp-tp-pp")
 
 
-def _strides(dp: int, tp: int, pp: int, order: str) -> dict:
-    """Rank distance between neighbours along each kind, for `order` (fastest first)."""
-    sizes, strides, step = {"dp": dp, "tp": tp, "pp": pp}, {}, 1
-    for kind in order.split("-"):
-        strides[kind], step = step, step * sizes[kind]
-    return strides
+# -- any number of named dimensions (pure: no processes) ------------------------------------------
+def strides(sizes: dict, order: tuple) -> dict:
+    """Rank distance between neighbours along each dimension; `order` names the dimensions,
+    fastest-varying first (the first's neighbours are consecutive ranks)."""
+    out, step = {}, 1
+    for dim in order:
+        out[dim], step = step, step * sizes[dim]
+    return out
+
+
+def grid_coords(rank: int, sizes: dict, order: tuple) -> dict:
+    """`rank`'s coordinate along each dimension."""
+    return {d: (rank // s) % sizes[d] for d, s in strides(sizes, order).items()}
+
+
+def grid_groups(sizes: dict, dims: tuple, order: tuple) -> list[list[int]]:
+    """Every group along `dims` (one dimension, or several taken together as one, as
+    torchtitan's flattened "dp_shard_cp"): the ranks whose coordinates differ only there.
+    Groups are listed with the other coordinates counting up, slowest dimension first (the
+    same list on every rank: dist.new_group must be called in one order); members in
+    increasing rank order, so a rank's place in its group is its coordinate along `dims`,
+    the first of `order` among them varying fastest."""
+    s = strides(sizes, order)
+    others = [d for d in reversed(order) if d not in dims]  # slowest first
+    inside = [d for d in order if d in dims]
+    groups = []
+    for fixed in itertools.product(*(range(sizes[d]) for d in others)):
+        base = sum(c * s[d] for c, d in zip(fixed, others))
+        members = [base + sum(c * s[d] for c, d in zip(idx, inside))
+                   for idx in itertools.product(*(range(sizes[d]) for d in inside))]
+        groups.append(sorted(members))
+    return groups
+
+
+# -- 3d's three kinds, on that grid ---------------------------------------------------------------
+def _sizes(dp: int, tp: int, pp: int) -> dict:
+    return {"dp": dp, "tp": tp, "pp": pp}
 
 
 def coords(rank: int, dp: int, tp: int, pp: int, order: str = ORDERS[0]) -> dict:
     """(pp_idx, dp_idx, tp_idx) of `rank` in the layout `order` (Megatron's by default)."""
-    sizes = {"dp": dp, "tp": tp, "pp": pp}
-    return {k: (rank // s) % sizes[k] for k, s in _strides(dp, tp, pp, order).items()}
+    return grid_coords(rank, _sizes(dp, tp, pp), tuple(order.split("-")))
 
 
 def rank_of(pp_idx: int, dp_idx: int, tp_idx: int, dp: int, tp: int, pp: int = 1,
             order: str = ORDERS[0]) -> int:
-    s = _strides(dp, tp, pp, order)
+    s = strides(_sizes(dp, tp, pp), tuple(order.split("-")))
     return pp_idx * s["pp"] + dp_idx * s["dp"] + tp_idx * s["tp"]
 
 
@@ -73,10 +105,8 @@ def layout(dp: int, tp: int, pp: int, order: str = ORDERS[0]) -> dict:
     """Every group of each kind, as lists of global ranks, in creation order (pure: no
     processes). Group members are in increasing rank order, so a rank's place in its group is
     its coordinate along that dimension."""
-    r = lambda p, d, t: rank_of(p, d, t, dp, tp, pp, order)  # noqa: E731
-    return {"tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-            "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-            "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]}
+    sizes, o = _sizes(dp, tp, pp), tuple(order.split("-"))
+    return {kind: grid_groups(sizes, (kind,), o) for kind in KINDS}
 
 
 class Mesh:

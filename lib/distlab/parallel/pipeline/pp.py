@@ -74,8 +74,10 @@ def split_model(model, rank: int, p: int, v: int = 1):
 def stage_forward(model, stage: int, n_stages: int, h, targets=None):
     """Run global stage `stage` of the split GPT: embeddings on the first, blocks, then
     ln_f/head (and the loss when targets are given) on the last. Same ops as GPT.forward."""
-    if stage == 0:
-        h = model.tok_emb(h) + model.pos_emb(torch.arange(h.shape[1], device=h.device))
+    if stage == 0:  # context parallelism holds other positions than the first T (GPT.forward)
+        pos = getattr(model, "token_positions", None)
+        pos = pos.to(h.device) if pos is not None else torch.arange(h.shape[1], device=h.device)
+        h = model.tok_emb(h) + model.pos_emb(pos)
     for i in stage_blocks(len(model.blocks), n_stages, stage):
         h = model.blocks[i](h)
     if stage < n_stages - 1:

@@ -688,7 +688,10 @@ def full_state_dict(module: nn.Module) -> dict:
         for pname, p in m.named_parameters():
             if style == "rowwise" and pname == "bias":
                 continue  # replicated
-            whole = _gather_block(state.comm, p.detach(), 0 if style == "colwise" else -1)
+            # the state dict's value, not p: under ZeRO-3 (the mesh) p's storage is freed
+            # between steps and module.state_dict() has gathered it
+            block = sd.get(f"{name}.{pname}", p).detach()
+            whole = _gather_block(state.comm, block, 0 if style == "colwise" else -1)
             if name in state.fused:  # rank-major [q_0 k_0 v_0 | q_1 ...] back to [q | k | v]
                 order = torch.cat([fused_rows(state.fused[name], r, state.comm.world)
                                    for r in range(state.comm.world)])

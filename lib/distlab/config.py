@@ -106,6 +106,7 @@ class RunConfig:
     dp_shard: int = 0
     dp_replicate: int = 1
     zero_stage: int = 3  # fully_shard's, as torchtitan's dp_shard; 0 all-reduces whole gradients
+    ep: int = 1  # mesh: ranks (of the data-parallel ones) over which each MoE's experts spread
     # context parallelism (distlab.parallel.context): ranks per replica that split each
     # sequence (0: all), which tokens each holds, and how attention crosses the split
     cp_ranks: int = 0
@@ -318,11 +319,11 @@ class RunConfig:
     def _pick_mesh(self):
         """RunConfig(tp=2, cp=2, dp_shard=2): degrees named without a strategy run on the
         mesh, and a world size left at 1 is their product."""
-        named = (self.cp > 1 or self.dp_shard > 0 or self.dp_replicate > 1)
+        named = (self.cp > 1 or self.dp_shard > 0 or self.dp_replicate > 1 or self.ep > 1)
         if self.strategy == "single" and (named or self.tp > 1 or self.pp > 1):
             self.strategy = "mesh"
         if self.strategy == "mesh":
-            for name in ("cp", "dp_replicate", "pp", "tp"):
+            for name in ("cp", "dp_replicate", "pp", "tp", "ep"):
                 _positive_int(name, getattr(self, name))
             _positive_int("dp_shard", self.dp_shard, minimum=0)
             if self.world_size == 1:
@@ -682,7 +683,7 @@ def _positive_int(name, value, minimum=1):
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-MOE_STRATEGIES = ("single", "allreduce", "ddp", "ep")
+MOE_STRATEGIES = ("single", "allreduce", "ddp", "ep", "mesh")
 
 
 def _check_bug(cfg) -> None:

@@ -1148,6 +1148,7 @@ def _make_knobs(cfg: RunConfig) -> dict:
         "dp_replicate": num(W.BoundedIntText, "dp_replicate", "dp_replicate (HSDP)", min=1,
                             max=1024),
         "zero_stage": choice("zero_stage", (0, 1, 2, 3), "ZeRO stage on dp_shard"),
+        "ep": num(W.BoundedIntText, "ep", "ep (expert-parallel ranks)", min=1, max=1024),
         "cp_layout": choice("cp_layout", ("zigzag", "contiguous"), "sequence split"),
         "cp_attention": choice("cp_attention", ("ring", "ulysses"), "attention"),
     }

@@ -67,6 +67,7 @@ KNOBS = {
     "mesh_order": ("3d",),
     "cp_ranks": ("cp",), "cp_layout": ("cp", "mesh"), "cp_attention": ("cp", "mesh"),
     "cp": ("mesh",), "dp_shard": ("mesh",), "dp_replicate": ("mesh",), "zero_stage": ("mesh",),
+    "ep": ("mesh",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
     "fsdp_prefetch": ("zero3", "mesh"),
     "shard_ranks": ("fsdp-torch",),

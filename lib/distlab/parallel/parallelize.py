@@ -8,6 +8,11 @@ The mesh has five named dimensions (torchtitan's and Megatron-Core's), world = t
     cp            ranks that split every sequence      (ring or Ulysses attention)
     tp            ranks that split every layer         (Megatron's f/g all-reduces; sp optional)
 
+and a sixth, ep, carved out of the data-parallel ranks (as torchtitan's): the ranks that share
+this rank's tp and pp coordinates are cut into consecutive groups of ep, each holding the
+E experts of every MoE layer E/ep to a rank (all-to-all dispatch); the ranks with the same
+place in their ep group hold the same experts ("edp", expert data parallel).
+
 **Rank order**: tp varies fastest, then cp, dp_shard, dp_replicate, pp (torchtitan's order:
 the dimensions that talk every layer on the nearest ranks, one node's). dp2 x cp2 x tp2:
 
@@ -15,6 +20,10 @@ the dimensions that talk every layer on the nearest ranks, one node's). dp2 x cp
     tp     0  1  0  1  0  1  0  1        tp groups  [0,1] [2,3] [4,5] [6,7]
     cp     0  0  1  1  0  0  1  1        cp groups  [0,2] [1,3] [4,6] [5,7]
     dp     0  0  0  0  1  1  1  1        dp groups  [0,4] [1,5] [2,6] [3,7]
+
+**Experts.** A local expert's gradient arrives summed over its ep group's losses (the
+combine's backward brings every rank's output gradients to it): divided by ep, then averaged
+over edp, it is the global batch's mean. The dense parameters take the dp_cp average.
 
 **Who reduces what.** A rank's loss is the mean over its rows (its dp block of the global
 batch) and its tokens (its cp share of every row), equal shares, so the mean gradient of the
@@ -33,7 +42,9 @@ strategy already tested alone, handed its group's Comm, so bytes are booked per 
 
 Refused before any process starts (check_config): degrees whose product is not the world, a
 head or sequence split that does not divide, Ulysses over more ranks than a tp rank's heads,
-a mixture of experts (expert parallelism is not on this mesh yet).
+ep that does not divide the data-parallel ranks or the experts, experts with tp (the MoE's
+experts are not split by TP's plan), with ZeRO (its flat units would mix the different experts
+of an ep group) or, under a pipeline, with the balance loss (the stages do not carry it).
 """
 
 from __future__ import annotations
@@ -50,27 +61,42 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # slowest first, as torch
 ORDER = tuple(reversed(DIMS))  # fastest first: what grid_coords and grid_groups read
 # the groups a run may build, each a set of dimensions taken together
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": ("dp_replicate",),
-          "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+          "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+          "ep": None, "edp": None}  # ep, edp: cut from dp_cp (ep_groups)
 # what each group carries
 CARRIES = {"tp": "activations' partial sums: all-reduce per block, forward and backward",
            "cp": "keys and values around the ring (or all-to-all to heads), every block",
            "pp": "activations forward, their gradients backward (send/recv)",
            "dp_replicate": "HSDP: each gradient shard averaged over the replicas",
            "dp_shard_cp": "ZeRO: gradient reduce-scatter, parameter all-gather",
-           "dp_cp": "the whole gradient averaged (one flat all-reduce)"}
+           "dp_cp": "the whole gradient averaged (one flat all-reduce)",
+           "ep": "tokens to their experts' ranks and back (all-to-all), every MoE layer",
+           "edp": "each expert's gradient averaged over the ranks holding it"}
 
 
 def sizes(cfg) -> dict:
-    """Each dimension's degree; dp_shard = 0 takes the ranks the others leave."""
+    """Each dimension's degree (and ep's); dp_shard = 0 takes the ranks the others leave."""
     fixed = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
     return {"pp": cfg.pp, "dp_replicate": cfg.dp_replicate,
             "dp_shard": cfg.dp_shard or max(cfg.world_size // fixed, 1), "cp": cfg.cp,
-            "tp": cfg.tp}
+            "tp": cfg.tp, "ep": cfg.ep}
 
 
 def mesh_string(s: dict) -> str:
-    """"pp2 x dp_shard2 x tp2": the dimensions above 1, slowest first ("1" for one rank)."""
-    return " x ".join(f"{d}{s[d]}" for d in DIMS if s[d] > 1) or "1"
+    """"pp2 x dp_shard2 x tp2": the dimensions above 1, slowest first ("1" for one rank),
+    then ep's ("(ep2)": its ranks are the data-parallel ones)."""
+    out = " x ".join(f"{d}{s[d]}" for d in DIMS if s[d] > 1) or "1"
+    return out + (f" (ep{s['ep']})" if s.get("ep", 1) > 1 else "")
+
+
+def ep_groups(s: dict) -> dict:
+    """ep and edp groups: each dp_cp group (members in rank order) cut into consecutive
+    blocks of ep ranks (ep), and its members with the same place in their block (edp)."""
+    ep, out = s["ep"], {"ep": [], "edp": []}
+    for members in grid_groups(s, GROUPS["dp_cp"], ORDER):
+        out["ep"] += [members[i:i + ep] for i in range(0, len(members), ep)]
+        out["edp"] += [members[j::ep] for j in range(ep)]
+    return out
 
 
 def used_groups(s: dict, zero_stage: int) -> list[str]:
@@ -84,12 +110,17 @@ def used_groups(s: dict, zero_stage: int) -> list[str]:
             out.append("dp_replicate")
     elif s["dp_replicate"] * s["dp_shard"] * s["cp"] > 1:
         out.append("dp_cp")
+    if s.get("ep", 1) > 1:
+        out.append("ep")
+        if s["dp_replicate"] * s["dp_shard"] * s["cp"] > s["ep"]:
+            out.append("edp")
     return out
 
 
 def layout(s: dict, zero_stage: int = 0) -> dict:
     """Every group of each kind the run builds, as lists of global ranks (pure)."""
-    return {g: grid_groups(s, GROUPS[g], ORDER) for g in used_groups(s, zero_stage)}
+    return {g: ep_groups(s)[g] if GROUPS[g] is None else grid_groups(s, GROUPS[g], ORDER)
+            for g in used_groups(s, zero_stage)}
 
 
 def table(s: dict, zero_stage: int = 0) -> list[dict]:
@@ -106,7 +137,7 @@ class NDMesh:
     def __init__(self, s: dict, zero_stage: int, rank: int):
         import torch.distributed as dist
         self.sizes, self.rank = dict(s), rank
-        self.coords = grid_coords(rank, s, ORDER)
+        self.coords = grid_coords(rank, {d: s[d] for d in DIMS}, ORDER)
         self.layout = layout(s, zero_stage)
         self.comms, self.peers = {}, {}
         for kind, groups in self.layout.items():
@@ -142,9 +173,7 @@ class MeshParallel(Strategy):
             raise ValueError(f"mesh {mesh_string(s)} has {product} ranks, not world_size="
                              f"{cfg.world_size}: the degrees pp x dp_replicate x dp_shard x cp x "
                              "tp must multiply to the world size (dp_shard=0 takes the rest)")
-        if cfg.n_experts:
-            raise ValueError(f"n_experts={cfg.n_experts}: expert parallelism is not on the mesh "
-                             "yet; a mixture of experts runs under strategy='ep'")
+        cls._check_experts(cfg, s)
         if cfg.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={cfg.zero_stage} must be 0 (no sharding), 1, 2 or 3")
         cp, tp = s["cp"], s["tp"]
@@ -168,6 +197,31 @@ class MeshParallel(Strategy):
                              "gradients are summed over tp after backward, when ZeRO-2/3 has "
                              "already taken them; use zero_stage 0 or 1 with sp")
 
+    @staticmethod
+    def _check_experts(cfg, s: dict) -> None:
+        dp_cp, ep = s["dp_replicate"] * s["dp_shard"] * s["cp"], s["ep"]
+        if ep < 1 or dp_cp % ep:
+            raise ValueError(f"ep={ep} must divide the {dp_cp} data-parallel ranks "
+                             f"(dp_replicate x dp_shard x cp): expert groups are cut from them")
+        if not cfg.n_experts:
+            if ep > 1:
+                raise ValueError(f"ep={ep} spreads a mixture of experts' experts over ranks: "
+                                 "set n_experts (e.g. 4)")
+            return
+        if cfg.n_experts % ep:
+            raise ValueError(f"n_experts={cfg.n_experts} must divide by ep={ep}: each rank of "
+                             "an expert group holds n_experts / ep experts")
+        if s["tp"] > 1:
+            raise ValueError(f"n_experts={cfg.n_experts} with tp={s['tp']}: TP's plan splits "
+                             "the dense MLP by its layer names, not the experts; use tp=1")
+        if ep > 1 and cfg.zero_stage and s["dp_shard"] * s["cp"] > 1:
+            raise ValueError(f"ep={ep} with zero_stage={cfg.zero_stage}: ZeRO's flat units "
+                             "over dp_shard x cp would mix the different experts the ranks of "
+                             "an ep group hold; use zero_stage=0")
+        if s["pp"] > 1 and cfg.aux_loss_coef:
+            raise ValueError(f"n_experts with pp={s['pp']}: the pipeline's stages carry no "
+                             "balance loss from their MoE blocks; set aux_loss_coef=0")
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         from distlab.parallel.context.api import ContextParallel
@@ -184,6 +238,8 @@ class MeshParallel(Strategy):
         zero = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}.get(cfg.zero_stage)
         self.dp_s = zero(cfg, c["dp_shard_cp"]) if "dp_shard_cp" in c else None
         self.dp_comm = c.get("dp_cp")  # no ZeRO: the flat all-reduce's group
+        self.ep_comm, self.edp_comm = c.get("ep"), c.get("edp")
+        self.moes = []  # the MoE layers (their routing stats go in the step's event)
         xy = self.mesh.coords
         self.dp_index = xy["dp_replicate"] * s["dp_shard"] + xy["dp_shard"]
 
@@ -194,17 +250,34 @@ class MeshParallel(Strategy):
         if self.cp is not None:
             from distlab.parallel.context.strategy import attach
             attach(model, self.cp, self.cfg.seq_len)  # attention across the cp group's tokens
+        if self.cfg.n_experts:
+            from distlab.parallel.expert.dispatch import expert_parallel
+            self.moes = [b.mlp for b in model.blocks]
+            if self.ep_comm is not None:  # each MoE's experts spread over the ep group
+                for moe in self.moes:
+                    expert_parallel(moe, self.ep_comm)
         if self.pp_s is not None:
             model = self.pp_s.wrap(model)  # keep this rank's stages
+            kept = {id(m) for m in model.modules()}
+            self.moes = [m for m in self.moes if id(m) in kept]
             if self.tp_s is not None:
                 self.tp_s.after_model_split(model)  # TP forgets the blocks it no longer holds
         if self.dp_s is not None:
             return self.dp_s.wrap(model)  # ZeRO's units: what is left
         if self.dp_comm is not None:
             with torch.no_grad():  # the replicas start from one rank's weights, as DDP
-                for t in list(model.parameters()) + list(model.buffers()):
+                for t in self._dense(model) + list(model.buffers()):
                     self.dp_comm.broadcast(t.data, src=0)
         return model
+
+    def _experts(self, model) -> list:
+        """This rank's expert parameters (under ep: its own experts only)."""
+        return [p for m in self.moes for p in m.experts.parameters()] if self.ep_comm else []
+
+    def _dense(self, model) -> list:
+        """The parameters every rank of dp_cp holds alike."""
+        experts = {id(p) for p in self._experts(model)}
+        return [p for p in model.parameters() if id(p) not in experts]
 
     def build_optimizer(self, model, make):
         if self.dp_s is not None:
@@ -241,11 +314,14 @@ class MeshParallel(Strategy):
                 for u in self.dp_s.units:
                     self.mesh.comms["dp_replicate"].all_reduce(u.grad_shard, op="avg")
         elif self.dp_comm is not None:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.dp_comm.all_reduce(flat, op="avg")
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+            _average(self.dp_comm, self._dense(model))
+        if self.ep_comm is not None:  # summed over the ep group's losses: its mean, then edp's
+            experts = self._experts(model)
+            for p in experts:
+                if p.grad is not None:
+                    p.grad.div_(self.s["ep"])
+            if self.edp_comm is not None:
+                _average(self.edp_comm, experts)
 
     def step_gradients(self, model) -> list:
         if self.dp_s is not None:
@@ -276,8 +352,9 @@ class MeshParallel(Strategy):
         per_tp = lambda p: 1.0 if id(p) in tp_sharded else 1.0 / s["tp"]  # noqa: E731
         if self.dp_s is None:
             copies = s["dp_replicate"] * s["dp_shard"] * s["cp"]
-            return [(p.grad, per_tp(p) / copies) for p in model.parameters()
-                    if p.grad is not None]
+            experts = {id(p) for p in self._experts(model)}  # on edp's ranks only
+            return [(p.grad, per_tp(p) / (copies // s["ep"] if id(p) in experts else copies))
+                    for p in model.parameters() if p.grad is not None]
         out, rank = [], self.dp_s.rank
         for u in self.dp_s.units:  # each parameter's entries in this rank's shard
             for i, p in enumerate(u.params):
@@ -307,6 +384,9 @@ class MeshParallel(Strategy):
         if self.tp_s is not None:
             from distlab.parallel.tensor.tp import full_state_dict
             sd = full_state_dict(model)
+        elif self.ep_comm is not None:
+            from distlab.parallel.expert.dispatch import expert_parallel_state_dict
+            sd = expert_parallel_state_dict(model)  # the experts gathered over ep
         else:
             sd = dict(model.state_dict())
         sd = {k: v.detach().clone() for k, v in sd.items()}
@@ -329,6 +409,28 @@ class MeshParallel(Strategy):
             st = self.cp.take_stats()
             info["cp"] = {"rank": self.cp.comm.rank, "pairs": st.pairs_fwd,
                           "compute_s": st.compute_s, "wait_s": st.wait_s}
+        moes = [m for m in self.moes if m.last_stats]
+        if moes:  # as `ep`'s: the routing, per MoE block
+            info["moe"] = [{"tokens_per_expert": m.last_stats["tokens_per_expert"],
+                            "dropped": m.last_stats["dropped"],
+                            "capacity": m.last_stats["capacity"],
+                            "tokens": m.last_stats["tokens"],
+                            "aux_loss": float(m.aux_loss.detach())} for m in moes]
         info["mesh"] = {"coords": dict(self.mesh.coords), "sizes": dict(self.s),
                         "comm": self.mesh.take_step_stats()}
         return info
+
+
+def _average(comm: Comm, params: list) -> None:
+    """Average `params`' gradients over comm's group in one flat all-reduce (a missing
+    gradient counts as zero: another rank may have used the parameter)."""
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    comm.all_reduce(flat, op="avg")
+    for p, part in zip(params, flat.split([p.numel() for p in params])):
+        if p.grad is None:
+            p.grad = part.view_as(p).clone()
+        else:
+            p.grad.copy_(part.view_as(p))

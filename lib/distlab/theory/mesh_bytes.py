@@ -1,0 +1,166 @@
+"""Bytes each rank of a `mesh` run sends per step over each of its groups, by formula (fp32,
+the ring algorithms distlab.comm books). What tests/test_mesh_nd.py holds the runs to and
+notebook 07 sets beside the bytes a run booked.
+
+With s the mesh's sizes, m micro-batches, b = global_batch / (dp_replicate·dp_shard) / m rows
+per micro-batch, T_c = seq_len / cp tokens a rank holds of each row, d = n_embd and
+S = b·T_c·d·4 (one micro-batch's residual stream on one rank), L_s = n_layer / pp:
+
+    tp   4·L_s·m all-reduces of S, each 2(t-1)/t·S (Shoeybi et al. 2019: f and g, forward and
+         backward, around attention and the MLP); not modelled with sp
+    cp   per layer and micro-batch, the ring's K/V hops and dK/dV hops
+         (distlab.theory.context_and_experts.ring_attention_bytes with h = d/t: a tp rank's
+         heads), or Ulysses' eight all-to-alls
+    pp   m·S of activations to the next stage, m·S of gradients to the previous one
+    dp   ZeRO over N = dp_shard·cp ranks, on units padded to a multiple of N (P = Σ P_u):
+           zero1/2  reduce-scatter + all-gather, each (N-1)/N·4P (Rajbhandari et al. 2020)
+           zero3    under the loop: two all-gathers (forward, backward) and one
+                    reduce-scatter, each (N-1)/N·4P. Under a pipeline each micro-batch
+                    gathers every unit for its forward and its backward and reduce-scatters
+                    it, except that the unit a forward ends with is still gathered when a
+                    backward follows at once on this rank (the pipeline runs the stage's
+                    blocks, not the GPT's forward, so the hook that frees the last unit at
+                    forward's end never fires): 2m·P - f·P_last gathered, f the schedule's
+                    forward-then-backward pairs on this rank
+         HSDP: each shard averaged over dp_replicate, 2(R-1)/R·4P/N
+         no ZeRO: the dense gradient all-reduced over dp_cp, 2(n-1)/n·4Ψ
+    edp  under ep: this rank's experts' gradients all-reduced over the ranks holding them,
+         2(E-1)/E·4Ψ_experts (the all-to-alls depend on the routing: tests check them against
+         the routed counts)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from distlab.comm import ring_allreduce_bytes
+from distlab.models import GPTConfig
+from distlab.parallel.parallelize import ORDER, DIMS, ep_groups, sizes, used_groups
+from distlab.parallel.mesh import grid_coords
+from distlab.parallel.pipeline.pp import make_schedule, stage_blocks
+from distlab.parallel.tensor.tp import plan_table
+from distlab.theory.comm_bytes import _param_numels
+from distlab.theory.context_and_experts import ring_attention_bytes, ulysses_bytes
+
+FP32 = 4
+
+
+def held_numels(cfg, rank: int) -> dict[str, int]:
+    """{parameter name: entries this rank holds} (before ZeRO): its stage's blocks and ends,
+    Megatron's split weights divided by tp, under ep only its own experts."""
+    s = sizes(cfg)
+    c = grid_coords(rank, {d: s[d] for d in DIMS}, ORDER)
+    blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, s["pp"], c["pp"])}
+    split = set()
+    for name, style in plan_table(cfg.n_layer).items():
+        if style == "colwise":
+            split |= {f"{name}.weight", f"{name}.bias"}
+        elif style == "rowwise":
+            split.add(f"{name}.weight")
+    experts = _local_experts(cfg, s, rank)
+    out = {}
+    gpt = _param_numels(*dataclasses.astuple(GPTConfig.from_run(cfg, cfg.moe_groups_per_rank)))
+    for name, numel in gpt.items():
+        top = name.split(".")[0]
+        if not (any(name.startswith(b) for b in blocks)
+                or (top in ("tok_emb", "pos_emb") and c["pp"] == 0)
+                or (top in ("ln_f", "head") and c["pp"] == s["pp"] - 1)):
+            continue
+        if ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) not in experts:
+            continue
+        out[name] = numel // s["tp"] if name in split else numel
+    return out
+
+
+def _local_experts(cfg, s: dict, rank: int) -> set[int]:
+    if not cfg.n_experts:
+        return set()
+    if s["ep"] == 1:
+        return set(range(cfg.n_experts))
+    group = next(g for g in ep_groups(s)["ep"] if rank in g)
+    per = cfg.n_experts // s["ep"]
+    first = group.index(rank) * per
+    return set(range(first, first + per))
+
+
+def zero_units(cfg, rank: int) -> list[tuple[str, int]]:
+    """ZeRO's units on this rank in forward order, (name, entries): zero1 one unit of
+    everything; zero2/3 the embeddings, each block, then ln_f and the head (find_units' cut)."""
+    held = held_numels(cfg, rank)
+    if cfg.zero_stage == 1:
+        return [("model", sum(held.values()))]
+    units: dict[str, int] = {}
+    for name, numel in held.items():
+        top = name.split(".")[0]
+        unit = ("tok_emb+pos_emb" if top in ("tok_emb", "pos_emb") else
+                "ln_f+head" if top in ("ln_f", "head") else ".".join(name.split(".")[:2]))
+        units[unit] = units.get(unit, 0) + numel
+    order = sorted(units, key=lambda u: (0, 0) if u == "tok_emb+pos_emb" else (
+        2, 0) if u == "ln_f+head" else (1, int(u.split(".")[1])))
+    return [(u, units[u]) for u in order]
+
+
+def forward_then_backward(cfg, stage: int) -> int:
+    """How many times this stage's schedule runs a backward right after a forward."""
+    ops = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches)[stage]
+    return sum(a[0] == "F" and b[0] == "B" for a, b in zip(ops, ops[1:]))
+
+
+def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
+    """{group kind: {collective kind: bytes `rank` sends per step}} (module docstring)."""
+    if cfg.sp:
+        raise NotImplementedError("mesh_bytes models tp without sp")
+    if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
+        raise NotImplementedError("mesh_bytes models one pipeline chunk per rank")
+    s = sizes(cfg)
+    c = grid_coords(rank, {d: s[d] for d in DIMS}, ORDER)
+    t, cp, p, m = s["tp"], s["cp"], s["pp"], cfg.microbatches
+    b = cfg.global_batch // (s["dp_replicate"] * s["dp_shard"]) // m
+    S = b * (cfg.seq_len // cp) * cfg.n_embd * FP32
+    L = cfg.n_layer // p
+    groups = used_groups(s, cfg.zero_stage)
+    out: dict[str, dict[str, float]] = {g: {} for g in groups}
+    if "tp" in out:
+        out["tp"]["tp.all_reduce"] = 4 * L * m * 2 * (t - 1) * S / t
+    if "cp" in out:
+        h = cfg.n_embd // t
+        if cfg.cp_attention == "ring":
+            kv = b * (cfg.seq_len // cp) * h * FP32
+            ring = ring_attention_bytes(b, cfg.seq_len, h, cp)
+            out["cp"]["cp.kv"] = L * m * (ring["forward"] + ring["backward"] - 2 * cp * kv)
+            out["cp"]["cp.dkv"] = L * m * 2 * cp * kv
+        else:
+            u = ulysses_bytes(b, cfg.seq_len, h, cp)
+            out["cp"]["cp.a2a"] = L * m * (u["forward"] + u["backward"])
+    if "pp" in out:
+        if c["pp"] < p - 1:
+            out["pp"]["pp_send_act"] = m * S
+        if c["pp"] > 0:
+            out["pp"]["pp_send_grad"] = m * S
+    held = held_numels(cfg, rank)
+    experts = sum(n for k, n in held.items() if ".experts." in k) if s["ep"] > 1 else 0
+    if "dp_shard_cp" in out:
+        N = s["dp_shard"] * cp
+        units = [(u, math.ceil(n / N) * N) for u, n in zero_units(cfg, rank)]
+        P = sum(n for _, n in units)
+        one = (N - 1) * FP32 / N
+        if cfg.zero_stage < 3:
+            rs = P * (m if cfg.zero_stage == 2 and p > 1 else 1)
+            out["dp_shard_cp"] = {"reduce_scatter": one * rs, "all_gather": one * P}
+        elif p == 1:
+            out["dp_shard_cp"] = {"all_gather": 2 * one * P, "reduce_scatter": one * P}
+        else:
+            kept = forward_then_backward(cfg, c["pp"]) * units[-1][1]
+            out["dp_shard_cp"] = {"all_gather": one * (2 * m * P - kept),
+                                  "reduce_scatter": one * m * P}
+        if "dp_replicate" in out:
+            out["dp_replicate"]["all_reduce"] = ring_allreduce_bytes(FP32 * P / N,
+                                                                     s["dp_replicate"])
+    if "dp_cp" in out:
+        n = s["dp_replicate"] * s["dp_shard"] * cp
+        out["dp_cp"]["all_reduce"] = ring_allreduce_bytes(FP32 * (sum(held.values()) - experts), n)
+    if "edp" in out:
+        E = s["dp_replicate"] * s["dp_shard"] * cp // s["ep"]
+        out["edp"]["all_reduce"] = ring_allreduce_bytes(FP32 * experts, E)
+    return out

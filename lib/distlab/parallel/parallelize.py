@@ -42,8 +42,9 @@ strategy already tested alone, handed its group's Comm, so bytes are booked per 
 
 Refused before any process starts (check_config): degrees whose product is not the world, a
 head or sequence split that does not divide, Ulysses over more ranks than a tp rank's heads,
-ep that does not divide the data-parallel ranks or the experts, experts with tp (the MoE's
-experts are not split by TP's plan), with ZeRO (its flat units would mix the different experts
+ep that does not divide the data-parallel ranks or the experts, experts with tp and sp (TP
+leaves the experts whole on every tp rank, as Megatron-Core's expert tensor parallel size 1;
+with sp each tp rank would see other tokens), experts over ep with ZeRO (its flat units would mix the different experts
 of an ep group) or, under a pipeline, with the balance loss (the stages do not carry it).
 """
 
@@ -211,9 +212,12 @@ class MeshParallel(Strategy):
         if cfg.n_experts % ep:
             raise ValueError(f"n_experts={cfg.n_experts} must divide by ep={ep}: each rank of "
                              "an expert group holds n_experts / ep experts")
-        if s["tp"] > 1:
-            raise ValueError(f"n_experts={cfg.n_experts} with tp={s['tp']}: TP's plan splits "
-                             "the dense MLP by its layer names, not the experts; use tp=1")
+        if s["tp"] > 1 and cfg.sp:
+            # the experts stay whole on each tp rank (TP splits attention only); under sp each
+            # tp rank would route its own share of the tokens, and the experts' gradients
+            # would need summing over tp, which is not written
+            raise ValueError(f"n_experts={cfg.n_experts} with tp={s['tp']} and sp=True: the "
+                             "experts would see a sequence shard per tp rank; use sp=False")
         if ep > 1 and cfg.zero_stage and s["dp_shard"] * s["cp"] > 1:
             raise ValueError(f"ep={ep} with zero_stage={cfg.zero_stage}: ZeRO's flat units "
                              "over dp_shard x cp would mix the different experts the ranks of "
@@ -381,14 +385,15 @@ class MeshParallel(Strategy):
         """All weights under `single`'s names (collective: every rank). model.state_dict()
         gathers ZeRO-3's shards; TP's blocks are gathered over tp; the stages' dicts over pp."""
         import torch.distributed as dist
+        sd = dict(model.state_dict())
         if self.tp_s is not None:
             from distlab.parallel.tensor.tp import full_state_dict
-            sd = full_state_dict(model)
-        elif self.ep_comm is not None:
+            sd = full_state_dict(model)  # TP's blocks gathered over tp
+        if self.ep_comm is not None:  # the experts gathered over ep (TP leaves them whole)
             from distlab.parallel.expert.dispatch import expert_parallel_state_dict
-            sd = expert_parallel_state_dict(model)  # the experts gathered over ep
-        else:
-            sd = dict(model.state_dict())
+            experts = expert_parallel_state_dict(model)
+            sd = {**{k: v for k, v in sd.items() if ".experts." not in k},
+                  **{k: v for k, v in experts.items() if ".experts." in k}}
         sd = {k: v.detach().clone() for k, v in sd.items()}
         if self.pp_s is None:
             return sd

@@ -710,13 +710,15 @@ def _gather_block(comm, x, dim):
 
 
 # -- the plan: module name -> style ------------------------------------------------------------
-def plan_table(n_layer: int, sp: bool = False) -> dict:
+def plan_table(n_layer: int, sp: bool = False, experts: bool = False) -> dict:
     """Which module gets which treatment, by name (torchtitan-style). Styles:
     colwise / rowwise: replaced by Column/RowParallelLinear; region: its input passes the
     entry operator (f, or g_sp with sp) once, shared by q, k, v (or fc); sequence: replicated
     weights on a sequence-sharded input (sp only; gradient all-reduced); scatter_seq /
     gather_seq: where the residual stream enters / leaves the SP region. Modules not named
-    (tok_emb, pos_emb, and without sp ln1, ln2, ln_f, head) stay replicated."""
+    (tok_emb, pos_emb, and without sp ln1, ln2, ln_f, head) stay replicated. experts: the
+    blocks' MLPs are mixtures of experts, which stay whole on every tp rank (Megatron-Core's
+    expert tensor parallel size 1): only attention is split."""
     plan = {}
     for i in range(n_layer):
         b = f"blocks.{i}"
@@ -727,6 +729,8 @@ def plan_table(n_layer: int, sp: bool = False) -> dict:
         plan[f"{b}.attn.o"] = "rowwise"
         if sp:
             plan[f"{b}.ln2"] = "sequence"
+        if experts:
+            continue
         plan[f"{b}.mlp"] = "region"
         plan[f"{b}.mlp.fc"] = "colwise"
         plan[f"{b}.mlp.proj"] = "rowwise"
@@ -750,7 +754,7 @@ def tp_plan(model, tp: int, sp: bool = False) -> list:
     return rows
 
 
-def gpt_plan(n_layer: int, sp: bool = False) -> dict:
+def gpt_plan(n_layer: int, sp: bool = False, experts: bool = False) -> dict:
     """plan_table as parallelize_module's plan. Without sp "region" rows need no style: the
     column-parallel layers that read one input share their entry f (q, k, v: one all-reduce
     backward); with sp the region's module gathers the sequence (g_sp) for its layers."""
@@ -761,7 +765,7 @@ def gpt_plan(n_layer: int, sp: bool = False) -> dict:
               "scatter_seq": lambda: PrepareModuleInput("replicate", "sequence"),
               "gather_seq": lambda: PrepareModuleInput("sequence", "replicate",
                                                        use_local_output=True)}
-    return {name: styles[style]() for name, style in plan_table(n_layer, sp).items()
+    return {name: styles[style]() for name, style in plan_table(n_layer, sp, experts).items()
             if sp or style != "region"}
 
 
@@ -780,8 +784,8 @@ class TensorParallel(Strategy):
     def wrap(self, model):
         # every rank built the same full model from cfg.seed; each keeps its slice of it
         if self.cfg.model == "gpt":
-            model = parallelize_module(model, gpt_plan(len(model.blocks), self.sp),
-                                       comm=self.comm)
+            plan = gpt_plan(len(model.blocks), self.sp, experts=bool(self.cfg.n_experts))
+            model = parallelize_module(model, plan, comm=self.comm)
         else:  # yours: its own plan (checked before spawn by distlab.models.factory.check)
             model = parallelize_module(model, model.tp_plan, comm=self.comm)
         self.sharded = dict(model._distlab_tp.sharded)

@@ -85,6 +85,9 @@ class RunConfig:
     # zero3: how many units ahead of the running one have their all-gather started (FSDP2
     # prefetches 1; 0: each unit is gathered only when its forward or backward needs it)
     fsdp_prefetch: int = 1
+    # zero3: "flat" (the ZeRO paper's padded flat units, FSDP1's FlatParameter) or "per_param"
+    # (FSDP2's: each parameter a DTensor sharded on dim 0; distlab.parallel.zero.per_param)
+    fsdp_layout: str = "flat"
     # fsdp-torch: ranks each shard group spans (0: all of them, FSDP; fewer: HSDP, shard inside
     # groups of that many consecutive ranks, a node's, and replicate across the groups)
     shard_ranks: int = 0
@@ -243,6 +246,9 @@ class RunConfig:
         if not (isinstance(self.fsdp_prefetch, int) and self.fsdp_prefetch >= 0):
             raise ValueError(f"fsdp_prefetch={self.fsdp_prefetch!r} must be an integer >= 0 "
                              "(units gathered ahead of need; 0: none)")
+        if self.fsdp_layout not in ("flat", "per_param"):
+            raise ValueError(f"fsdp_layout={self.fsdp_layout!r} is not one of 'flat' (padded "
+                             "flat units) or 'per_param' (each parameter sharded on dim 0)")
         self._check_model_parallel()
         self._check_finetuning()
         self._check_checkpoints()

@@ -1121,6 +1121,7 @@ def _make_knobs(cfg: RunConfig) -> dict:
                              placeholder="module names; empty: the blocks", style=style),
         "fsdp_prefetch": num(W.BoundedIntText, "fsdp_prefetch", "units prefetched", min=0,
                              max=64),
+        "fsdp_layout": choice("fsdp_layout", ("flat", "per_param"), "shard layout"),
         "dp_threads": W.Checkbox(value=cfg.dp_threads, description="replicas in threads",
                                  indent=False),
         "dp_gather": choice("dp_gather", DP_GATHERS, "replicas return"),

@@ -70,6 +70,7 @@ KNOBS = {
     "ep": ("mesh",),
     "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
     "fsdp_prefetch": ("zero3", "mesh"),
+    "fsdp_layout": ("zero3",),
     "shard_ranks": ("fsdp-torch",),
 }
 

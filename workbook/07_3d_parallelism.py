@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 07 · 3D parallelism: dp × tp × pp on one mesh, and the planner
+# # 07 · N-D parallelism: every dimension on one mesh, and the planner
 #
 # `3d` (distlab.parallel.mesh) puts every rank on a **mesh** of dp × tp × pp: tensor
 # parallelism inside each group of tp ranks (Megatron's column/row splits), a pipeline
@@ -30,7 +30,11 @@
 # 5. asks the planner (`distlab.theory.plan`) the interview questions about layouts, GPU counts
 #    and training time;
 # 6. a widget that re-runs the real `3d` on another layout;
-# 7. the closing table: what the textbook says, what this run measured.
+# 7. **every dimension at once**: the mesh of pp × dp_replicate × dp_shard × cp × tp (and ep
+#    carved from the data-parallel ranks), who talks to whom along each, compositions
+#    trained against one process with each dimension's bytes beside its formula, the
+#    planner's long-context layout (tp × cp), and the planner's ranking trained;
+# 8. the closing table: what the textbook says, what this run measured.
 #
 # Equivalence runs use SGD in fp32 (tests/test_mesh.py): 3d computes single's sums split
 # into tp partial sums, micro-batch means and dp averages; only the summation order differs.
@@ -57,6 +61,9 @@ DELAY_S = 0.2
 # The widget's run in this notebook: a 4-rank mesh in quick mode (one more launch).
 WIDGET = (dict(world=4, layout=(1, 2, 2), microbatches=2, schedule="1f1b") if QUICK else
           dict(world=8, layout=(4, 1, 2), microbatches=4, schedule="gpipe"))
+# The planner's top layouts trained on this machine (section 9): how many, how often each
+# (the verdict reads a clock, so it is decided over repeats), steps per training
+PLAN_TOP, PLAN_REPEATS, PLAN_STEPS = (3, 2, 4) if QUICK else (5, 3, 8)
 # A 4-layer, 32-wide GPT with 4 heads on 16-token rows, global batch 16.
 GPT = dict(n_layer=4, n_embd=32, n_head=4, seq_len=16, global_batch=16)
 
@@ -85,7 +92,9 @@ from distlab.lab.parallelism_3d import (
     zero1_optim_rows,
 )
 from distlab.theory.comm_bytes import messages_per_step, micro_batch_bytes, rank_numel
+from distlab.lab.parallelism_nd import MeshND, dimension_rows, long_context_plan
 from distlab.lab.pipeline_parallel import bubble_curve, bubble_rows
+from distlab.studies.plan_check import planned_vs_measured
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.parallel.mesh import KINDS, coords
 from distlab.parallel.mesh import table as mesh_table
@@ -125,12 +134,20 @@ DP, TP, PP = DIMS
 # %% [markdown]
 # **Two launches.** `single` alone, then one launch of 8 ranks that trains, one after
 # another: the SGD equivalence run, a 2-step AdamW run (optimizer state for ZeRO-1) and
-# the delayed GPipe runs of the bubble curve (`lab.runs.launch_together`).
+# the delayed GPipe runs of the bubble curve and section 9's three N-D meshes
+# (`lab.runs.launch_together`).
 
 # %%
 single = launch_together({"single": BASE}, name="single")["single"]
 cfgs = {"3d": MESH, "3d adamw": ADAM}
 cfgs |= {f"bubble m={m}": DELAYED.replace(microbatches=m) for m in CURVE_M}
+# section 9's compositions of the N-D mesh (strategy "mesh", named by their degrees), in the
+# same launch: the planner's long-context shape, torchtitan's 3D (ZeRO-3 with TP and PP), HSDP
+ND = {"dp_shard2 × cp2 × tp2": BASE.replace(dp_shard=2, cp=2, tp=2),
+      "pp2 × dp_shard2 × tp2": BASE.replace(pp=2, dp_shard=2, tp=2, microbatches=2,
+                                            schedule="1f1b"),
+      "dp_replicate2 × dp_shard2 × tp2": BASE.replace(dp_replicate=2, dp_shard=2, tp=2)}
+cfgs |= ND
 runs = launch_together(cfgs, name="mesh-3d")
 run = runs["3d"]
 steps = run.history("step")
@@ -501,6 +518,96 @@ assert len(explorer.fig.data) == 3  # heatmap, single's loss, 3d's loss
 explorer
 
 # %% [markdown]
+# ## 9. Every dimension on one mesh
+#
+# `3d` is one combination. The `mesh` strategy (distlab.parallel.parallelize) takes any
+# degrees whose product is the world: **pp** (pipeline stages), **dp_replicate** (replicas of
+# the same shards: HSDP), **dp_shard** (ranks that shard the model state with ZeRO stage
+# `zero_stage`), **cp** (ranks that split every sequence), **tp** (ranks that split every
+# layer), and **ep** carved from the data-parallel ranks for a mixture of experts. Rank order
+# as torchtitan's: tp fastest, then cp, dp_shard, dp_replicate, pp. It applies the parallelisms
+# in one written order, each the one-dimension code of the notebooks before, handed its
+# group's `Comm`: TP's splits, CP's attention, the pipeline's cut, then ZeRO over dp_shard × cp
+# (the cp ranks hold the same parameters) with each shard averaged over dp_replicate. A
+# config names the degrees: `RunConfig(tp=2, cp=2, dp_shard=2)`.
+#
+# **The explorer** draws who talks to whom: one row per group kind, one column per rank, the
+# number the rank's group along that kind. Move a degree; a mesh that cannot run says why.
+
+# %%
+explorer_nd = MeshND(BASE, tp=2, cp=2, dp_shard=2)
+assert explorer_nd.config().world_size == 8
+try:  # a mesh that cannot run is refused before any process starts, naming why
+    BASE.replace(tp=2, cp=3, world_size=8, strategy="mesh")
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+print("tp=2, cp=3 on 8 ranks:", refused)
+assert "cp3" in refused and "world_size=8" in refused
+explorer_nd
+
+# %% [markdown]
+# **Compositions, trained.** Three meshes from the launch above, each against `single`
+# (same tolerance as 3d's: only the summation order differs), and each group kind's bytes,
+# summed over its members in the last step, against `distlab.theory.mesh_bytes` (tp's
+# all-reduces, the ring's K/V and dK/dV hops, the pipeline's activations, ZeRO's
+# reduce-scatter and all-gathers with padding, HSDP's all-reduce of shards).
+
+# %%
+nd_rows, nd_diff = [], {}
+for name, cfg in ND.items():
+    r = runs[name]
+    nd_diff[name] = max(worst_param_diff(st, single.states[0]) for st in r.states)
+    for d in dimension_rows(cfg, r):
+        nd_rows.append([name, d["kind"], f"{d['measured']:,}", f"{d['predicted']:,.0f}",
+                        f"{d['ratio']:.4f}"])
+table(["mesh", "group kind", "booked, one step (all members)", "formula", "booked / formula"],
+      nd_rows)
+table(["mesh", "worst parameter diff vs single"],
+      [[n, f"{d:.1e}"] for n, d in nd_diff.items()])
+nd_ratios = [float(r[-1]) for r in nd_rows]
+assert all(d <= TOL for d in nd_diff.values())
+assert all(abs(x - 1) <= 0.02 for x in nd_ratios)
+
+# %% [markdown]
+# **The planner's long-context layout.** `distlab.theory.plan` (modelled) for an 8B
+# Llama-shaped model at 256k-token sequences on 64 A100s of 80 GB (notebook 14 asks the
+# same): no dp × tp × pp layout holds its activations; with context parallelism the fastest
+# that fits splits layers and sequences both, tp × cp. The first composition above is that
+# shape at small scale, trained.
+
+# %%
+lc = long_context_plan()
+table(["search", "fastest layout that fits", "GB per GPU", "step s (modelled)"],
+      [[k, "nothing fits" if r is None else describe_row(r) + f", cp {r.cp}",
+        "" if r is None else f"{r.memory / GB:.1f}", "" if r is None else f"{r.step_s:.1f}"]
+       for k, r in lc.items()])
+lc_best = lc["with cp"]
+assert lc["3D only"] is None and lc_best is not None
+
+# %% [markdown]
+# **The planner's ranking, trained** (distlab.studies.plan_check). This machine as the
+# planner's cluster: one rank's FLOP/s on one thread (the planner's 6·N·tokens over the
+# measured step), the loopback all-reduce's α and β fitted on 8 ranks. The planner ranks
+# every dp × tp × pp × cp layout of 8 ranks for this notebook's GPT; its fastest few (the
+# best row of each layout) train on the mesh, PLAN_REPEATS times each in alternating order.
+# Its order holds between two layouts when the measured medians keep it (pairs it predicts
+# within 5% are left out: near-ties mean nothing to it). Two launches.
+
+# %%
+pc = planned_vs_measured(BASE.replace(steps=PLAN_STEPS), gpus=8, top=PLAN_TOP,
+                         repeats=PLAN_REPEATS, warmup=2)
+table(["#", "layout (planner's row)", "predicted ms", "measured ms (median)", "repeats ms"],
+      [[r["rank"], r["layout"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+        ", ".join(f"{x * 1e3:.1f}" for x in r["spread_s"])] for r in pc["rows"]])
+order = pc["order"]
+say(f"one rank: {pc['flops_per_rank'] / 1e9:.1f} GFLOP/s; all-reduce α "
+    f"{pc['link']['alpha_call_s'] * 1e3:.1f} ms a call, β {pc['link']['beta_Bps'] / 1e6:.0f} "
+    f"MB/s. The planner's order: {order['kept']} of {order['pairs']} pairs kept, "
+    f"{order['decided']} decided beyond the repeats' spread")
+assert len(pc["rows"]) == PLAN_TOP and all(r["measured_s"] > 0 for r in pc["rows"])
+
+# %% [markdown]
 # ## What the textbook says, what this run measured
 #
 # Every figure is computed from this run's variables or, marked "modelled", from the
@@ -550,9 +657,30 @@ claims = [
     claim("3d computes what one process computes", "tests/test_mesh.py",
           f"after {STEPS} SGD steps: parameters {param_diff:.1e}, loss {loss_diff:.1e} "
           f"(tolerance {TOL:g})", param_diff <= TOL and loss_diff <= TOL),
+    claim("the parallelisms compose: any mesh computes what one process computes",
+          "torchtitan and Megatron-Core's N-D meshes; tests/test_mesh.py",
+          "; ".join(f"{n}: {d:.1e}" for n, d in nd_diff.items()) + f" (tolerance {TOL:g})",
+          all(d <= TOL for d in nd_diff.values())),
+    claim("each dimension moves the bytes its formula says (within 2%)",
+          "distlab.theory.mesh_bytes (Shoeybi et al. 2019, Liu et al. 2023, Rajbhandari et al. "
+          "2020)", f"booked / formula over {len(nd_ratios)} group kinds: {min(nd_ratios):.4f} "
+          f"to {max(nd_ratios):.4f}", all(abs(x - 1) <= 0.02 for x in nd_ratios)),
+    claim("at 256k tokens an 8B model fits on 64 A100s only with cp, as tp × cp",
+          "the planner (distlab.theory.plan), Korthikanti et al. 2022's activations",
+          f"3D only: nothing fits; with cp: {describe_row(lc_best)}, cp {lc_best.cp}, "
+          f"{lc_best.memory / GB:.1f} GB per GPU", lc["3D only"] is None and lc_best.tp > 1
+          and lc_best.cp > 1, basis="modelled"),
+    claim("the planner's ranking holds on the machine it was calibrated on",
+          "distlab.studies.plan_check (its top layouts trained, repeats alternating)",
+          f"{order['kept']} of {order['pairs']} pairs kept ({order['decided']} decided beyond "
+          "the spread); measured " + ", ".join(f"{r['measured_s'] * 1e3:.0f}" for r in
+                                               pc["rows"]) + " ms against predicted "
+          + ", ".join(f"{r['predicted_s'] * 1e3:.0f}" for r in pc["rows"]) + " ms",
+          order["holds"]),
 ]
 claims_table(claims)
 # the planner's sweep decides the rule of thumb (modelled), the wire decides the wire row
 # (on gloo, the reduce-scatter over dp makes it "no"); every other row must hold
-shown = [claims[1]] + [c for c in claims if "on the wire" in c["claim"]]
+shown = [claims[1]] + [c for c in claims if "on the wire" in c["claim"]
+                       or "planner's ranking" in c["claim"]]
 assert all(c["holds"] for c in claims if c not in shown), [c["claim"] for c in claims]

@@ -48,6 +48,12 @@ The all-gathers and reduce-scatters then stay inside a node; only the shards' al
 
 **State dict.** `model.state_dict()` (every rank calls it) all-gathers each unit's shards:
 full tensors in the shards' dtype (fp32 under a bf16 policy), as FSDP2's full state dict.
+
+**Layout.** All of the above is the flat layout (`layout="flat"`, the default: FSDP1's
+FlatParameter). `layout="per_param"` keeps this scheduling and shards each parameter on dim 0
+as a DTensor instead, as FSDP2 does (distlab.parallel.zero.per_param: p.grad is the shard,
+freezing is per parameter, the state dict is the shards; it pays a copy in and out of each
+all-gather and reduce-scatter buffer).
 """
 
 from __future__ import annotations
@@ -80,9 +86,12 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
 
 
+LAYOUTS = ("flat", "per_param")
+
+
 def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolicy | None = None,
                 group=None, reshard_after_forward: bool = True, offload: bool = False,
-                prefetch: int = 1, comm: Comm | None = None) -> nn.Module:
+                prefetch: int = 1, comm: Comm | None = None, layout: str = "flat") -> nn.Module:
     """Shard `module`'s trainable parameters over the ranks of `group` (ZeRO-3), in place;
     returns `module`. Then build distlab.ZeroOptimizer(module.parameters(), ...).
 
@@ -100,11 +109,20 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
                            FSDP2; 0: each unit gathered when needed). Each one more keeps one
                            more unit's full parameters alive
     comm                   a distlab.comm.Comm to communicate (and book bytes) through
+    layout                 "flat": each unit one padded flat buffer (FSDP1's FlatParameter);
+                           "per_param": each parameter a DTensor sharded on dim 0, as FSDP2's
+                           (distlab.parallel.zero.per_param: build a torch optimizer over
+                           model.parameters(); ZeroOptimizer steps flat units only)
 
     Call it after moving the module to its device and dtype, and change no parameter after it:
     every rank starts from rank 0's values (parameters, frozen ones and buffers broadcast).
     """
     _refuse_sharded(module)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if layout == "per_param" and offload:
+        raise ValueError("offload=True with layout='per_param': offload is written for the "
+                         "flat units only; use layout='flat'")
     if not (isinstance(prefetch, int) and prefetch >= 0):
         raise ValueError(f"prefetch={prefetch!r} must be an integer >= 0 (units gathered ahead "
                          "of need; 0: none)")
@@ -114,8 +132,12 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
           {"parameters": parameter_layout(module), "buffers": buffer_layout(module),
            "units": [name for name, _ in specs], "mp_policy": repr(policy),
            "reshard_after_forward": reshard_after_forward, "offload": offload,
-           "prefetch": prefetch})
-    FullyShard(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
+           "prefetch": prefetch, "layout": layout})
+    if layout == "per_param":
+        from distlab.parallel.zero.per_param import PerParamShard  # it builds on FullyShard
+        PerParamShard(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
+    else:
+        FullyShard(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
     return module
 
 
@@ -124,7 +146,10 @@ def grad_shard(param: nn.Parameter) -> torch.Tensor:
     (fp32 under a bf16 policy), the entries [lo, hi) of param's flattened gradient that fall in
     this rank's shard (maybe none). Concatenated in rank order, every rank's pieces are the
     whole flattened gradient. It first finishes the reduce-scatters (a collective the first
-    time after a backward: every rank calls it). Valid until zero_grad()."""
+    time after a backward: every rank calls it). Valid until zero_grad(). layout="per_param":
+    the local rows of param.grad, flattened (a dim-0 shard is such a range)."""
+    if getattr(param, "_distlab_per_param", None) is not None:
+        return param._distlab_per_param.grad_shard(param)
     state, u, i = _reduced(param, "grad_shard")
     return u.shard_piece(u.grad_shard, i, state.rank)
 
@@ -133,6 +158,8 @@ def full_grad(param: nn.Parameter) -> torch.Tensor:
     """`param`'s whole mean gradient, shaped like it, on every rank (FSDP2's
     p.grad.full_tensor()): its unit's gradient shards all-gathered. A collective: every rank
     calls it. A copy: changing it changes nothing."""
+    if getattr(param, "_distlab_per_param", None) is not None:
+        return param._distlab_per_param.full_grad(param)
     state, u, i = _reduced(param, "full_grad")
     whole = u.grad_shard.new_empty(u.padded)
     state.comm.all_gather(whole, u.grad_shard)
@@ -145,7 +172,7 @@ def replicate_gradients(module: nn.Module, across: Comm) -> None:
     shards were each node's mean; equal rows per node make this the global batch's mean. Every
     rank calls it after backward, before the optimizer's step (which then has nothing to
     reduce)."""
-    state = _state(module, "replicate_gradients")
+    state = _flat_state(module, "replicate_gradients")
     state.reduce_gradients()  # each node's reduce-scatters first
     for u in state.units:
         across.all_reduce(u.grad_shard, op="avg")
@@ -155,10 +182,20 @@ def shard_bytes(module: nn.Module) -> int:
     """Bytes of this rank's gradient shards (each unit's padded shard): what HSDP's
     replicate_gradients all-reduces per step."""
     return sum(u.grad_shard.numel() * u.grad_shard.element_size()
-               for u in _state(module, "shard_bytes").units)
+               for u in _flat_state(module, "shard_bytes").units)
+
+
+def _flat_state(module: nn.Module, caller: str):
+    state = _state(module, caller)
+    if state.layout != "flat":
+        raise ValueError(f"{caller} is written for fully_shard's flat units; this module was "
+                         f"sharded with layout={state.layout!r}")
+    return state
 
 
 def _state(module: nn.Module, caller: str):
+    if getattr(module, "_distlab_fsdp", None) is not None:
+        return module._distlab_fsdp
     state = next((p._distlab_fsdp for p in module.parameters()
                   if getattr(p, "_distlab_fsdp", None) is not None), None)
     if state is None:
@@ -304,7 +341,7 @@ def _refuse_sharded(module: nn.Module) -> None:
         raise ValueError("this module is already sharded by distlab.fully_shard: call it once "
                          "(keep using the module it returned)")
     for name, p in module.named_parameters():
-        if getattr(p, "_distlab_fsdp", None) is not None:
+        if getattr(p, "_distlab_fsdp", None) or getattr(p, "_distlab_per_param", None):
             raise ValueError(f"parameter {name} is already sharded by an earlier fully_shard "
                              "(on a submodule?): call fully_shard once, on the root module, and "
                              "choose the units with units=(Block,) or units=['blocks.0', ...] "
@@ -349,6 +386,7 @@ def _refuse_load(module, *args):
 class FullyShard(ShardedGradients):
     """ZeRO-3 on one module (see the module docstring): its units, the gathers around their
     forward and backward, and ShardedGradients' gradient path. module._distlab_fsdp."""
+    layout = "flat"
 
     def __init__(self, module: nn.Module, specs: list, policy: MixedPrecisionPolicy,
                  comm: Comm, reshard_after_forward: bool, offload: bool, prefetch: int = 1):
@@ -367,11 +405,7 @@ class FullyShard(ShardedGradients):
         self.live = {"params": 0}  # bytes of gathered parameters alive now, and their peak
         self.peak = {"params": 0}
         cut = self._assign(specs)
-        claim([p for _, _, ps in cut for p in ps], "distlab.fully_shard (ZeRO-3)",
-              "Build the optimizer after fully_shard (torch.optim.AdamW(model.parameters(), "
-              "lr=...) or distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, "
-              "lr=...)): it then steps the shards.", grads=self)
-        bound.install()  # torch optimizers built from now on step the shards
+        self._claim([p for _, _, ps in cut for p in ps])
         for name, modules, params in cut:
             units = self._flatten(name, modules, params, offload)
             (self.root.extend if not modules else self.chain.append)(units)
@@ -381,6 +415,19 @@ class FullyShard(ShardedGradients):
         module._distlab_fsdp = self
 
     # -- setup -------------------------------------------------------------------------------
+    def _shards(self, p: nn.Parameter) -> bool:
+        """Whether p goes into a unit: the trainable ones (frozen ones are replicated)."""
+        return p.requires_grad
+
+    def _claim(self, params: list) -> None:
+        """Mark the sharded parameters: no other optimizer steps them (optimizer.py's guard
+        rail), and torch optimizers built from now on step the shards (bound.py)."""
+        claim(params, "distlab.fully_shard (ZeRO-3)",
+              "Build the optimizer after fully_shard (torch.optim.AdamW(model.parameters(), "
+              "lr=...) or distlab.ZeroOptimizer(model.parameters(), torch.optim.AdamW, "
+              "lr=...)): it then steps the shards.", grads=self)
+        bound.install()
+
     def _assign(self, specs: list) -> list:
         """Each trainable parameter's unit, (name, modules, params) in spec order, the root
         last; a parameter two units use (tied weights across units) is refused."""
@@ -388,7 +435,7 @@ class FullyShard(ShardedGradients):
         users: dict = {}  # id(param) -> (its first name, the units whose modules use it)
         for mname, sub in self.module.named_modules():
             for pname, p in sub.named_parameters(recurse=False):
-                if p.requires_grad:
+                if self._shards(p):
                     entry = users.setdefault(id(p), (f"{mname}.{pname}".lstrip("."), set()))
                     entry[1].add(owner.get(id(sub), -1))
         names = [n for n, _ in specs] + ["root (the parameters in no unit)"]
@@ -403,10 +450,10 @@ class FullyShard(ShardedGradients):
             seen: dict = {}
             for m in modules:
                 for p in m.parameters():
-                    if p.requires_grad:
+                    if self._shards(p):
                         seen.setdefault(id(p), p)
             cut.append((name, modules, list(seen.values())))
-        rest = [p for p in self.module.parameters() if p.requires_grad and -1 in
+        rest = [p for p in self.module.parameters() if self._shards(p) and -1 in
                 users[id(p)][1]]
         cut.append(("root", [], rest))
         return [c for c in cut if c[2]]
@@ -458,11 +505,14 @@ class FullyShard(ShardedGradients):
                                             with_kwargs=True)
                 m.register_forward_hook(functools.partial(self._post_forward, k))
         module.register_forward_hook(self._after_forward)
+        self._install_state_dict_hooks(module)
+        for m in module.modules():  # .to()/.double() would touch freed storage
+            m._apply = types.MethodType(_refuse_apply, m)
+
+    def _install_state_dict_hooks(self, module: nn.Module) -> None:
         # a function, not a bound method: torch marks the hook with an attribute
         module.register_state_dict_post_hook(functools.partial(FullyShard._full_state_dict, self))
         module.register_load_state_dict_pre_hook(_refuse_load)
-        for m in module.modules():  # .to()/.double() would touch freed storage
-            m._apply = types.MethodType(_refuse_apply, m)
 
     def _param_layout(self) -> list:
         return [(id(p), p.dtype, p.shape, p.device, p.requires_grad)

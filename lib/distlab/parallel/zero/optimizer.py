@@ -506,6 +506,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)  # torch's checks (duplicates, defaults)
         g = self.param_groups[-1]
+        if any(getattr(p, "_distlab_per_param", None) is not None for p in g["params"]):
+            raise ValueError("these parameters are DTensor shards of fully_shard(layout="
+                             "'per_param'): build a torch optimizer over model.parameters() "
+                             "(it steps the shards); ZeroOptimizer steps flat units only")
         trainable = [p for p in g["params"] if p.requires_grad]
         held = [p for p in trainable if getattr(p, "_distlab_fsdp", None) is not None]
         self._agree(g, held[0]._distlab_fsdp.comm if held else self.comm)

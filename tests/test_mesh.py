@@ -277,6 +277,14 @@ def test_every_kind_of_group_partitions_the_world_and_agrees_with_the_coordinate
                     for r in g}) == 1 and len(g) == 4
 
 
+def test_the_rank_order_can_put_the_data_parallel_ranks_together():
+    from distlab.parallel.parallelize import ORDERS
+    s = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 1}
+    default, dp_first = (nd_layout(s, 3, ORDERS[o]) for o in ("tp-dp-pp", "dp-tp-pp"))
+    assert default["tp"][0] == [0, 1] and default["dp_shard_cp"][0] == [0, 2, 4, 6]
+    assert dp_first["tp"][0] == [0, 4] and dp_first["dp_shard_cp"][0] == [0, 1, 2, 3]
+
+
 def test_expert_groups_are_cut_from_the_data_parallel_ranks():
     s = sizes(ND_BASE.replace(cp=2, dp_shard=4, ep=2, n_experts=4, zero_stage=0))
     groups = ep_groups(s)
@@ -298,7 +306,7 @@ def test_degrees_without_a_strategy_run_on_the_mesh():
     (dict(cp=2, dp_shard=2, n_head=2, tp=2, n_embd=32, cp_attention="ulysses"),
      ["ulysses", "tp=2", "cp=2"]),
     (dict(dp_shard=4, ep=3, n_experts=6), ["ep=3", "4 data-parallel"]),
-    (dict(dp_shard=2, tp=2, ep=2, n_experts=4), ["tp=2", "experts"]),
+    (dict(dp_shard=2, tp=2, ep=2, n_experts=4, sp=True, zero_stage=0), ["sp=True", "experts"]),
     (dict(dp_shard=4, ep=2, n_experts=4), ["ep=2", "zero_stage=3", "zero_stage=0"]),
     (dict(pp=2, dp_shard=2, ep=2, n_experts=4, zero_stage=0), ["pp=2", "aux_loss_coef=0"]),
     (dict(dp_shard=2, ep=2), ["ep=2", "n_experts"]),

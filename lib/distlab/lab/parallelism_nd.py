@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 
 from distlab.config import RunConfig
 from distlab.lab.common import html_table
-from distlab.parallel.parallelize import CARRIES, layout, mesh_string, sizes
+from distlab.parallel.parallelize import CARRIES, layout, mesh_string, order_of, sizes
 from distlab.theory.mesh_bytes import mesh_bytes
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -30,7 +30,7 @@ DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 def group_index(cfg: RunConfig) -> dict[str, list[int]]:
     """Per group kind the run builds, each rank's group number along it."""
     out = {}
-    for kind, groups in layout(sizes(cfg), cfg.zero_stage).items():
+    for kind, groups in layout(sizes(cfg), cfg.zero_stage, order_of(cfg)).items():
         where = [0] * cfg.world_size
         for i, members in enumerate(groups):
             for r in members:
@@ -59,7 +59,7 @@ def mesh_figure(cfg: RunConfig, height: int = 300) -> go.Figure:
 def group_rows(cfg: RunConfig) -> list[list]:
     """(kind, groups, members of each, what it carries) for a table."""
     return [[kind, len(groups), " ".join(str(g) for g in groups), CARRIES[kind]]
-            for kind, groups in layout(sizes(cfg), cfg.zero_stage).items()]
+            for kind, groups in layout(sizes(cfg), cfg.zero_stage, order_of(cfg)).items()]
 
 
 class MeshND:

@@ -14,7 +14,8 @@ E experts of every MoE layer E/ep to a rank (all-to-all dispatch); the ranks wit
 place in their ep group hold the same experts ("edp", expert data parallel).
 
 **Rank order**: tp varies fastest, then cp, dp_shard, dp_replicate, pp (torchtitan's order:
-the dimensions that talk every layer on the nearest ranks, one node's). dp2 x cp2 x tp2:
+the dimensions that talk every layer on the nearest ranks, one node's); mesh_order="dp-tp-pp"
+puts the data-parallel dimensions fastest instead (ORDERS). dp2 x cp2 x tp2, the default:
 
     rank   0  1  2  3  4  5  6  7
     tp     0  1  0  1  0  1  0  1        tp groups  [0,1] [2,3] [4,5] [6,7]
@@ -60,6 +61,10 @@ from distlab.parallel.mesh import grid_coords, grid_groups
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # slowest first, as torchtitan's mesh
 ORDER = tuple(reversed(DIMS))  # fastest first: what grid_coords and grid_groups read
+# RunConfig.mesh_order, as 3d's: "tp-dp-pp" keeps a tp group on consecutive ranks (one node's,
+# for TP's per-layer all-reduces), "dp-tp-pp" a data-parallel group instead (what notebook 17
+# measures across simulated nodes); fastest first
+ORDERS = {"tp-dp-pp": ORDER, "dp-tp-pp": ("dp_shard", "dp_replicate", "cp", "tp", "pp")}
 # the groups a run may build, each a set of dimensions taken together
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": ("dp_replicate",),
           "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
@@ -83,6 +88,17 @@ def sizes(cfg) -> dict:
             "tp": cfg.tp, "ep": cfg.ep}
 
 
+def order_of(cfg) -> tuple:
+    """The rank order cfg asks for, fastest dimension first."""
+    return ORDERS[cfg.mesh_order]
+
+
+def coords_of(cfg, rank: int) -> dict:
+    """`rank`'s coordinate along each dimension of cfg's mesh."""
+    s = sizes(cfg)
+    return grid_coords(rank, {d: s[d] for d in DIMS}, order_of(cfg))
+
+
 def mesh_string(s: dict) -> str:
     """"pp2 x dp_shard2 x tp2": the dimensions above 1, slowest first ("1" for one rank),
     then ep's ("(ep2)": its ranks are the data-parallel ones)."""
@@ -90,11 +106,11 @@ def mesh_string(s: dict) -> str:
     return out + (f" (ep{s['ep']})" if s.get("ep", 1) > 1 else "")
 
 
-def ep_groups(s: dict) -> dict:
+def ep_groups(s: dict, order: tuple = ORDER) -> dict:
     """ep and edp groups: each dp_cp group (members in rank order) cut into consecutive
     blocks of ep ranks (ep), and its members with the same place in their block (edp)."""
     ep, out = s["ep"], {"ep": [], "edp": []}
-    for members in grid_groups(s, GROUPS["dp_cp"], ORDER):
+    for members in grid_groups(s, GROUPS["dp_cp"], order):
         out["ep"] += [members[i:i + ep] for i in range(0, len(members), ep)]
         out["edp"] += [members[j::ep] for j in range(ep)]
     return out
@@ -118,16 +134,17 @@ def used_groups(s: dict, zero_stage: int) -> list[str]:
     return out
 
 
-def layout(s: dict, zero_stage: int = 0) -> dict:
+def layout(s: dict, zero_stage: int = 0, order: tuple = ORDER) -> dict:
     """Every group of each kind the run builds, as lists of global ranks (pure)."""
-    return {g: ep_groups(s)[g] if GROUPS[g] is None else grid_groups(s, GROUPS[g], ORDER)
-            for g in used_groups(s, zero_stage)}
+    return {g: ep_groups(s, order)[g] if GROUPS[g] is None else
+            grid_groups(s, GROUPS[g], order) for g in used_groups(s, zero_stage)}
 
 
-def table(s: dict, zero_stage: int = 0) -> list[dict]:
+def table(s: dict, zero_stage: int = 0, order: tuple = ORDER) -> list[dict]:
     """One row per group: kind, index, member ranks and what it carries (for a notebook)."""
     return [{"kind": kind, "group": i, "ranks": ranks, "carries": CARRIES[kind]}
-            for kind, groups in layout(s, zero_stage).items() for i, ranks in enumerate(groups)]
+            for kind, groups in layout(s, zero_stage, order).items()
+            for i, ranks in enumerate(groups)]
 
 
 class NDMesh:
@@ -135,11 +152,11 @@ class NDMesh:
     Comm (named after the kind, so a step's bytes are booked per dimension). Collective:
     every rank builds every group, in one order (dist.new_group is a world collective)."""
 
-    def __init__(self, s: dict, zero_stage: int, rank: int):
+    def __init__(self, s: dict, zero_stage: int, rank: int, order: tuple = ORDER):
         import torch.distributed as dist
         self.sizes, self.rank = dict(s), rank
-        self.coords = grid_coords(rank, {d: s[d] for d in DIMS}, ORDER)
-        self.layout = layout(s, zero_stage)
+        self.coords = grid_coords(rank, {d: s[d] for d in DIMS}, order)
+        self.layout = layout(s, zero_stage, order)
         self.comms, self.peers = {}, {}
         for kind, groups in self.layout.items():
             for ranks in groups:
@@ -233,7 +250,7 @@ class MeshParallel(Strategy):
         from distlab.parallel.tensor.tp import TensorParallel
         from distlab.parallel.zero.stages import ZeRO1, ZeRO2, ZeRO3
         s = self.s = sizes(cfg)
-        self.mesh = NDMesh(s, cfg.zero_stage, comm.rank)
+        self.mesh = NDMesh(s, cfg.zero_stage, comm.rank, order_of(cfg))
         c = self.mesh.comms
         self.tp_s = TensorParallel(cfg, c["tp"]) if "tp" in c else None
         self.cp = (ContextParallel(cfg.cp_layout, cfg.cp_attention, comm=c["cp"])

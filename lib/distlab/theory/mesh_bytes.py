@@ -36,8 +36,7 @@ import math
 
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPTConfig
-from distlab.parallel.parallelize import ORDER, DIMS, ep_groups, sizes, used_groups
-from distlab.parallel.mesh import grid_coords
+from distlab.parallel.parallelize import coords_of, ep_groups, order_of, sizes, used_groups
 from distlab.parallel.pipeline.pp import make_schedule, stage_blocks
 from distlab.parallel.tensor.tp import plan_table
 from distlab.theory.comm_bytes import _param_numels
@@ -50,7 +49,7 @@ def held_numels(cfg, rank: int) -> dict[str, int]:
     """{parameter name: entries this rank holds} (before ZeRO): its stage's blocks and ends,
     Megatron's split weights divided by tp, under ep only its own experts."""
     s = sizes(cfg)
-    c = grid_coords(rank, {d: s[d] for d in DIMS}, ORDER)
+    c = coords_of(cfg, rank)
     blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, s["pp"], c["pp"])}
     split = set()
     for name, style in plan_table(cfg.n_layer).items():
@@ -78,7 +77,7 @@ def _local_experts(cfg, s: dict, rank: int) -> set[int]:
         return set()
     if s["ep"] == 1:
         return set(range(cfg.n_experts))
-    group = next(g for g in ep_groups(s)["ep"] if rank in g)
+    group = next(g for g in ep_groups(s, order_of(cfg))["ep"] if rank in g)
     per = cfg.n_experts // s["ep"]
     first = group.index(rank) * per
     return set(range(first, first + per))
@@ -114,7 +113,7 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
         raise NotImplementedError("mesh_bytes models one pipeline chunk per rank")
     s = sizes(cfg)
-    c = grid_coords(rank, {d: s[d] for d in DIMS}, ORDER)
+    c = coords_of(cfg, rank)
     t, cp, p, m = s["tp"], s["cp"], s["pp"], cfg.microbatches
     b = cfg.global_batch // (s["dp_replicate"] * s["dp_shard"]) // m
     S = b * (cfg.seq_len // cp) * cfg.n_embd * FP32

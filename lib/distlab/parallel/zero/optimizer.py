@@ -411,6 +411,10 @@ class ShardedGradients:
                 u.piece(u.grad_full, i).add_(p.grad.reshape(-1))
                 p.grad = None
 
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """See ZeroOptimizer.gradient_shards."""
+        return [u.grad_shard for u in self.units]
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """See ZeroOptimizer.clip_grad_norm_."""

@@ -31,8 +31,9 @@ together, so the collective count equals the flat layout's; what changes is the 
 The flat layout needs neither copy (each parameter is a view of the gathered buffer): that
 is what its straddling buys. Backward mirrors it: each gradient's rows are cut into N chunks
 and laid rank-major into the reduce-scatter buffer (torch._chunk_cat, FSDP2's copy-in), and the
-reduce-scatter's output is cut back into each parameter's rows (copy-out). `copy_s` adds up the
-seconds of all four copies.
+reduce-scatter's output is cut back into each parameter's rows (copy-out: views in the
+parameters' dtype, FSDP2's as_strided). `copy_s` adds up the seconds of the four copies, and of
+wrapping each new gradient shard as a DTensor (the price of p.grad being one).
 
 Bytes: the flat layout pads each unit (per dtype) to a multiple of N entries; this one pads
 each parameter's dim 0 to a multiple of N rows (distlab.theory.fsdp_layouts has both formulas).
@@ -72,9 +73,10 @@ from distlab.parallel.weak_hooks import on_gradient_accumulated
 from distlab.parallel.zero.fsdp import FullyShard
 from distlab.units import tensor_bytes
 
-# the four copies FSDP2 makes and the flat layout does not (seconds in PerParamShard.copy_s)
+# the four copies FSDP2 makes and the flat layout does not, and the wrapping of each new
+# gradient shard as a DTensor (seconds of each in PerParamShard.copy_s)
 COPIES = ("all-gather copy-in", "all-gather copy-out", "reduce-scatter copy-in",
-          "reduce-scatter copy-out")
+          "reduce-scatter copy-out", "gradient DTensor wrap")
 
 
 def rows_per_rank(d0: int, world: int) -> int:
@@ -101,7 +103,7 @@ class ParamUnit:
     params: list[nn.Parameter]  # the model's own: unsharded, what forward and backward use
     sharded: list[nn.Parameter]  # their DTensor shards: on the modules between uses
     locals_: list[torch.Tensor]  # each shard's c rows (zero-padded); the DTensor's rows view it
-    padded: list[torch.Tensor]  # each parameter's N·c rows in param_dtype; p.data views them
+    full: list[torch.Tensor]  # each parameter's N·c rows in param_dtype; p.data views them
     sizes: list[int]  # c_i · (entries per row): each parameter's part of one rank's slice
     ag_buffer: torch.Tensor  # (N · Σ sizes,) the all-gather's output, freed after copy-out
     slots: list[list[tuple[nn.Module, str]]]  # where each parameter is registered
@@ -122,7 +124,7 @@ class ParamUnit:
         return sum(p.numel() for p in self.params)
 
     @property
-    def padded_numel(self) -> int:
+    def padded(self) -> int:
         """Entries one all-gather delivers: Σ N·c_i·(entries per row)."""
         return self.ag_buffer.numel()
 
@@ -144,7 +146,7 @@ class PerParamShard(FullyShard):
         device = next(module.parameters()).device
         self.mesh = DeviceMesh.from_group(comm.group or dist.group.WORLD, device.type)
         self._sharded_of: dict[int, nn.Parameter] = {}  # id(own parameter) -> its shard
-        self.copy_s = dict.fromkeys(COPIES, 0.0)  # seconds spent copying, since construction
+        self.copy_s = dict.fromkeys(COPIES, 0.0)  # seconds spent copying (take_copy_seconds)
         super().__init__(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
 
     # -- setup: FullyShard's, with these units -----------------------------------------------
@@ -208,7 +210,7 @@ class PerParamShard(FullyShard):
         _resize(full, False)
         u.sharded.append(sharded)
         u.locals_.append(local)
-        u.padded.append(full)
+        u.full.append(full)
         u.sizes.append(local.numel())
         u.slots.append([(m, k) for m in self.module.modules()
                         for k, q in m._parameters.items() if q is p])
@@ -271,13 +273,13 @@ class PerParamShard(FullyShard):
         """Each parameter's rows from every rank's slice into its own storage; the buffer is
         freed and the modules hold the full parameters."""
         t0 = time.perf_counter()
-        for t in u.padded:
+        for t in u.full:
             _resize(t, True)
         with torch.no_grad():
             torch.split_with_sizes_copy(u.ag_buffer.view(self.world, -1), u.sizes, dim=1,
-                                        out=[t.view(self.world, -1) for t in u.padded])
+                                        out=[t.view(self.world, -1) for t in u.full])
         self.copy_s["all-gather copy-out"] += time.perf_counter() - t0
-        self._track("params", u.bytes_of(u.padded) - tensor_bytes(u.ag_buffer))
+        self._track("params", u.bytes_of(u.full) - tensor_bytes(u.ag_buffer))
         _resize(u.ag_buffer, False)
         u.unsharded = True
         self._swap(u, sharded=False)
@@ -289,9 +291,9 @@ class PerParamShard(FullyShard):
             u.gather.wait()
             u.gather = u.gather_in = None
         if u.unsharded:
-            for t in u.padded:
+            for t in u.full:
                 _resize(t, False)
-            self._track("params", -u.bytes_of(u.padded))
+            self._track("params", -u.bytes_of(u.full))
             self._swap(u, sharded=True)
         else:
             _resize(u.ag_buffer, False)
@@ -347,17 +349,19 @@ class PerParamShard(FullyShard):
         """The mean gradient's rows of each parameter, added to its shard's .grad (copy-out)."""
         u.reduce.wait()
         u.reduce_out.div_(self.world)  # the sum over ranks -> the global batch's mean
-        t0 = time.perf_counter()
         for i, piece in zip(u.trainable, u.reduce_out.split([u.sizes[k] for k in u.trainable])):
+            t0 = time.perf_counter()
             s = u.sharded[i]
             n = local_rows(s.shape[0], self.world, self.rank)
-            rows = piece.view(u.locals_[i].shape)[:n].to(s.dtype)
+            rows = piece.view(u.locals_[i].shape)[:n].to(s.dtype)  # a view, unless cast
+            if s.grad is not None:  # accumulating (no zero_grad since the last step)
+                s.grad.to_local().add_(rows)
+            t1 = time.perf_counter()
+            self.copy_s["reduce-scatter copy-out"] += t1 - t0
             if s.grad is None:
                 s.grad = DTensor.from_local(rows, self.mesh, [Shard(0)], run_check=False,
                                             shape=s.shape, stride=s.stride())
-            else:
-                s.grad.to_local().add_(rows)
-        self.copy_s["reduce-scatter copy-out"] += time.perf_counter() - t0
+                self.copy_s["gradient DTensor wrap"] += time.perf_counter() - t1
         self._track_grads(-tensor_bytes(u.grad_full))
         u.reduce = u.reduce_out = u.grad_full = None
         u.reduced = True
@@ -403,6 +407,24 @@ class PerParamShard(FullyShard):
             g.mul_(coef.to(g.dtype))
         return norm
 
+    # -- what a step spent and what this rank holds -----------------------------------------
+    def take_copy_seconds(self) -> dict:
+        """Seconds each of COPIES took since the last call (a step's, when the loop asks)."""
+        out, self.copy_s = self.copy_s, dict.fromkeys(COPIES, 0.0)
+        return out
+
+    def local_bytes(self, optimizer) -> dict:
+        """Bytes this rank holds, from the tensors (views of one storage count once): params,
+        each shard's padded rows plus any parameter still gathered; grads, the shards'
+        gradients (the reduce-scatter outputs they view) and any not yet reduced; optim, the
+        optimizer's state (DTensors by their local rows)."""
+        params = [t for u in self.units for t in u.locals_ + u.full]
+        grads = [t for u in self.units for p, s in zip(u.params, u.sharded)
+                 for t in (p.grad, s.grad)]
+        state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
+                "optim": _storage_bytes(state)}
+
     # -- reading gradients and parameters whole ----------------------------------------------
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor:
         """distlab.grad_shard: this rank's rows of param's mean gradient, flattened."""
@@ -436,6 +458,19 @@ class PerParamShard(FullyShard):
             out[k] = (self._full(v.to_local().detach(), v.shape) if isinstance(v, DTensor)
                       else v.detach().clone())
         return out
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor by its local tensor)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
 
 
 def _refuse_sequence_parallel(module: nn.Module) -> None:

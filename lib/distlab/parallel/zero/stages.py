@@ -153,6 +153,7 @@ class ZeRO(Strategy):
         super().__init__(cfg, comm)
         self.units: list[Unit] = []  # the optimizer's (build_optimizer)
         self.optimizer: ZeroOptimizer | None = None
+        self.grads = None  # the gradient path: the ZeroOptimizer's units (or per_param's state)
         self.frozen: list[nn.Parameter] = []  # requires_grad=False: replicated, not sharded
         self.fsdp: FullyShard | None = None  # zero3: distlab.fully_shard's state on the model
 
@@ -207,7 +208,7 @@ class ZeRO(Strategy):
                 raise ValueError(f"unit {g['name']}: parameters of several dtypes "
                                  f"{sorted(str(u.full.dtype) for u in units)}")
             units[0].modules = modules
-        self.optimizer, self.units = opt, opt.units
+        self.optimizer, self.units, self.grads = opt, opt.units, opt.grads
         return opt
 
     def batch(self, data, step):
@@ -216,23 +217,23 @@ class ZeRO(Strategy):
         return read_batch(self, data, step)
 
     def no_sync(self, model):
-        return self.optimizer.no_sync()
+        return self.grads.no_sync()
 
     # -- the step: the optimizer's ------------------------------------------------------------
     def reduce_gradients(self, model):
         """Each unit's gradient shard: the global batch's mean (ZeroOptimizer)."""
-        self.optimizer.reduce_gradients()
+        self.grads.reduce_gradients()
         # transient buffers of this step: gathered parameters and flat gradients (zero2/3)
         gathered = self.fsdp.peak["params"] if self.fsdp is not None else 0
-        self.comm.note_buffer(gathered + self.optimizer.grads.grad_bytes_peak)
+        self.comm.note_buffer(gathered + self.grads.grad_bytes_peak)
 
     def step_gradients(self, model) -> list:
         """The gradient shards the step reads (loss scaling unscales and checks these)."""
-        return self.optimizer.gradient_shards()
+        return self.grads.gradient_shards()
 
     def clip_gradients(self, model, max_norm: float) -> float:
         """Clip by the global norm: ‖g‖² = Σ over ranks of Σ over shards (one all-reduce)."""
-        return float(self.optimizer.clip_grad_norm_(max_norm))
+        return float(self.grads.clip_grad_norm_(max_norm))
 
     # -- what this rank holds ----------------------------------------------------------------
     def state_bytes(self, model, optimizer) -> dict:
@@ -260,16 +261,18 @@ class ZeRO(Strategy):
             self.fsdp.prefetch_forward()
 
     def step_info(self) -> dict:
-        grads, fsdp = self.optimizer.grads, self.fsdp
+        grads, fsdp = self.grads, self.fsdp
         info = {"stage": self.stage, "numel": sum(u.numel for u in self.units),
                 "padded": sum(u.padded for u in self.units),
-                "shard": sum(u.shard.numel() for u in self.units),
+                "shard": sum(u.padded for u in self.units) // self.world,  # P_u = N·S_u
                 "units": [[u.name, u.numel, u.padded] for u in self.units],
                 "gathered_peak_bytes": fsdp.peak["params"] if fsdp is not None else 0,
                 "grad_buffer_peak_bytes": grads.grad_bytes_peak,
                 "offload": ("cpu" if self.offload_to_cpu else
                             "cpu (marked only: nothing to move on a CPU run)" if self.cfg.offload
                             else "none")}
+        if hasattr(fsdp, "take_copy_seconds"):  # per_param: its copies in and out, this step
+            info["layout"], info["copy_s"] = fsdp.layout, fsdp.take_copy_seconds()
         if fsdp is not None:
             done = [g for g in fsdp.gathers if "blocked_s" in g]
             late = [g["blocked_s"] for g in done if g["prefetched"]]
@@ -355,8 +358,51 @@ class ZeRO2(ZeRO):
 
 
 class ZeRO3(ZeRO):
-    """P_os+g+p: optimizer state, gradients and parameters sharded."""
+    """P_os+g+p: optimizer state, gradients and parameters sharded. cfg.fsdp_layout picks
+    fully_shard's layout: "flat" (the units above) or "per_param" (FSDP2's DTensor shards,
+    distlab.parallel.zero.per_param: the run's torch optimizer steps them directly)."""
     name = "zero3"
     checkpoint_layout = "ZeRO units: one per block"
 
     stage = zero_stage = 3
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.fsdp_layout != "per_param":
+            return
+        for field, value in (("offload", cfg.offload), ("checkpoint_every", cfg.checkpoint_every),
+                             ("resume_from", cfg.resume_from)):
+            if value:
+                raise ValueError(f"{field}={value!r} with fsdp_layout='per_param': written for "
+                                 "the flat units only; use fsdp_layout='flat'")
+
+    @property
+    def per_param(self) -> bool:
+        return self.cfg.fsdp_layout == "per_param"
+
+    def wrap(self, model):
+        if not self.per_param:
+            return super().wrap(model)
+        self.offload_to_cpu, self.frozen, self.model = False, [], model  # frozen: sharded too
+        fully_shard(model, units=units_of(self.cfg, model), comm=self.comm,
+                    mp_policy=mixed_precision_policy(self.cfg),
+                    prefetch=self.cfg.fsdp_prefetch, layout="per_param")
+        self.fsdp = model._distlab_fsdp
+        return model
+
+    def build_optimizer(self, model, make):
+        """per_param: the run's optimizer over the DTensor shards (its state is theirs: 1/N)."""
+        if not self.per_param:
+            return super().build_optimizer(model, make)
+        self.optimizer = make([p for p in model.parameters() if p.requires_grad])
+        self.units, self.grads = self.fsdp.units, self.fsdp
+        return self.optimizer
+
+    def state_bytes(self, model, optimizer) -> dict:
+        if not self.per_param:
+            return super().state_bytes(model, optimizer)
+        return self.fsdp.local_bytes(optimizer)
+
+    def full_state_dict(self, model) -> dict:
+        """per_param: state_dict() is the shards; their whole tensors are gathered here."""
+        return self.fsdp.full_state_dict() if self.per_param else super().full_state_dict(model)

@@ -86,7 +86,10 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
 
 
-LAYOUTS = ("flat", "per_param")
+# fully_shard's layouts -> the class of the state that shards a module so: FullyShard for
+# "flat" (below); distlab.parallel.zero.per_param adds "per_param" (its class builds on
+# FullyShard, so this module cannot import it; the package's __init__ imports it)
+LAYOUTS: dict[str, type] = {}
 
 
 def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolicy | None = None,
@@ -119,7 +122,7 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
     """
     _refuse_sharded(module)
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+        raise ValueError(f"layout={layout!r} is not one of {tuple(LAYOUTS)}")
     if layout == "per_param" and offload:
         raise ValueError("offload=True with layout='per_param': offload is written for the "
                          "flat units only; use layout='flat'")
@@ -133,11 +136,7 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
            "units": [name for name, _ in specs], "mp_policy": repr(policy),
            "reshard_after_forward": reshard_after_forward, "offload": offload,
            "prefetch": prefetch, "layout": layout})
-    if layout == "per_param":
-        from distlab.parallel.zero.per_param import PerParamShard  # it builds on FullyShard
-        PerParamShard(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
-    else:
-        FullyShard(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
+    LAYOUTS[layout](module, specs, policy, comm, reshard_after_forward, offload, prefetch)
     return module
 
 
@@ -701,3 +700,6 @@ class FullyShard(ShardedGradients):
                 for key in names.get(id(p), []):
                     if key in sd:
                         sd[key] = u.piece(whole, i).view(p.shape).clone()
+
+
+LAYOUTS["flat"] = FullyShard

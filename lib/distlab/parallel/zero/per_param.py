@@ -70,7 +70,7 @@ from distlab.comm import Pending
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.weak_hooks import on_gradient_accumulated
-from distlab.parallel.zero.fsdp import FullyShard
+from distlab.parallel.zero.fsdp import LAYOUTS, FullyShard
 from distlab.units import tensor_bytes
 
 # the four copies FSDP2 makes and the flat layout does not, and the wrapping of each new
@@ -116,6 +116,7 @@ class ParamUnit:
     reduce_out: torch.Tensor | None = None
     grad_full: torch.Tensor | None = None  # the reduce-scatter's input while it runs
     trainable: list[int] = field(default_factory=list)  # parameters in that reduce-scatter
+    hooked: set = field(default_factory=set)  # parameters whose gradient hook is registered
     waiting: int = 0
     reduced: bool = False
 
@@ -180,9 +181,8 @@ class PerParamShard(FullyShard):
         dtype = self._gather_dtype(params[0])
         u = ParamUnit(len(self.units), name, list(modules), list(params), [], [], [], [],
                       torch.empty(0), [])
-        for i, p in enumerate(params):
+        for p in params:
             self._shard(u, p)
-            on_gradient_accumulated(p, self._grad_ready_at, u.index, i)
         u.ag_buffer = torch.empty(self.world * sum(u.sizes), dtype=dtype, device=params[0].device)
         _resize(u.ag_buffer, False)
         self.units.append(u)
@@ -222,6 +222,9 @@ class PerParamShard(FullyShard):
         for i, p in enumerate(u.params):
             if not sharded:  # freezing is the shard's flag; autograd reads the parameter's
                 p.requires_grad_(u.sharded[i].requires_grad)
+                if p.requires_grad and i not in u.hooked:  # (torch refuses one on a frozen one)
+                    on_gradient_accumulated(p, self._grad_ready_at, u.index, i)
+                    u.hooked.add(i)
             for m, k in u.slots[i]:
                 m._parameters[k] = u.sharded[i] if sharded else p
 
@@ -485,3 +488,6 @@ def _refuse_sequence_parallel(module: nn.Module) -> None:
 def _refuse_load(module, *args):
     raise RuntimeError("load_state_dict on a module fully_shard(layout='per_param') sharded is "
                        "not written here: load the state dict before calling fully_shard")
+
+
+LAYOUTS["per_param"] = PerParamShard

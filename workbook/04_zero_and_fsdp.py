@@ -46,7 +46,8 @@
 #    and plots memory per rank next to the estimate;
 # 6. **(e)** the estimator alone for models far too large to run here: the ZeRO paper's
 #    7.5B example, a 70B model on 8 and on 64 GPUs, and a 60 GB model on 8 A100s;
-# 7. **(f)** the closing table: what the textbook says, what this run measured.
+# 7. **(f)** FSDP1's flat units against FSDP2's per-parameter shards: bytes, copies, time;
+# 8. **(g)** the closing table: what the textbook says, what this run measured.
 #
 # `03_memory_and_precision` introduces the memory categories, the estimator and mixed
 # precision; here they are applied to sharding.
@@ -64,6 +65,11 @@ WIDGET_STEPS = 3 if QUICK else 10
 # Full: RunConfig's default GPT (4 layers, 128 wide, 64 tokens), global batch 16.
 MODEL = (dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, global_batch=8) if QUICK
          else dict(global_batch=16))
+# Section 7's GPT: widths that do not divide by 4 (30, or 126 in full mode), so the two
+# layouts pad differently; its steps per repeat, repeats and warmup steps
+LAYOUT_MODEL = (dict(n_layer=1, n_embd=30, n_head=2, seq_len=16, global_batch=8) if QUICK
+                else dict(n_embd=126, n_head=2))
+LAYOUT_STEPS, LAYOUT_REPEATS, LAYOUT_WARMUP = (2, 2, 1) if QUICK else (8, 3, 2)
 
 # %%
 from IPython.display import Markdown, display
@@ -94,6 +100,8 @@ from distlab.lab.zero_and_fsdp import (
     equivalence_figure,
     fmt_gb,
     global_norms,
+    layout_claims,
+    layouts_figure,
     limit_label,
     memory_by_rank,
     memory_figure,
@@ -109,6 +117,10 @@ from distlab.lab.zero_and_fsdp import (
     wire_note,
     zero_info,
 )
+from distlab.studies.fsdp_layouts import HEADER as LAYOUT_HEADER
+from distlab.studies.fsdp_layouts import compare as compare_layouts
+from distlab.studies.fsdp_layouts import loss_gap as layout_loss_gap
+from distlab.studies.fsdp_layouts import table_rows as layout_rows
 from distlab.theory.comm_bytes import comm_formula
 from distlab.theory.estimate import estimate_memory
 from distlab.theory.zero_memory import zero_reduction
@@ -693,7 +705,75 @@ display(Markdown(
 assert 3 < free_ratio < 4
 
 # %% [markdown]
-# ## 7. What the textbook says, what this run measured
+# ## 7. (f) Flat units or per-parameter shards: FSDP1's layout against FSDP2's
+#
+# Everything above is the ZeRO paper's layout: a unit flattened into one padded buffer
+# (FSDP1's `FlatParameter`), where a parameter's entries can straddle two ranks' shards.
+# FSDP2 shards each parameter on dim 0 as a `DTensor` instead; torchtitan's
+# `docs/fsdp.md` gives the reasons: one parameter can be frozen or cast on its own, a state
+# dict needs no communication, and the shards compose with tensor parallelism on a 2-D
+# mesh. `distlab.fully_shard(model, layout="per_param")` (RunConfig's
+# `fsdp_layout="per_param"` for `zero3`) does the same with the flat layout's scheduling;
+# `tests/test_fsdp_per_param.py` holds it equal to one process and to FSDP2. What it costs:
+#
+# * **bytes**: flat pads each unit to a multiple of N entries, per-parameter pads each
+#   parameter's dim 0 to a multiple of N rows (`distlab.theory.fsdp_layouts`);
+# * **copies**: a flat unit's parameters are views of the gathered buffer, while
+#   per-parameter shards are copied into one all-gather buffer (copy-in) and out of it into
+#   each parameter (copy-out), and gradients likewise around the reduce-scatter;
+# * on this CPU, **DTensor's dispatch**: the optimizer steps DTensors.
+#
+# `distlab.studies.fsdp_layouts.compare` trains one GPT three ways in one launch of 4
+# ranks (our flat units, our per-parameter shards, torch's FSDP2), with AdamW on the same
+# batches, alternating the order between repeats. Collectives and copy kernels are counted
+# at the dispatcher, the bytes written by the kernel's counter, the peak by the aten
+# tracker (which misses storages resized in place: every way's gathered parameters, so ours
+# also report their own count of those). `benchmarks/fsdp_layouts.py` runs it at width 128
+# and 126 (`benchmarks/results/fsdp_layouts-cpu-2026-11-28.txt`).
+
+# %%
+layouts = compare_layouts(WORLD, LAYOUT_STEPS, LAYOUT_REPEATS, LAYOUT_WARMUP, lr=1e-3,
+                          **LAYOUT_MODEL)
+table(LAYOUT_HEADER, layout_rows(layouts))
+layouts_figure(layouts).show()
+ways, lf = layouts["ways"], layouts["formula"]
+# what does not depend on the machine's load: one all-gather per unit in every way, each
+# way's bytes its layout's formula (FSDP2 cuts dim 0 as per_param does), the same training
+assert len({(r["all_gathers"], r["reduce_scatters"]) for r in ways.values()}) == 1
+assert all(r["same_every_repeat"] for r in ways.values())
+assert ways["flat"]["gather_bytes"] == lf["flat"]["all_gather"]
+assert (ways["per_param"]["gather_bytes"] == ways["FSDP2"]["gather_bytes"]
+        == lf["per_param"]["all_gather"])
+# AdamW over the same gradients summed in another order (the reduce-scatter's blocks are cut
+# per layout): ulps, which AdamW can lift to ~1e-5 in parameters; a step moves the loss ~1e-2
+LAYOUT_LOSS_TOL = 1e-4
+assert layout_loss_gap(layouts) <= LAYOUT_LOSS_TOL, layout_loss_gap(layouts)
+
+# %%
+pp, flat = ways["per_param"], ways["flat"]
+say(f"per-parameter padding: {lf['per_param']['padding']:,} entries against the flat units' "
+    f"{lf['flat']['padding']:,}, so {pp['gather_bytes'] / flat['gather_bytes'] - 1:+.2%} "
+    f"all-gather bytes (FSDP2 the same as ours, byte for byte); the same number of "
+    f"collectives",
+    f"per_param's copying code: {pp['own_copy_s']['median'] * 1e3:.2f} ms per step "
+    f"({pp['own_copy_s']['median'] / pp['step_s']['median']:.1%} of its step), of which the "
+    f"copy kernels themselves {pp['copy_s']['median'] * 1e3:.2f} ms: the rest is Python "
+    f"around small tensors (views, casts, wrapping each gradient shard as a DTensor)",
+    f"optimizer step: {pp['opt_s']['median'] * 1e3:.1f} ms over DTensors against "
+    f"{flat['opt_s']['median'] * 1e3:.1f} ms over flat shards; whole step "
+    f"{pp['step_s']['median'] / flat['step_s']['median']:.2f}× flat's "
+    f"(FSDP2 {ways['FSDP2']['step_s']['median'] / flat['step_s']['median']:.2f}×), "
+    f"medians over {LAYOUT_REPEATS} repeats")
+
+# %% [markdown]
+# The bytes and the counts are the design's and hold on any machine. The times are this
+# CPU's: tiny tensors, where a Python call costs more than the copy it makes, and four
+# ranks sharing two cores. torchtitan's faster FSDP2 comes from GPU memory management
+# (no `recordStream`, no CPU synchronisation), which has no counterpart here; the claims
+# rows below say what this run saw.
+
+# %% [markdown]
+# ## 8. What the textbook says, what this run measured
 #
 # Every number in the right-hand column comes from this notebook's runs, or, where it
 # says so, from the estimator with the bytes-per-parameter named.
@@ -770,7 +850,7 @@ rows = [
           f"recomputation {sel_d['tokens']:,} vs {sel_f['tokens']:,}",
           abs(none_d["tokens"] / 65536 - 1) < 0.2 and abs(none_f["tokens"] / 229e3 - 1) < 0.2,
           basis="modelled"),
-] + code_rows
+] + layout_claims(layouts) + code_rows
 claims_table(rows)
 # the interview answers and the limits of the "4×/8×" and "1.5×" rules may read no; the
 # measurements of this run must hold

@@ -19,7 +19,8 @@ import pytest
 from distlab import RunConfig
 from distlab.caller import preflight
 from distlab.caller.launch import rank_context, runs_root
-from distlab.parallel import DEGREES, FEATURE_FIELDS, KNOBS, strategy_class
+from distlab.config import FEATURE_FIELDS
+from distlab.parallel import DEGREES, KNOBS, strategy_class
 
 pytest.importorskip("ipywidgets")
 

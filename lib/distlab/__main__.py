@@ -11,28 +11,63 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import sys
 
-from distlab.config import RunConfig
+from distlab.config import SECTIONS, RunConfig
+from distlab.config.declare import declared
 
 
 def parse_config(argv) -> tuple[dict, str | None, int]:
-    p = argparse.ArgumentParser(prog="python -m distlab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            p.add_argument(flag, type=kind, default=f.default)
-    p.add_argument("--run-dir", default=None, help="folder for the run's events")
-    p.add_argument("--log-every", type=int, default=10,
-                   help="print progress every this many steps (0: only the final JSON line)")
-    args = vars(p.parse_args(argv))
+    """RunConfig's fields from the command line, and this command's own two flags."""
+    args = vars(parser().parse_args(argv))
     return args, args.pop("run_dir"), args.pop("log_every")
+
+
+def parser() -> argparse.ArgumentParser:
+    """One flag per RunConfig field, grouped by section (distlab.config.SECTIONS), each with
+    its declared help, choices and default; then this command's own."""
+    p = argparse.ArgumentParser(prog="python -m distlab", description=__doc__,
+                                usage="%(prog)s [--field VALUE | --flag | --no-flag ...]",
+                                formatter_class=_Help)
+    for title, section in SECTIONS.items():  # one group per section, its fields in order
+        group = p.add_argument_group(title, inspect.getdoc(section))
+        for f in dataclasses.fields(section):
+            _add_field(group, f)
+    mine = p.add_argument_group("this command")
+    mine.add_argument("--run-dir", default=None, help="folder for the run's events")
+    mine.add_argument("--log-every", type=int, default=10,
+                      help="print progress every this many steps (0: only the final JSON line)")
+    return p
+
+
+def _add_field(group, f) -> None:
+    """A RunConfig field as a flag: --seq-len 64; a bool as --sp / --no-sp. Its help, choices
+    and default are the field's declaration; RunConfig checks the value (choices are shown,
+    not enforced here, so every refusal reads the same)."""
+    d = declared(f)
+    flag = "--" + f.name.replace("_", "-")
+    help = d.help.replace("%", "%%")  # argparse formats help with %
+    if f.type in ("bool", bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=help)
+        return
+    choices = d.options()
+    metavar = "{" + ",".join(str(c) or "''" for c in choices) + "}" if choices else None
+    kind = {"int": int, "float": float, "str": str}[str(f.type)]
+    group.add_argument(flag, type=kind, default=f.default, metavar=metavar, help=help)
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """The module's docstring as written, and each flag's default after its help."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)r)"
 
 
 def main(argv=None) -> int:

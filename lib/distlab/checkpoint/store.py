@@ -20,21 +20,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.config import RunConfig
+from distlab.config import RunConfig, declarations
 from distlab.parallel import strategies, strategy_class
 from distlab.parallel.state import CheckpointError
 
 META, STATE, RNG_DIR, DCP_DIR = "meta.json", "state.pt", "rng", "dcp"
 FORMAT_VERSION = 1
-# RunConfig fields a resumed run may change: the update is the same, only where, how fast and
-# what is logged differ (grad_accum, allreduce and bucket_mb change the summation order: equal
-# up to rounding, as another world size). Everything else must match.
-MAY_CHANGE = frozenset({
-    "strategy", "world_size", "steps", "grad_accum", "allreduce", "bucket_mb", "checkpointing",
-    "offload", "backend", "device", "timeout_s", "threads_per_rank", "debug", "detect_nan",
-    "track_peak", "step_delay_s", "straggler_rank", "straggler_delay_s", "runs_root", "name",
-    "fault", "fault_rank", "fault_step", "checkpoint_every", "keep_last", "checkpoint_dir",
-    "resume_from", "eval_every", "save_final", "fault_module", "pp_op_delay_s"})
+# RunConfig fields a resumed run may change (each declares it: distlab.config.declare's
+# may_change): the update is the same, only where, how fast and what is logged differ.
+# Everything else must match.
+MAY_CHANGE = frozenset(name for name, d in declarations().items() if d.may_change)
 _NAME = re.compile(r"^step_(\d{6,})$")
 
 

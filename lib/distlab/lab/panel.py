@@ -39,21 +39,18 @@ from IPython.display import Markdown, display
 from plotly.subplots import make_subplots
 
 from distlab.models import factory
-from distlab.config import (ALLREDUCE_ALGORITHMS, COMPRESSIONS, DP_GATHERS, MESH_ORDERS,
-                            PRECISIONS, SCHEDULES, STRATEGIES, RunConfig)
+from distlab.config import PRECISIONS, SCHEDULES, STRATEGIES, RunConfig, declarations
+from distlab.config.reads import FEATURE_FIELDS, reads, strategy_knobs
 from distlab.lab.common import (MEMORY_CATEGORIES, MEMORY_COLORS, RUN_COLORS, byte_unit,
                                 clear_hint, has_hint, md_escape, show_hint)
 from distlab.caller.launch import launch
-from distlab.parallel import DEGREES, KNOBS, reads, strategy_class, strategy_knobs
+from distlab.parallel import DEGREES, knobs, strategy_class
 from distlab.caller.run import Run
 from distlab.step_event import bytes_sent, comm, memory
 
 # At most four redraws a second: each redraw sends every trace's data to the browser again
 # (plotly 7 has no streaming API), and a faster rate only adds traffic, not information.
 POLL_S = 0.25
-WORLD_SIZES = (1, 2, 4)
-NODES = (1, 2)  # simulated nodes the panel offers (RunConfig.nodes)
-LINKS_MBIT = (25.0, 100.0, 400.0, 1000.0)  # their link's rate
 FLOOR_COLOR = "#555555"
 PEAK_COLOR = "#222222"
 BOOKED_COLOR = "#a5d8d3"  # what the algorithm books (distlab.comm), lighter ...
@@ -744,17 +741,18 @@ def _leave_static_copy(dash: LiveDashboard, handle):
 
 
 # -- the control panel ---------------------------------------------------------------------------
-# Which knobs a strategy reads is the registry's to say (distlab.parallel.reads: KNOBS, each
-# class's degrees and supports); the panel only lists the widgets it builds. Its strategy
-# knobs: every field of parallel.KNOBS, the degrees tp and pp, and the features that shape the
-# parallelism itself (the others, LoRA, EWC, a finite dataset, belong to their notebooks).
-PANEL_FEATURES = ("offload", "sp", "backup_workers")
+# Which knobs a strategy reads is the registry's to say (distlab.config.reads: each class's
+# knobs, degrees and supports); which widget a field has, its declaration's (distlab.config:
+# Declared.widget). Its strategy knobs: every knob, the degrees tp and pp, and the features
+# whose field has a widget, those that shape the parallelism itself (the others, LoRA, EWC, a
+# finite dataset, belong to their notebooks).
+PANEL_FEATURES = tuple(f for f in FEATURE_FIELDS.values() if declarations()[f].widget)
 # Knobs whose options are narrowed to what RunConfig accepts, in this order: each is fitted with
 # the earlier ones fixed and the later ones free ("layout" is tp and pp together, from
 # Strategy.layouts). Changing one may move a later one (1f1b at pp=4 raises micro-batches to 4).
 FITTED = ("layout", "schedule", "microbatches", "virtual_stages", "param_dtype")
-MICROBATCHES = (1, 2, 4, 8, 16)
-VIRTUAL_STAGES = (1, 2, 4)
+MICROBATCHES = declarations()["microbatches"].widget.offer
+VIRTUAL_STAGES = declarations()["virtual_stages"].widget.offer
 
 
 class ControlPanel:
@@ -843,7 +841,7 @@ class ControlPanel:
         strategy = self.knobs["strategy"].value
         values = self.base.to_dict()
         for name in strategy_knobs():
-            if not reads(strategy, name) and (name in self.knobs or name in KNOBS
+            if not reads(strategy, name) and (name in self.knobs or name in knobs()
                                                or name in DEGREES):
                 values[name] = _DEFAULTS[name]
         for name, widget in self.knobs.items():
@@ -1064,92 +1062,42 @@ def strategies_for(cfg: RunConfig) -> tuple[str, ...]:
 
 
 def _make_knobs(cfg: RunConfig) -> dict:
-    """One widget per RunConfig field the panel exposes, keyed by the field's name: the general
-    ones, then every strategy knob (shown only under the strategies that read it)."""
-    style = {"description_width": "initial"}
+    """One widget per RunConfig field that declares one (Declared.widget), keyed by the field's
+    name: the general ones first, then every strategy knob (shown only under the strategies
+    that read it), each in RunConfig's order."""
+    made = {name: _widget(d.widget, name, d, cfg) for name, d in declarations().items()
+            if d.widget is not None}
+    general = [n for n in made if n not in strategy_knobs()]
+    return {n: made[n] for n in general + [n for n in made if n not in general]}
 
-    def num(kind, name, description, **bounds):  # each its own Layout: _sync hides them apart
-        return kind(value=getattr(cfg, name), description=description, style=style,
-                    layout=W.Layout(width="190px"), **bounds)
 
-    def choice(name, options, description):
-        return W.Dropdown(options=list(options), value=getattr(cfg, name),
-                          description=description, style=style)
-
-    return {
-        "strategy": W.Dropdown(options=strategies_for(cfg), value=cfg.strategy,
-                               description="strategy", style=style),
-        "world_size": W.Dropdown(options=sorted({*WORLD_SIZES, cfg.world_size}),
-                                 value=cfg.world_size, description="world size", style=style),
-        "steps": W.BoundedIntText(value=cfg.steps, min=1, max=100_000, description="steps",
-                                  style=style, layout=W.Layout(width="150px")),
+def _widget(w, name: str, d, cfg: RunConfig) -> W.Widget:
+    value, style = getattr(cfg, name), {"description_width": "initial"}
+    if w.kind == "check":
+        return W.Checkbox(value=value, description=w.label, indent=False)
+    if w.kind == "text":
+        return W.Text(value=value, description=w.label, placeholder=w.hint, style=style)
+    if w.kind == "log":
         # The browser snaps a slider's value to its step and sends it back, so a coarse step
         # would silently change the default (3e-3 became 10**-2.5); 1e-4 of a decade moves a
         # value by at most 0.012%, which config() then rounds away.
-        "lr": W.FloatLogSlider(value=cfg.lr, base=10, min=-5, max=0, step=1e-4,
-                               readout_format=".2e", description="learning rate", style=style),
-        "precision": choice("precision", PRECISIONS, "precision"),
-        "global_batch": num(W.BoundedIntText, "global_batch", "global batch", min=1,
-                            max=1 << 16),
-        # simulated nodes (distlab.caller.cluster_run; root only, else the host's loopback,
-        # said in the status): the ranks split over them, a link of link_mbit between
-        "nodes": W.Dropdown(options=sorted({*NODES, cfg.nodes}), value=cfg.nodes,
-                            description="nodes (simulated)", style=style),
-        "link_mbit": W.Dropdown(options=sorted({*LINKS_MBIT, cfg.link_mbit}),
-                                value=cfg.link_mbit, description="link (Mbit/s)", style=style),
-        # the strategy knobs (distlab.parallel.strategy_knobs), in PANEL_FEATURES and KNOBS
-        "allreduce": choice("allreduce", ALLREDUCE_ALGORITHMS, "all-reduce"),
-        "tp": choice("tp", [cfg.tp], "tp (tensor-parallel ranks)"),
-        "pp": choice("pp", [cfg.pp], "pp (pipeline stages)"),
-        "schedule": choice("schedule", SCHEDULES, "schedule"),
-        # 3d's rank order: "tp-dp-pp" keeps a tp group inside a node, "dp-tp-pp" a dp group
-        "mesh_order": choice("mesh_order", MESH_ORDERS, "rank order"),
-        "microbatches": choice("microbatches", sorted({*MICROBATCHES, cfg.microbatches}),
-                               "micro-batches"),
-        "virtual_stages": choice("virtual_stages",
-                                 sorted({*VIRTUAL_STAGES, cfg.virtual_stages}), "virtual stages"),
-        "pp_op_delay_s": num(W.BoundedFloatText, "pp_op_delay_s", "delay per op (s)", min=0,
-                             max=10, step=0.01),
-        "sp": W.Checkbox(value=cfg.sp, description="sequence parallel (sp)", indent=False),
-        "offload": W.Checkbox(value=cfg.offload, description="offload (optimizer state on CPU)",
-                              indent=False),
-        "param_dtype": choice("param_dtype", PRECISIONS, "param dtype"),
-        "reduce_dtype": W.Dropdown(options=[("as param dtype", ""), *[(p, p) for p in PRECISIONS]],
-                                   value=cfg.reduce_dtype, description="reduce dtype",
-                                   style=style),
-        "fsdp_units": W.Text(value=cfg.fsdp_units, description="units",
-                             placeholder="module names; empty: the blocks", style=style),
-        "fsdp_prefetch": num(W.BoundedIntText, "fsdp_prefetch", "units prefetched", min=0,
-                             max=64),
-        "fsdp_layout": choice("fsdp_layout", ("flat", "per_param"), "shard layout"),
-        "dp_threads": W.Checkbox(value=cfg.dp_threads, description="replicas in threads",
-                                 indent=False),
-        "dp_gather": choice("dp_gather", DP_GATHERS, "replicas return"),
-        "bucket_mb": num(W.BoundedFloatText, "bucket_mb", "bucket MiB", min=1e-3, max=1024,
-                         step=0.05),
-        "compress": choice("compress", COMPRESSIONS, "compression"),
-        "topk_ratio": num(W.BoundedFloatText, "topk_ratio", "top-k ratio", min=1e-4, max=1,
-                          step=0.01),
-        "shard_ranks": num(W.BoundedIntText, "shard_ranks", "shard ranks (0: all; HSDP)",
-                           min=0, max=1024),
-        "powersgd_rank": num(W.BoundedIntText, "powersgd_rank", "PowerSGD rank", min=1,
-                             max=1024),
-        "sync_every": num(W.BoundedIntText, "sync_every", "steps between averages", min=1,
-                          max=10_000),
-        "outer_lr": num(W.BoundedFloatText, "outer_lr", "outer lr", min=1e-3, max=10, step=0.1),
-        "outer_momentum": num(W.BoundedFloatText, "outer_momentum", "outer momentum", min=0,
-                              max=0.999, step=0.05),
-        "backup_workers": num(W.BoundedIntText, "backup_workers", "backup workers", min=0,
-                              max=64),
-        "cp_ranks": num(W.BoundedIntText, "cp_ranks", "cp ranks (0: all)", min=0, max=1024),
-        # the mesh's other degrees (distlab.parallel.parallelize): tp and pp are above
-        "cp": num(W.BoundedIntText, "cp", "cp (context-parallel ranks)", min=1, max=1024),
-        "dp_shard": num(W.BoundedIntText, "dp_shard", "dp_shard (0: the rest)", min=0,
-                        max=1024),
-        "dp_replicate": num(W.BoundedIntText, "dp_replicate", "dp_replicate (HSDP)", min=1,
-                            max=1024),
-        "zero_stage": choice("zero_stage", (0, 1, 2, 3), "ZeRO stage on dp_shard"),
-        "ep": num(W.BoundedIntText, "ep", "ep (expert-parallel ranks)", min=1, max=1024),
-        "cp_layout": choice("cp_layout", ("zigzag", "contiguous"), "sequence split"),
-        "cp_attention": choice("cp_attention", ("ring", "ulysses"), "attention"),
-    }
+        return W.FloatLogSlider(value=value, base=10, min=w.low, max=w.high, step=w.step,
+                                readout_format=".2e", description=w.label, style=style)
+    if w.kind in ("int", "float"):  # each its own Layout: _sync hides them apart
+        box = W.BoundedIntText if w.kind == "int" else W.BoundedFloatText
+        step = {} if w.step is None else {"step": w.step}
+        return box(value=value, min=w.low, max=w.high, description=w.label, style=style,
+                   layout=W.Layout(width="190px"), **step)
+    # a menu: the panel's offer (with the value it starts at), else the field's choices (the
+    # strategies that can run cfg's model), else the value alone (tp and pp: the panel fits
+    # them to the strategy's layouts)
+    if name == "strategy":
+        options = list(strategies_for(cfg))
+    elif w.offer:
+        options = sorted({*w.offer, value})
+    else:
+        options = list(d.options() or [value])
+    labels = dict(w.labels)
+    if labels:
+        options = [(labels.get(o, o), o) for o in options]
+    return W.Dropdown(options=options, value=value, description=w.label, style=style)

@@ -2,11 +2,14 @@
 reduced and how the optimizer steps. None owns a copy of the loop (see distlab.rank.train).
 
 REGISTRY is the one list of strategies: a name and where its class lives. Everything else a
-strategy is (its data-parallel degree, what it supports, its config checks, its checkpoint
-state) the class declares (distlab.parallel.base.Strategy); RunConfig and the checkpoints read it
-from there. Adding a strategy is one file and one line here.
+strategy is (its data-parallel degree, the RunConfig knobs it reads, what it supports, its
+config checks, its checkpoint state) the class declares (distlab.parallel.base.Strategy);
+RunConfig and the checkpoints read it from there, and KNOBS is built from it. Adding a strategy
+is one file and one line here.
 
-Classes are imported when first asked for, so a run imports only the strategy it uses.
+Classes are imported when first asked for. RunConfig's checks read every class's knobs, so the
+process that checks a config imports them all (~0.7 s once, on the 2-core machine); the ranks
+start from a fork server that has already imported them (distlab.caller.launch.preload).
 state.py is the strategy side of training checkpoints (distlab.checkpoint reads it); agree.py
 is the check every public wrapper runs when it is built: the ranks built it alike, or every rank
 raises naming the first difference and who holds it.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from distlab.parallel.base import DEGREES, FEATURE_FIELDS, FEATURES, Strategy
+from distlab.parallel.base import DEGREES, Strategy
 
 REGISTRY = {
     # data parallel (parallel/data_parallel/)
@@ -53,26 +56,25 @@ REGISTRY = {
 }
 STRATEGIES = tuple(REGISTRY)
 
-# RunConfig knobs that only some strategies read. Under any other strategy a value other than
-# the default would be silently ignored, so RunConfig refuses it.
-KNOBS = {
-    "allreduce": ("allreduce",),
-    "dp_threads": ("dp",), "dp_gather": ("dp",),
-    "bucket_mb": ("ddp", "ddp-torch"), "compress": ("ddp", "ddp-torch"), "topk_ratio": ("ddp",),
-    "powersgd_rank": ("ddp-torch",),
-    "sync_every": ("diloco",), "outer_lr": ("diloco",), "outer_momentum": ("diloco",),
-    "microbatches": ("pp", "pp-torch", "3d", "mesh"),
-    "schedule": ("pp", "pp-torch", "3d", "mesh"),
-    "virtual_stages": ("pp", "pp-torch", "3d", "mesh"), "pp_op_delay_s": ("pp", "3d", "mesh"),
-    "mesh_order": ("3d",),
-    "cp_ranks": ("cp",), "cp_layout": ("cp", "mesh"), "cp_attention": ("cp", "mesh"),
-    "cp": ("mesh",), "dp_shard": ("mesh",), "dp_replicate": ("mesh",), "zero_stage": ("mesh",),
-    "ep": ("mesh",),
-    "param_dtype": ("zero3",), "reduce_dtype": ("zero3",), "fsdp_units": ("zero3",),
-    "fsdp_prefetch": ("zero3", "mesh"),
-    "fsdp_layout": ("zero3",),
-    "shard_ranks": ("fsdp-torch",),
-}
+
+def knobs() -> dict[str, tuple[str, ...]]:
+    """{RunConfig field: the strategies that read it}, for the fields only some strategies read:
+    what each class declares in `knobs` (Strategy.knobs), readers in registry order. Under any
+    other strategy a value other than the field's default would be ignored in silence, so
+    RunConfig refuses it. Imports every strategy's module."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in REGISTRY:
+        for field in sorted(strategy_class(name).knobs):
+            out[field] = out.get(field, ()) + (name,)
+    return out
+
+
+def __getattr__(name: str):
+    # KNOBS is knobs(), built when read: a module-level table would import every strategy
+    # with this package (and miss strategies registered later, as the README's example does)
+    if name == "KNOBS":
+        return knobs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
@@ -90,38 +92,21 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def strategies(supporting: str | None = None) -> tuple[str, ...]:
     """Strategy names, in registry order; with `supporting`, those that declare that feature
-    (one of FEATURES, or "checkpoint": those with a checkpoint layout)."""
+    in `supports` (distlab.config.FEATURES), or "checkpoint": those with a checkpoint layout."""
     if supporting is None:
         return tuple(REGISTRY)
-    if supporting != "checkpoint" and supporting not in FEATURES:
-        raise ValueError(f"feature {supporting!r} is not one of: {', '.join(FEATURES)}, checkpoint")
+    known = {f for s in REGISTRY for f in strategy_class(s).supports}
+    if supporting != "checkpoint" and supporting not in known:
+        raise ValueError(f"feature {supporting!r} is not one of: {', '.join(sorted(known))}, "
+                         "checkpoint")
     if supporting == "checkpoint":
         return tuple(s for s in REGISTRY if strategy_class(s).checkpoint_layout is not None)
     return tuple(s for s in REGISTRY if supporting in strategy_class(s).supports)
-
-
-def strategy_knobs() -> tuple[str, ...]:
-    """The RunConfig fields that only some strategies read: KNOBS's, the model-parallel degrees
-    (Strategy.degrees) and the fields that ask for an optional feature (Strategy.supports)."""
-    return (*KNOBS, *DEGREES, *FEATURE_FIELDS.values())
-
-
-def reads(strategy: str, field: str) -> bool:
-    """Whether `strategy` reads RunConfig field `field`: KNOBS's fields under the strategies
-    they list, tp and pp under those declaring the degree, a feature's field under those
-    supporting the feature; any other field every strategy reads."""
-    cls = strategy_class(strategy)
-    if field in KNOBS:
-        return strategy in KNOBS[field]
-    if field in DEGREES:
-        return field in cls.degrees
-    feature = {f: name for name, f in FEATURE_FIELDS.items()}.get(field)
-    return feature is None or feature in cls.supports
 
 
 def make_strategy(cfg, comm) -> Strategy:
     return strategy_class(cfg.strategy)(cfg, comm)
 
 
-__all__ = ["DEGREES", "FEATURES", "FEATURE_FIELDS", "KNOBS", "REGISTRY", "STRATEGIES", "Strategy",
-           "make_strategy", "reads", "strategies", "strategy_class", "strategy_knobs"]
+__all__ = ["DEGREES", "KNOBS", "REGISTRY", "STRATEGIES", "Strategy", "knobs", "make_strategy",
+           "strategies", "strategy_class"]

@@ -6,7 +6,10 @@ compares strategy names):
     name                    the RunConfig.strategy value (its line in distlab.parallel.REGISTRY)
     degrees                 the model-parallel degrees it reads: "tp", "pp" (RunConfig.tp, .pp)
     layouts(world_size)     the (tp, pp) it runs at that world size, preferred first
-    supports                optional features it implements (FEATURES below)
+    knobs                   the RunConfig fields only some strategies read that it reads
+                            (distlab.parallel.KNOBS is built from these)
+    supports                optional features it implements (each asked for by a RunConfig
+                            field that declares it: distlab.config.FEATURES)
     checkpoint_layout       strategies with the same layout read each other's checkpoints;
                             None: this strategy does not checkpoint
     checkpoint_format       "full" (rank 0 writes one copy) or "sharded" (a DCP shard per rank)
@@ -43,35 +46,6 @@ import contextlib
 import torch
 
 
-# Optional features a strategy declares in `supports`, and the RunConfig setting that asks for it.
-FEATURES = {
-    "finite_data": "dataset_size > 0 (a finite dataset read by a distributed sampler)",
-    "join": "join=True (uneven inputs: ranks out of data shadow the others' collectives)",
-    "lora": "lora_rank > 0 (LoRA adapters)",
-    "ewc": "ewc_lambda > 0 (every rank adds the EWC penalty's gradient to whole gradients)",
-    "eval": "eval_every > 0 (every rank evaluates the whole model)",
-    "offload": "offload=True (optimizer state on the CPU)",
-    "grad_clip": "grad_clip > 0 (clipping to a global norm)",
-    "loss_scaling": "dynamic loss scaling (fp16, or loss_scale='dynamic')",
-    "sp": "sp=True (sequence parallelism)",
-    "backup_workers": "backup_workers > 0",
-    "no_buffer_broadcast": "broadcast_buffers=False (each rank keeps its own buffers, such as "
-                           "BatchNorm's running statistics)",
-    "bugs": "bug != 'none' (a training bug on purpose, distlab.debug.bugs, in a loop that holds "
-            "whole gradients)",
-    "diagnostics": "diagnostics=True (per-layer gradient norms and update ratios of whole "
-                   "gradients, distlab.debug.probe)",
-}
-
-
-# The RunConfig field that asks for each feature: what a control panel shows as its knob, under
-# the strategies that declare the feature (distlab.parallel.reads).
-FEATURE_FIELDS = {
-    "finite_data": "dataset_size", "join": "join", "lora": "lora_rank", "ewc": "ewc_lambda",
-    "eval": "eval_every", "offload": "offload", "grad_clip": "grad_clip",
-    "loss_scaling": "loss_scale", "sp": "sp", "backup_workers": "backup_workers",
-    "no_buffer_broadcast": "broadcast_buffers", "bugs": "bug", "diagnostics": "diagnostics",
-}
 # The model-parallel degrees a strategy may declare in `degrees` (RunConfig fields of these names)
 DEGREES = ("tp", "pp")
 
@@ -79,6 +53,7 @@ DEGREES = ("tp", "pp")
 class Strategy:
     name = ""
     degrees: frozenset = frozenset()
+    knobs: frozenset = frozenset()
     supports: frozenset = frozenset({"grad_clip", "loss_scaling"})
     checkpoint_layout: str | None = None
     checkpoint_format = "full"

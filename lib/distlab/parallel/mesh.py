@@ -154,6 +154,8 @@ class ThreeD(Strategy):
     name = "3d"
     any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"tp", "pp"})
+    knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s",
+                       "mesh_order"})
     supports = frozenset({"loss_scaling"})  # not sp, grad_clip, a finite dataset (docstring)
 
     # world = dp x tp x pp: RunConfig checks (tp, pp) against Strategy.layouts, whose rule for

@@ -174,7 +174,10 @@ class MeshParallel(Strategy):
     name = "mesh"
     any_model = False  # distlab's GPT: TP's plan, CP's attention and PP's stages are by name
     degrees = frozenset({"tp", "pp"})
-    supports = frozenset({"grad_clip", "loss_scaling", "sp"})
+    knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s",
+                       "cp_layout", "cp_attention", "cp", "dp_shard", "dp_replicate",
+                       "zero_stage", "ep", "fsdp_prefetch"})
+    supports = frozenset({"grad_clip", "loss_scaling", "sp", "moe"})
 
     @classmethod
     def dp_degree(cls, cfg) -> int:

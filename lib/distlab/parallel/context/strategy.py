@@ -33,6 +33,7 @@ def attach(model, cp: ContextParallel, seq_len: int) -> None:
 
 class ContextParallelDP(Strategy):
     name = "cp"
+    knobs = frozenset({"cp_ranks", "cp_layout", "cp_attention"})
     replicated = True
     checkpoint_layout = "replicated"  # the whole model and optimizer on every rank
     any_model = False  # it replaces the GPT's attention and sets its token positions

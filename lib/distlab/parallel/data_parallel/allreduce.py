@@ -113,7 +113,7 @@ class Single(ReplicatedDP):
     """One process, the whole global batch: the baseline every strategy is checked against.
     A finite dataset is read through the same sampler, at world size 1."""
     name = "single"
-    supports = ReplicatedDP.supports | {"bugs", "diagnostics"}
+    supports = ReplicatedDP.supports | {"bugs", "diagnostics", "moe"}
 
     @classmethod
     def check_config(cls, cfg):
@@ -133,7 +133,8 @@ class Single(ReplicatedDP):
 
 class AllReduceDP(ReplicatedDP):
     name = "allreduce"
-    supports = ReplicatedDP.supports | {"join", "bugs", "diagnostics"}
+    knobs = frozenset({"allreduce"})
+    supports = ReplicatedDP.supports | {"join", "bugs", "diagnostics", "moe"}
 
     active: list[int] | None = None  # join: ranks with data this step
     optimizer = None  # remembered at the first step, for a joined rank's shadow steps

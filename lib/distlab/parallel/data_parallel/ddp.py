@@ -357,7 +357,8 @@ class DDP(ReplicatedDP):
     RunConfig's bucket_mb, compress and broadcast_buffers. Gradients are complete when the last
     micro-batch's backward returns, so reduce_gradients has nothing left to do."""
     name = "ddp"
-    supports = ReplicatedDP.supports | {"no_buffer_broadcast"}
+    knobs = frozenset({"bucket_mb", "compress", "topk_ratio"})
+    supports = ReplicatedDP.supports | {"no_buffer_broadcast", "moe"}
     _buffer_sum: float | None = None
 
     @classmethod

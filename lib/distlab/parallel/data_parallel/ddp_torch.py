@@ -53,6 +53,7 @@ def booked_allreduce_hook(strategy: "TorchDDP", bucket):
 class TorchDDP(ReplicatedDP):
     name = "ddp-torch"
     books_all_traffic = False  # torch sends bytes of its own
+    knobs = frozenset({"bucket_mb", "compress", "powersgd_rank"})
 
     @classmethod
     def check_config(cls, cfg):

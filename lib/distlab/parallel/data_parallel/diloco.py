@@ -36,6 +36,7 @@ from distlab.parallel.base import Strategy
 
 class DiLoCo(Strategy):
     name = "diloco"
+    knobs = frozenset({"sync_every", "outer_lr", "outer_momentum"})
     supports = frozenset({"grad_clip"})  # each rank clips its own gradient
     replicated = True  # every rank holds the whole model, its gradients and optimizer state
 

@@ -346,6 +346,7 @@ class DataParallel(Strategy):
     """RunConfig(strategy="dp", world_size=n): n replicas in one process (cfg.processes == 1)."""
     name = "dp"
     any_model = False  # distlab's GPT only (Strategy.any_model)
+    knobs = frozenset({"dp_threads", "dp_gather"})
 
     @classmethod
     def processes(cls, cfg) -> int:

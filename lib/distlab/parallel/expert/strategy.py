@@ -30,6 +30,7 @@ from distlab.parallel.expert.dispatch import (
 class ExpertParallelDP(Strategy):
     name = "ep"
     any_model = False  # distlab's GPT with MoE blocks (n_experts)
+    supports = Strategy.supports | {"moe"}
 
     @classmethod
     def check_config(cls, cfg) -> None:

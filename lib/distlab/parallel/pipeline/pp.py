@@ -483,6 +483,7 @@ class PipelineParallel(Strategy):
     name = "pp"
     any_model = False  # distlab's GPT only (Strategy.any_model)
     degrees = frozenset({"pp"})
+    knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s"})
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

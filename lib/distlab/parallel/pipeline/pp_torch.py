@@ -23,6 +23,7 @@ class TorchPP(Strategy):
     any_model = False  # distlab's GPT only (Strategy.any_model)
     books_all_traffic = False  # torch sends bytes of its own
     degrees = frozenset({"pp"})
+    knobs = frozenset({"microbatches", "schedule", "virtual_stages"})
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)

@@ -362,6 +362,8 @@ class ZeRO3(ZeRO):
     fully_shard's layout: "flat" (the units above) or "per_param" (FSDP2's DTensor shards,
     distlab.parallel.zero.per_param: the run's torch optimizer steps them directly)."""
     name = "zero3"
+    knobs = frozenset({"param_dtype", "reduce_dtype", "fsdp_units", "fsdp_prefetch",
+                       "fsdp_layout"})
     checkpoint_layout = "ZeRO units: one per block"
 
     stage = zero_stage = 3

@@ -88,6 +88,7 @@ class TorchZeRO1(TorchDDP):
     """torch DDP + ZeroRedundancyOptimizer (wrap, no_sync, the counting hook: TorchDDP's)."""
     name = "zero1-torch"
     replicated = False  # torch DDP's model, but the optimizer state is partitioned
+    knobs = frozenset()  # nor TorchDDP's knobs (bucket_mb, compress): tested for ddp-torch only
     supports = Strategy.supports  # not TorchDDP's extras: written and tested for ddp-torch only
     checkpoint_layout = "ZeroRedundancyOptimizer, consolidated"
 
@@ -126,6 +127,7 @@ class TorchFSDP(Strategy):
     """FSDP2: fully_shard per block, then the root (HSDP with shard_ranks)."""
     name = "fsdp-torch"
     books_all_traffic = False  # torch sends bytes of its own
+    knobs = frozenset({"shard_ranks"})
     supports = Strategy.supports | {"offload"}
     checkpoint_layout = "FSDP2 DTensors"
     checkpoint_format = "sharded"

@@ -1,0 +1,53 @@
+"""RunConfig's precision section: autocast, loss scaling (distlab.rank.precision) and zero3's
+mixed-precision policy (distlab.parallel.zero.fsdp.MixedPrecisionPolicy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distlab.config.declare import Feature, Widget, declare
+from distlab.units import DTYPES
+
+PRECISIONS = tuple(DTYPES)  # "fp32", "bf16", "fp16" (distlab.units)
+LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
+
+
+def loss_scaling(cfg) -> bool:
+    """Whether cfg asks for dynamic loss scaling (the feature "loss_scaling")."""
+    return cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto" and cfg.precision == "fp16")
+
+
+@dataclass
+class Precision:
+    """Number formats: the compute dtype under autocast (fp32 master weights), dynamic loss
+    scaling, modules kept in fp32, and zero3's parameter and reduction dtypes."""
+
+    precision: str = declare("fp32", "compute dtype under autocast; the weights stay fp32",
+                             choices=PRECISIONS, widget=Widget("precision"))
+    loss_scale: str = declare(
+        "auto", "dynamic loss scaling (auto: dynamic for fp16, none otherwise)",
+        choices=LOSS_SCALES,
+        feature=Feature("loss_scaling", "dynamic loss scaling (fp16, or loss_scale='dynamic')",
+                        asks=loss_scaling))
+    loss_scale_init: float = declare(65536.0, "dynamic: the first scale (torch GradScaler's: "
+                                     "2**16)")
+    loss_scale_growth_interval: int = declare(2000, "dynamic: clean steps before the scale "
+                                              "doubles", at_least=1)
+    fp32_modules: str = declare("", "comma-separated module names kept in fp32 under autocast")
+    # zero3's mixed-precision policy (as FSDP2's): parameters cast to param_dtype before the
+    # all-gather and computed in it; gradients reduce-scattered in reduce_dtype; fp32 master
+    # shards
+    param_dtype: str = declare("fp32", "zero3: parameters cast to this before the all-gather "
+                               "and computed in it", choices=PRECISIONS,
+                               widget=Widget("param dtype"))
+    reduce_dtype: str = declare("", "zero3: gradients reduce-scattered in this ('': "
+                                "param_dtype)", choices=("",) + PRECISIONS,
+                                widget=Widget("reduce dtype", labels=(("", "as param dtype"),)))
+
+    def check(self) -> None:
+        if self.param_dtype != "fp32" and self.precision != "fp32":
+            raise ValueError(f"param_dtype={self.param_dtype!r} is zero3's mixed precision "
+                             f"(parameters cast before the all-gather); precision="
+                             f"{self.precision!r} is autocast: pick one (precision='fp32')")
+        if not self.loss_scale_init > 0:
+            raise ValueError(f"loss_scale_init={self.loss_scale_init} must be > 0")

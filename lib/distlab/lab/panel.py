@@ -763,7 +763,7 @@ class ControlPanel:
     knobs: a key names the RunConfig field the widget's value goes to (a built-in knob of that
     name is replaced).
 
-    Only what runs is offered. The knobs a strategy does not read (distlab.parallel.reads) are
+    Only what runs is offered. The knobs a strategy does not read (distlab.config.reads) are
     hidden and left at RunConfig's defaults; tp and pp offer the strategy's layouts at the world
     size (Strategy.layouts); the schedule, micro-batches, virtual stages and ZeRO-3's parameter
     dtype offer the values RunConfig accepts with the other knobs as they are (a knob with one

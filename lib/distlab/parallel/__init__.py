@@ -8,8 +8,9 @@ RunConfig and the checkpoints read it from there, and KNOBS is built from it. Ad
 is one file and one line here.
 
 Classes are imported when first asked for. RunConfig's checks read every class's knobs, so the
-process that checks a config imports them all (~0.7 s once, on the 2-core machine); the ranks
-start from a fork server that has already imported them (distlab.caller.launch.preload).
+process that checks a config imports them all (its first RunConfig took ~0.2 s longer on the
+2-core machine); the ranks start from a fork server that has imported them already
+(distlab.caller.launch.preload).
 state.py is the strategy side of training checkpoints (distlab.checkpoint reads it); agree.py
 is the check every public wrapper runs when it is built: the ranks built it alike, or every rank
 raises naming the first difference and who holds it.

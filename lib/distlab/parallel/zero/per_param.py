@@ -58,6 +58,7 @@ replicate_gradients, loading a state dict after sharding, checkpoints of the zer
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +71,8 @@ from distlab.comm import Pending
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.weak_hooks import on_gradient_accumulated
-from distlab.parallel.zero.fsdp import LAYOUTS, FullyShard
+from distlab.parallel.zero.fsdp import LAYOUTS, FullyShard, _in_backward
+from distlab.parallel.zero.optimizer import ShardedGradients
 from distlab.units import tensor_bytes
 
 # the four copies FSDP2 makes and the flat layout does not, and the wrapping of each new
@@ -117,6 +119,7 @@ class ParamUnit:
     grad_full: torch.Tensor | None = None  # the reduce-scatter's input while it runs
     trainable: list[int] = field(default_factory=list)  # parameters in that reduce-scatter
     hooked: set = field(default_factory=set)  # parameters whose gradient hook is registered
+    inputs_pending: int = 0  # forwards whose inputs backward has not reached yet (frozen ones)
     waiting: int = 0
     reduced: bool = False
 
@@ -303,6 +306,50 @@ class PerParamShard(FullyShard):
             self._track("params", -tensor_bytes(u.ag_buffer))
         u.live = u.unsharded = False
 
+    # -- when a unit with frozen parameters may be freed in backward -------------------------
+    # The flat layout frees a unit when its last gradient arrives: the node that computed a
+    # weight's gradient also used the weight, so nothing needs it after. A frozen weight has no
+    # gradient to arrive: backward may still need it to reach the unit's inputs (a LoRA
+    # layer's base weight, after its adapters' gradients are in). As FSDP2's post-backward
+    # hook on a module's inputs, such a unit is freed once backward has reached its inputs.
+    def _before_forward(self, module, args, kwargs):
+        if not _in_backward() and torch.is_grad_enabled():
+            for u in self.units:  # a forward whose backward never ran left counts behind
+                u.inputs_pending = 0
+        return super()._before_forward(module, args, kwargs)
+
+    def _pre_forward(self, k: int, module, args, kwargs):
+        args, kwargs = super()._pre_forward(k, module, args, kwargs)
+        frozen = any(not s.requires_grad for u in self.chain[k] for s in u.sharded)
+        if frozen and torch.is_grad_enabled() and not _in_backward():
+            args = self._watch_inputs(k, args)
+        return args, kwargs
+
+    def _watch_inputs(self, k: int, args: tuple) -> tuple:
+        """args with the tensors that need a gradient passed through _BackwardReached."""
+        at = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+        if not at:  # backward never reaches these inputs: the last gradient frees the unit
+            return args
+        out = _BackwardReached.apply(weakref.ref(self), k, *(args[i] for i in at))
+        for u in self.chain[k]:
+            u.inputs_pending += 1
+        args = list(args)
+        for i, t in zip(at, out):
+            args[i] = t
+        return tuple(args)
+
+    def _inputs_reached(self, k: int):
+        for u in self.chain[k]:
+            u.inputs_pending -= 1
+            if u.inputs_pending == 0 and u.waiting == 0:  # and its gradients are in
+                self._free(u)
+
+    def _unit_backward_done(self, u: ParamUnit):
+        if u.inputs_pending:  # reduce its gradients now, free it when the inputs are reached
+            ShardedGradients._unit_backward_done(self, u)
+        else:
+            super()._unit_backward_done(u)
+
     # -- gradients: copy-in, reduce-scatter, copy-out ----------------------------------------
     def _grad_ready(self, u: ParamUnit, i: int, p: nn.Parameter):
         """Parameter i's gradient accumulated in p.grad (a hook, during backward); it stays
@@ -474,6 +521,23 @@ def _storage_bytes(tensors) -> int:
             seen.add(s.data_ptr())
             total += s.nbytes()
     return total
+
+
+class _BackwardReached(torch.autograd.Function):
+    """Identity forward; its backward runs once backward has reached these inputs of a unit,
+    and tells the state (held weakly: a graph kept alive keeps no model alive)."""
+
+    @staticmethod
+    def forward(ctx, state_ref, k, *tensors):
+        ctx.state_ref, ctx.k = state_ref, k
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state_ref()
+        if state is not None:
+            state._inputs_reached(ctx.k)
+        return (None, None, *grads)
 
 
 def _refuse_sequence_parallel(module: nn.Module) -> None:

@@ -13,10 +13,9 @@ why) shards each parameter on dim 0 instead, as a DTensor:
 
 so `model.parameters()` are DTensors with placement Shard(0), `p.grad` after backward is this
 rank's rows of the mean gradient (a DTensor too), a torch optimizer built over
-`model.parameters()` steps the shards directly (elementwise or not: its tensors are whole
-rows), `requires_grad_(False)` on one parameter freezes it (it is still gathered; it gets no
-gradient, so the optimizer skips it), and `model.state_dict()` is each rank's shards as
-DTensors, with no communication.
+`model.parameters()` steps the shards directly (tested: SGD and AdamW), `requires_grad_(False)`
+on one parameter freezes it (it is still gathered; it gets no gradient, so the optimizer skips
+it), and `model.state_dict()` is each rank's shards as DTensors, with no communication.
 
 **One all-gather per unit** (FSDP2's foreach_all_gather). The unit's parameters are gathered
 together, so the collective count equals the flat layout's; what changes is the copying:
@@ -120,8 +119,7 @@ class ParamUnit:
     trainable: list[int] = field(default_factory=list)  # parameters in that reduce-scatter
     hooked: set = field(default_factory=set)  # parameters whose gradient hook is registered
     inputs_pending: int = 0  # forwards whose inputs backward has not reached yet (frozen ones)
-    waiting: int = 0
-    reduced: bool = False
+    waiting: int = 0  # trainable gradients of the running backward not yet arrived
 
     @property
     def numel(self) -> int:
@@ -148,7 +146,8 @@ class PerParamShard(FullyShard):
     def __init__(self, module, specs, policy, comm, reshard_after_forward, offload, prefetch=1):
         _refuse_sequence_parallel(module)
         device = next(module.parameters()).device
-        self.mesh = DeviceMesh.from_group(comm.group or dist.group.WORLD, device.type)
+        group = comm.group if comm.group is not None else dist.group.WORLD
+        self.mesh = DeviceMesh.from_group(group, device.type)  # the DTensors' (no collective)
         self._sharded_of: dict[int, nn.Parameter] = {}  # id(own parameter) -> its shard
         self.copy_s = dict.fromkeys(COPIES, 0.0)  # seconds spent copying (take_copy_seconds)
         super().__init__(module, specs, policy, comm, reshard_after_forward, offload, prefetch)
@@ -414,7 +413,6 @@ class PerParamShard(FullyShard):
                 self.copy_s["gradient DTensor wrap"] += time.perf_counter() - t1
         self._track_grads(-tensor_bytes(u.grad_full))
         u.reduce = u.reduce_out = u.grad_full = None
-        u.reduced = True
 
     def reduce_gradients(self) -> None:
         """Each trainable shard's .grad: this rank's rows of the global batch's mean gradient.

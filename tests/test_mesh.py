@@ -80,6 +80,10 @@ COMPOSITIONS = {
     "pp2 x tp4, sp": (dict(pp=2, tp=4, sp=True, zero_stage=0, microbatches=2), {}),
     "pp2 x dp_shard2 x tp2, grad_clip": (dict(pp=2, dp_shard=2, tp=2, microbatches=2,
                                               grad_clip=0.05), dict(grad_clip=0.05)),
+    # the norm's other groups: cp, and the experts over ep (each held by its edp ranks)
+    "dp2 x cp2 x tp2 (ep2), grad_clip": (dict(dp_shard=2, cp=2, tp=2, ep=2, zero_stage=0,
+                                              grad_clip=0.05, **NO_DROP),
+                                         dict(grad_clip=0.05, **NO_DROP)),
 }
 MESH = {k: ND_BASE.replace(**m) for k, (m, _) in COMPOSITIONS.items()}
 SINGLE = {k: ND_BASE.replace(**s) for k, (_, s) in COMPOSITIONS.items()}
@@ -359,19 +363,23 @@ def test_training_moved_the_weights(nd):
     assert moved > 100 * ATOL
 
 
-def test_clipping_clipped(nd):
+@pytest.mark.parametrize("clipped, unclipped", [
+    ("pp2 x dp_shard2 x tp2, grad_clip", "pp2 x dp_shard2 x tp2 (zero3, 1f1b)"),
+    ("dp2 x cp2 x tp2 (ep2), grad_clip", "cp2 x dp4 (ep2)")])
+def test_clipping_clipped(nd, clipped, unclipped):
     """grad_clip=0.05 changes the result (the norm is above it), so equality above is about
-    the norm summed over tp, pp and the ZeRO shards, not a clip that never fired."""
+    the norm summed over tp, pp, cp, ep and the ZeRO shards, not a clip that never fired.
+    (The two references share model, data and routing; only the clip differs.)"""
     single, _, _ = nd
-    a, b = single["pp2 x dp_shard2 x tp2, grad_clip"], single["pp2 x dp_shard2 x tp2 (zero3, 1f1b)"]
+    a, b = single[clipped], single[unclipped]
     assert max((a["state"][k] - b["state"][k]).abs().max().item() for k in a["state"]) > 1e-3
 
 
-@pytest.mark.parametrize("name", [n for n in COMPOSITIONS if not MESH[n].sp])
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_bytes_per_dimension_equal_the_formula(nd, name):
     """Every group's booked bytes, every rank, every step: theory.mesh_bytes (exact: the
-    counts are whole messages; the issue's target is within 2%). ep's all-to-alls are
-    checked against the routing in the next test."""
+    counts are whole messages; the target was within 2%). ep's all-to-alls are checked
+    against the routing in the next test."""
     _, _, events = nd
     for rank, evs in enumerate(events[name]):
         want = {g: {k: v for k, v in kinds.items() if v}

@@ -7,11 +7,18 @@ per micro-batch, T_c = seq_len / cp tokens a rank holds of each row, d = n_embd 
 S = b·T_c·d·4 (one micro-batch's residual stream on one rank), L_s = n_layer / pp:
 
     tp   4·L_s·m all-reduces of S, each 2(t-1)/t·S (Shoeybi et al. 2019: f and g, forward and
-         backward, around attention and the MLP); not modelled with sp
+         backward, around attention and the MLP; 2·L_s·m with experts, which TP leaves whole
+         on every tp rank). With sp (Korthikanti et al. 2022) each
+         becomes a reduce-scatter and an all-gather of (t-1)/t·S: 4·L_s·m of each, plus one
+         all-gather per micro-batch where the sequence is split (the first stage's backward)
+         and where it is gathered (the last stage's forward), and per micro-batch one
+         all-reduce of the stage's partial-sum gradients (its norms and row-parallel biases,
+         6d a layer, 2d more for ln_f)
     cp   per layer and micro-batch, the ring's K/V hops and dK/dV hops
          (distlab.theory.context_and_experts.ring_attention_bytes with h = d/t: a tp rank's
          heads), or Ulysses' eight all-to-alls
-    pp   m·S of activations to the next stage, m·S of gradients to the previous one
+    pp   m·S of activations to the next stage, m·S of gradients to the previous one (S/t each
+         with sp: the residual stream stays split by sequence between stages)
     dp   ZeRO over N = dp_shard·cp ranks, on units padded to a multiple of N (P = Σ P_u):
            zero1/2  reduce-scatter + all-gather, each (N-1)/N·4P (Rajbhandari et al. 2020)
            zero3    under the loop: two all-gathers (forward, backward) and one
@@ -108,8 +115,6 @@ def forward_then_backward(cfg, stage: int) -> int:
 
 def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     """{group kind: {collective kind: bytes `rank` sends per step}} (module docstring)."""
-    if cfg.sp:
-        raise NotImplementedError("mesh_bytes models tp without sp")
     if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
         raise NotImplementedError("mesh_bytes models one pipeline chunk per rank")
     s = sizes(cfg)
@@ -120,8 +125,18 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     L = cfg.n_layer // p
     groups = used_groups(s, cfg.zero_stage)
     out: dict[str, dict[str, float]] = {g: {} for g in groups}
-    if "tp" in out:
-        out["tp"]["tp.all_reduce"] = 4 * L * m * 2 * (t - 1) * S / t
+    first, last = c["pp"] == 0, c["pp"] == p - 1
+    # f and g around attention, and around the MLP unless it is a mixture of experts (TP
+    # leaves the experts whole)
+    per_block = 2 if cfg.n_experts else 4
+    if "tp" in out and not cfg.sp:
+        out["tp"]["tp.all_reduce"] = per_block * L * m * 2 * (t - 1) * S / t
+    elif "tp" in out:
+        d = cfg.n_embd
+        out["tp"] = {"sp.all_gather": (4 * L + first + last) * m * (t - 1) * S / t,
+                     "sp.reduce_scatter": 4 * L * m * (t - 1) * S / t,
+                     "sp.grad_all_reduce": m * ring_allreduce_bytes(
+                         FP32 * (6 * d * L + 2 * d * last), t)}
     if "cp" in out:
         h = cfg.n_embd // t
         if cfg.cp_attention == "ring":
@@ -133,10 +148,11 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
             u = ulysses_bytes(b, cfg.seq_len, h, cp)
             out["cp"]["cp.a2a"] = L * m * (u["forward"] + u["backward"])
     if "pp" in out:
-        if c["pp"] < p - 1:
-            out["pp"]["pp_send_act"] = m * S
-        if c["pp"] > 0:
-            out["pp"]["pp_send_grad"] = m * S
+        boundary = S // t if cfg.sp else S
+        if not last:
+            out["pp"]["pp_send_act"] = m * boundary
+        if not first:
+            out["pp"]["pp_send_grad"] = m * boundary
     held = held_numels(cfg, rank)
     experts = sum(n for k, n in held.items() if ".experts." in k) if s["ep"] > 1 else 0
     if "dp_shard_cp" in out:

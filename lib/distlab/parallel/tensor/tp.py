@@ -650,15 +650,14 @@ class _PartialGrads:
     def __init__(self, comm, params):
         self.comm, self.params = comm, list(params)
         self.arrived: dict[int, torch.Tensor] | None = None
-        for i, p in enumerate(self.params):
-            on_gradient(p, self._arrive, i)  # weak: a hook holding p would never be freed
+        for p in self.params:  # keyed by id: a pipeline stage may later drop some (params)
+            on_gradient(p, self._arrive, id(p))  # weak: a hook holding p would never be freed
 
-    def _arrive(self, i, g):
-        p = self.params[i]
+    def _arrive(self, key, g):
         if self.arrived is None:
             self.arrived = {}
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self.arrived[id(p)] = g
+        self.arrived[key] = g
         return torch.zeros_like(g)
 
     def _finish(self):
@@ -792,7 +791,10 @@ class TensorParallel(Strategy):
         return model
 
     def after_model_split(self, model) -> None:
-        """Forget the split modules a pipeline stage no longer holds (3d)."""
+        """Forget the split modules a pipeline stage no longer holds (3d, mesh), and, with sp,
+        the other stages' partial-sum parameters: each backward all-reduces only this
+        stage's (it summed zeros for the rest: 832 floats a micro-batch where a stage of the
+        4-layer, 32-wide GPT holds 384)."""
         def present(name):
             try:
                 model.get_submodule(name)
@@ -800,6 +802,10 @@ class TensorParallel(Strategy):
             except AttributeError:
                 return False
         self.sharded = {n: s for n, s in self.sharded.items() if present(n)}
+        partial = getattr(getattr(model, "_distlab_tp", None), "partial_grads", None)
+        if partial is not None:
+            kept = {id(p) for p in model.parameters()}
+            partial.params = [p for p in partial.params if id(p) in kept]
 
     def batch(self, data, step: int):
         # dp_degree is 1: every tensor-parallel rank computes on the whole global batch

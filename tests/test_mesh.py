@@ -87,6 +87,13 @@ COMPOSITIONS = {
 }
 MESH = {k: ND_BASE.replace(**m) for k, (m, _) in COMPOSITIONS.items()}
 SINGLE = {k: ND_BASE.replace(**s) for k, (_, s) in COMPOSITIONS.items()}
+# named strategies beside their mesh presets (RunConfig.as_mesh), in the same launch; 3d's two
+# orders are CFG and DP_FIRST above
+NAMED = {"zero3": ND_BASE.replace(strategy="zero3", world_size=8),
+         "cp": ND_BASE.replace(strategy="cp", world_size=8, cp_ranks=2),
+         "ep": ND_BASE.replace(strategy="ep", world_size=8, n_experts=8)}
+PRESETS = {"3d": CFG.as_mesh(), "3d dp-tp-pp": DP_FIRST.as_mesh(),
+           **{k: c.as_mesh() for k, c in NAMED.items()}}
 
 
 def test_layout_formula():
@@ -122,8 +129,9 @@ def launch(tmp_path_factory):
                        timeout_s=60, run_dir=str(tmp_path_factory.mktemp("single")))[0]
     run_dir = str(tmp_path_factory.mktemp("mesh"))
     ranks = run_ranks(mesh_ranks, 8, (DP, TP, PP), [CFG.to_dict(), DP_FIRST.to_dict()]
-                      + [c.to_dict() for c in MESH.values()], timeout_s=60, run_dir=run_dir,
-                      wall_timeout_s=300)
+                      + [c.to_dict() for c in [*MESH.values(), *NAMED.values(),
+                                               *PRESETS.values()]],
+                      timeout_s=60, run_dir=run_dir, wall_timeout_s=300)
     return single, ranks, [_step_events(run_dir, r) for r in range(8)]
 
 
@@ -422,3 +430,29 @@ def test_capacity_dropped_tokens_where_the_reference_drops_them(nd):
     _, _, events = nd
     evs = events["dp_replicate2 x dp_shard4 (ep4, balance loss, drops)"]
     assert sum(m["dropped"] for r in range(8) for e in evs[r] for m in e["moe"]) > 0
+
+
+def test_named_strategies_equal_their_mesh_presets(launch):
+    """`3d` (both rank orders), zero3, cp and ep train what their mesh presets train: the
+    same final weights on every rank (the same sums in the same groups: equal to the last
+    bit is not promised, 1e-6 is far below what a wrong group or a missing average moves)."""
+    _, ranks, events = launch
+    first = 2 + len(MESH)  # 3d's two runs, then the compositions
+    runs = {"3d": 0, "3d dp-tp-pp": 1, **{k: first + i for i, k in enumerate(NAMED)}}
+    presets = {k: first + len(NAMED) + i for i, k in enumerate(PRESETS)}
+    assert PRESETS["3d"].dp_shard == DP and PRESETS["3d"].zero_stage == 1
+    assert PRESETS["3d dp-tp-pp"].mesh_order == "dp-tp-pp"
+    assert PRESETS["ep"].ep == 8 and PRESETS["cp"].cp == 2
+    for name in PRESETS:
+        for rank, out in enumerate(ranks):
+            named, preset = out["runs"][runs[name]]["state"], out["runs"][presets[name]]["state"]
+            assert named.keys() == preset.keys(), name
+            for k, v in named.items():
+                torch.testing.assert_close(preset[k], v, atol=1e-6, rtol=0,
+                                           msg=f"{name}, rank {rank}, {k}")
+    # the preset sits where the named strategy puts each rank (3d logs its coordinates)
+    for r in range(8):
+        named_c = events[r][0]["mesh"]["coords"]
+        preset_e = events[r][(2 * CFG.steps + (len(MESH) + len(NAMED)) * STEPS)]
+        assert {k: preset_e["mesh"]["coords"][k if k != "dp" else "dp_shard"]
+                for k in named_c} == named_c

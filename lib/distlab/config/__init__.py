@@ -77,6 +77,17 @@ class RunConfig(*reversed(SECTIONS.values())):
                     changes[name] = defaults[name]
         return dataclasses.replace(self, **changes)
 
+    def as_mesh(self) -> "RunConfig":
+        """The same run on the `mesh` strategy: the named strategy's preset of degrees
+        (Strategy.mesh_preset). ValueError where the mesh has no equivalent."""
+        from distlab.parallel import strategy_class
+        preset = strategy_class(self.strategy).mesh_preset(self)
+        if preset is None:
+            raise ValueError(f"strategy={self.strategy!r} has no mesh preset (threads, "
+                             "servers, torch's own implementations, DiLoCo and compression "
+                             "are not degrees of the mesh)")
+        return self.replace(strategy="mesh", **preset)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

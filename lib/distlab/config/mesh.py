@@ -33,7 +33,7 @@ class Mesh:
     virtual_stages: int = declare(1, "interleaved: model chunks per pipeline rank", at_least=1,
                                   widget=Widget("virtual stages", offer=(1, 2, 4)))
     # tp-dp-pp keeps a tp group inside a node, dp-tp-pp a dp group
-    mesh_order: str = declare(MESH_ORDERS[0], "3d: rank order, fastest kind first",
+    mesh_order: str = declare(MESH_ORDERS[0], "3d and mesh: rank order, fastest kind first",
                               choices=MESH_ORDERS, widget=Widget("rank order"))
     pp_op_delay_s: float = declare(0.0, "pp/3d: a sleep per forward and backward op (bubble "
                                    "demos)", at_least=0, may_change=True,

@@ -18,6 +18,9 @@ compares strategy names):
     dp_degree(cfg)          how many ranks split one global batch
     processes(cfg)          how many processes to launch
     check_config(cfg)       its own checks of a RunConfig, before any process starts
+    mesh_preset(cfg)        the same run as degrees of the `mesh` strategy (RunConfig.as_mesh;
+                            tests/test_mesh.py trains the two side by side), or None where the
+                            mesh has no equivalent (threads, servers, torch's twins, DiLoCo)
 
 The defaults are a plain single-process step.
 
@@ -68,6 +71,11 @@ class Strategy:
     # False where the strategy reaches into distlab's GPT (its layer names, its logits): it
     # cannot run a model of your own (RunConfig.model="package.module:function")
     any_model = True
+
+    @classmethod
+    def mesh_preset(cls, cfg) -> dict | None:
+        """The mesh's degrees (and ZeRO stage) that train what this strategy trains."""
+        return None
 
     @classmethod
     def dp_degree(cls, cfg) -> int:

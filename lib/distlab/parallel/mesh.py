@@ -161,6 +161,10 @@ class ThreeD(Strategy):
     # world = dp x tp x pp: RunConfig checks (tp, pp) against Strategy.layouts, whose rule for
     # two degrees is this mesh's (every tp x pp dividing the world)
 
+    @classmethod
+    def mesh_preset(cls, cfg):  # ZeRO-1 over dp; the rank orders are the mesh's too
+        return {"tp": cfg.tp, "pp": cfg.pp, "dp_shard": cfg.dp_degree, "zero_stage": 1}
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         from distlab.parallel.pipeline.pp import PipelineParallel

@@ -176,7 +176,8 @@ class MeshParallel(Strategy):
     degrees = frozenset({"tp", "pp"})
     knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s",
                        "cp_layout", "cp_attention", "cp", "dp_shard", "dp_replicate",
-                       "zero_stage", "ep", "fsdp_prefetch"})
+                       "zero_stage", "ep", "fsdp_prefetch", "mesh_order", "param_dtype",
+                       "reduce_dtype", "fsdp_units"})
     supports = frozenset({"grad_clip", "loss_scaling", "sp", "moe"})
 
     @classmethod

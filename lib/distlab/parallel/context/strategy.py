@@ -39,6 +39,11 @@ class ContextParallelDP(Strategy):
     any_model = False  # it replaces the GPT's attention and sets its token positions
 
     @classmethod
+    def mesh_preset(cls, cfg):  # cp fastest, then the replicas: the mesh's order too
+        cp = cls.cp_degree(cfg)
+        return {"cp": cp, "dp_shard": cfg.world_size // cp, "zero_stage": 0}
+
+    @classmethod
     def cp_degree(cls, cfg) -> int:
         return cfg.cp_ranks or cfg.world_size
 

@@ -136,6 +136,10 @@ class AllReduceDP(ReplicatedDP):
     knobs = frozenset({"allreduce"})
     supports = ReplicatedDP.supports | {"join", "bugs", "diagnostics", "moe"}
 
+    @classmethod
+    def mesh_preset(cls, cfg):  # every rank a data-parallel replica, one flat all-reduce
+        return {"dp_shard": cfg.world_size, "zero_stage": 0}
+
     active: list[int] | None = None  # join: ranks with data this step
     optimizer = None  # remembered at the first step, for a joined rank's shadow steps
 

@@ -358,6 +358,10 @@ class DDP(ReplicatedDP):
     micro-batch's backward returns, so reduce_gradients has nothing left to do."""
     name = "ddp"
     knobs = frozenset({"bucket_mb", "compress", "topk_ratio"})
+
+    @classmethod
+    def mesh_preset(cls, cfg):  # the same averages, in buckets (none with compression)
+        return None if cfg.compress != "none" else {"dp_shard": cfg.world_size, "zero_stage": 0}
     supports = ReplicatedDP.supports | {"no_buffer_broadcast", "moe"}
     _buffer_sum: float | None = None
 

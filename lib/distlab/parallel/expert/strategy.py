@@ -33,6 +33,10 @@ class ExpertParallelDP(Strategy):
     supports = Strategy.supports | {"moe"}
 
     @classmethod
+    def mesh_preset(cls, cfg):  # every rank a replica of the dense part, ep over all of them
+        return {"dp_shard": cfg.world_size, "ep": cfg.world_size, "zero_stage": 0}
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         if cfg.n_experts % cfg.world_size:
             raise ValueError(f"n_experts={cfg.n_experts} must be divisible by world_size="

@@ -485,6 +485,10 @@ class PipelineParallel(Strategy):
     degrees = frozenset({"pp"})
     knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s"})
 
+    @classmethod
+    def mesh_preset(cls, cfg):
+        return {"pp": cfg.world_size, "zero_stage": 0}
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.p, self.m, self.v, self.S = pipeline_shape(cfg)

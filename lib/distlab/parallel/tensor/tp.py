@@ -776,6 +776,10 @@ class TensorParallel(Strategy):
     degrees = frozenset({"tp"})
     supports = Strategy.supports | {"sp"}
 
+    @classmethod
+    def mesh_preset(cls, cfg):
+        return {"tp": cfg.world_size, "zero_stage": 0}
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.sp = cfg.sp

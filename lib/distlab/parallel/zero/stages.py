@@ -149,6 +149,10 @@ class ZeRO(Strategy):
 
     stage = 0
 
+    @classmethod
+    def mesh_preset(cls, cfg):  # ZeRO over every rank
+        return {"dp_shard": cfg.world_size, "zero_stage": cls.stage}
+
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.units: list[Unit] = []  # the optimizer's (build_optimizer)

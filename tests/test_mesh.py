@@ -80,6 +80,12 @@ COMPOSITIONS = {
     "pp2 x tp4, sp": (dict(pp=2, tp=4, sp=True, zero_stage=0, microbatches=2), {}),
     "pp2 x dp_shard2 x tp2, grad_clip": (dict(pp=2, dp_shard=2, tp=2, microbatches=2,
                                               grad_clip=0.05), dict(grad_clip=0.05)),
+    # fully_shard's per-parameter layout (FSDP2's) on the mesh: with TP and CP, and as HSDP
+    "dp2 x cp2 x tp2 (per_param), grad_clip": (dict(dp_shard=2, cp=2, tp=2,
+                                                     fsdp_layout="per_param", grad_clip=0.05),
+                                                dict(grad_clip=0.05)),
+    "HSDP dp_replicate2 x dp_shard2 x tp2 (per_param)": (dict(dp_replicate=2, dp_shard=2, tp=2,
+                                                               fsdp_layout="per_param"), {}),
     # the norm's other groups: cp, and the experts over ep (each held by its edp ranks)
     "dp2 x cp2 x tp2 (ep2), grad_clip": (dict(dp_shard=2, cp=2, tp=2, ep=2, zero_stage=0,
                                               grad_clip=0.05, **NO_DROP),

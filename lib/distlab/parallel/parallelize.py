@@ -177,7 +177,7 @@ class MeshParallel(Strategy):
     knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s",
                        "cp_layout", "cp_attention", "cp", "dp_shard", "dp_replicate",
                        "zero_stage", "ep", "fsdp_prefetch", "mesh_order", "param_dtype",
-                       "reduce_dtype", "fsdp_units"})
+                       "reduce_dtype", "fsdp_units", "fsdp_layout"})
     supports = frozenset({"grad_clip", "loss_scaling", "sp", "moe"})
 
     @classmethod
@@ -198,6 +198,13 @@ class MeshParallel(Strategy):
         cls._check_experts(cfg, s)
         if cfg.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={cfg.zero_stage} must be 0 (no sharding), 1, 2 or 3")
+        if cfg.fsdp_layout != "flat" and cfg.zero_stage != 3:
+            raise ValueError(f"fsdp_layout={cfg.fsdp_layout!r} is fully_shard's (ZeRO-3): set "
+                             f"zero_stage=3 (got {cfg.zero_stage})")
+        if cfg.fsdp_layout == "per_param" and cfg.sp:
+            raise ValueError("fsdp_layout='per_param' with sp=True: sp completes its norms' "
+                             "gradients after backward, when this layout has reduce-scattered "
+                             "them; use fsdp_layout='flat'")
         cp, tp = s["cp"], s["tp"]
         if cp > 1:
             from distlab.parallel.context import layout as L
@@ -336,8 +343,8 @@ class MeshParallel(Strategy):
         if self.dp_s is not None:
             self.dp_s.reduce_gradients(model)  # reduce-scatter over dp_shard x cp
             if "dp_replicate" in self.mesh.comms:  # HSDP: then each shard over the replicas
-                for u in self.dp_s.units:
-                    self.mesh.comms["dp_replicate"].all_reduce(u.grad_shard, op="avg")
+                for g in self.dp_s.step_gradients(model):  # views of the shards' gradients
+                    self.mesh.comms["dp_replicate"].all_reduce(g, op="avg")
         elif self.dp_comm is not None:
             _average(self.dp_comm, self._dense(model))
         if self.ep_comm is not None:  # summed over the ep group's losses: its mean, then edp's
@@ -381,6 +388,9 @@ class MeshParallel(Strategy):
             return [(p.grad, per_tp(p) / (copies // s["ep"] if id(p) in experts else copies))
                     for p in model.parameters() if p.grad is not None]
         out, rank = [], self.dp_s.rank
+        if self.cfg.fsdp_layout == "per_param":  # each parameter's rows: its DTensor's
+            return [(sh.grad.to_local(), per_tp(sh) / s["dp_replicate"])
+                    for u in self.dp_s.units for sh in u.sharded if sh.grad is not None]
         for u in self.dp_s.units:  # each parameter's entries in this rank's shard
             for i, p in enumerate(u.params):
                 piece = u.shard_piece(u.grad_shard, i, rank)
@@ -406,10 +416,12 @@ class MeshParallel(Strategy):
         """All weights under `single`'s names (collective: every rank). model.state_dict()
         gathers ZeRO-3's shards; TP's blocks are gathered over tp; the stages' dicts over pp."""
         import torch.distributed as dist
-        sd = dict(model.state_dict())
+        per_param = self.dp_s is not None and self.cfg.fsdp_layout == "per_param"
+        # per_param's state_dict() is the DTensor shards: gathered over dp_shard x cp first
+        sd = self.dp_s.full_state_dict(model) if per_param else dict(model.state_dict())
         if self.tp_s is not None:
             from distlab.parallel.tensor.tp import full_state_dict
-            sd = full_state_dict(model)  # TP's blocks gathered over tp
+            sd = full_state_dict(model, sd)  # TP's blocks gathered over tp
         if self.ep_comm is not None:  # the experts gathered over ep (TP leaves them whole)
             from distlab.parallel.expert.dispatch import expert_parallel_state_dict
             experts = expert_parallel_state_dict(model)

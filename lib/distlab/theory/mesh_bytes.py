@@ -19,7 +19,8 @@ S = b·T_c·d·4 (one micro-batch's residual stream on one rank), L_s = n_layer 
          heads), or Ulysses' eight all-to-alls
     pp   m·S of activations to the next stage, m·S of gradients to the previous one (S/t each
          with sp: the residual stream stays split by sequence between stages)
-    dp   ZeRO over N = dp_shard·cp ranks, on units padded to a multiple of N (P = Σ P_u):
+    dp   ZeRO over N = dp_shard·cp ranks, on units padded to a multiple of N (P = Σ P_u; with
+         fsdp_layout="per_param" each parameter's dim 0 padded instead: theory.fsdp_layouts):
            zero1/2  reduce-scatter + all-gather, each (N-1)/N·4P (Rajbhandari et al. 2020)
            zero3    under the loop: two all-gathers (forward, backward) and one
                     reduce-scatter, each (N-1)/N·4P. Under a pipeline each micro-batch
@@ -39,6 +40,7 @@ S = b·T_c·d·4 (one micro-batch's residual stream on one rank), L_s = n_layer 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from distlab.comm import ring_allreduce_bytes
@@ -46,8 +48,8 @@ from distlab.models import GPTConfig
 from distlab.parallel.parallelize import coords_of, ep_groups, order_of, sizes, used_groups
 from distlab.parallel.pipeline.pp import make_schedule, stage_blocks
 from distlab.parallel.tensor.tp import plan_table
-from distlab.theory.comm_bytes import _param_numels
 from distlab.theory.context_and_experts import ring_attention_bytes, ulysses_bytes
+from distlab.theory.fsdp_layouts import unit_padded
 
 FP32 = 4
 
@@ -55,19 +57,25 @@ FP32 = 4
 def held_numels(cfg, rank: int) -> dict[str, int]:
     """{parameter name: entries this rank holds} (before ZeRO): its stage's blocks and ends,
     Megatron's split weights divided by tp, under ep only its own experts."""
+    return {name: math.prod(shape) for name, shape in held_shapes(cfg, rank).items()}
+
+
+def held_shapes(cfg, rank: int) -> dict[str, tuple]:
+    """{parameter name: the shape this rank holds} (before ZeRO): held_numels' parameters,
+    a column-parallel weight or bias cut on dim 0, a row-parallel weight on dim 1."""
     s = sizes(cfg)
     c = coords_of(cfg, rank)
     blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, s["pp"], c["pp"])}
-    split = set()
-    for name, style in plan_table(cfg.n_layer).items():
+    split = {}  # name -> the dim tp cuts
+    for name, style in plan_table(cfg.n_layer, experts=bool(cfg.n_experts)).items():
         if style == "colwise":
-            split |= {f"{name}.weight", f"{name}.bias"}
+            split |= {f"{name}.weight": 0, f"{name}.bias": 0}
         elif style == "rowwise":
-            split.add(f"{name}.weight")
+            split[f"{name}.weight"] = 1
     experts = _local_experts(cfg, s, rank)
     out = {}
-    gpt = _param_numels(*dataclasses.astuple(GPTConfig.from_run(cfg, cfg.moe_groups_per_rank)))
-    for name, numel in gpt.items():
+    gpt = _param_shapes(*dataclasses.astuple(GPTConfig.from_run(cfg, cfg.moe_groups_per_rank)))
+    for name, shape in gpt.items():
         top = name.split(".")[0]
         if not (any(name.startswith(b) for b in blocks)
                 or (top in ("tok_emb", "pos_emb") and c["pp"] == 0)
@@ -75,8 +83,20 @@ def held_numels(cfg, rank: int) -> dict[str, int]:
             continue
         if ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) not in experts:
             continue
-        out[name] = numel // s["tp"] if name in split else numel
+        if name in split:
+            shape = tuple(n // s["tp"] if i == split[name] else n for i, n in enumerate(shape))
+        out[name] = tuple(shape)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _param_shapes(*gpt_fields) -> dict[str, tuple]:
+    """{parameter name: shape} of GPT(GPTConfig(*gpt_fields)), built on the meta device."""
+    import torch
+
+    from distlab.models import GPT
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in GPT(GPTConfig(*gpt_fields)).named_parameters()}
 
 
 def _local_experts(cfg, s: dict, rank: int) -> set[int]:
@@ -90,18 +110,19 @@ def _local_experts(cfg, s: dict, rank: int) -> set[int]:
     return set(range(first, first + per))
 
 
-def zero_units(cfg, rank: int) -> list[tuple[str, int]]:
-    """ZeRO's units on this rank in forward order, (name, entries): zero1 one unit of
-    everything; zero2/3 the embeddings, each block, then ln_f and the head (find_units' cut)."""
-    held = held_numels(cfg, rank)
+def zero_units(cfg, rank: int) -> list[tuple[str, list[tuple]]]:
+    """ZeRO's units on this rank in forward order, (name, its parameters' shapes): zero1 one
+    unit of everything; zero2/3 the embeddings, each block, then ln_f and the head
+    (find_units' cut)."""
+    held = held_shapes(cfg, rank)
     if cfg.zero_stage == 1:
-        return [("model", sum(held.values()))]
-    units: dict[str, int] = {}
-    for name, numel in held.items():
+        return [("model", list(held.values()))]
+    units: dict[str, list] = {}
+    for name, shape in held.items():
         top = name.split(".")[0]
         unit = ("tok_emb+pos_emb" if top in ("tok_emb", "pos_emb") else
                 "ln_f+head" if top in ("ln_f", "head") else ".".join(name.split(".")[:2]))
-        units[unit] = units.get(unit, 0) + numel
+        units.setdefault(unit, []).append(shape)
     order = sorted(units, key=lambda u: (0, 0) if u == "tok_emb+pos_emb" else (
         2, 0) if u == "ln_f+head" else (1, int(u.split(".")[1])))
     return [(u, units[u]) for u in order]
@@ -157,7 +178,8 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     experts = sum(n for k, n in held.items() if ".experts." in k) if s["ep"] > 1 else 0
     if "dp_shard_cp" in out:
         N = s["dp_shard"] * cp
-        units = [(u, math.ceil(n / N) * N) for u, n in zero_units(cfg, rank)]
+        layout = cfg.fsdp_layout if cfg.zero_stage == 3 else "flat"
+        units = [(u, unit_padded(shapes, N, layout)) for u, shapes in zero_units(cfg, rank)]
         P = sum(n for _, n in units)
         one = (N - 1) * FP32 / N
         if cfg.zero_stage < 3:

@@ -672,11 +672,13 @@ class _PartialGrads:
                 p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
 
-def full_state_dict(module: nn.Module) -> dict:
+def full_state_dict(module: nn.Module, sd: dict | None = None) -> dict:
     """A tensor-parallel module's whole weights under its original names: the sharded layers'
-    blocks all-gathered from the group (a collective: every rank calls it)."""
+    blocks all-gathered from the group (a collective: every rank calls it). sd: the module's
+    tp-local state dict when another wrapper has gathered it already (a mesh's per-parameter
+    fully_shard), else module.state_dict()."""
     state = getattr(module, "_distlab_tp", None)
-    sd = dict(module.state_dict())
+    sd = dict(module.state_dict() if sd is None else sd)
     if state is None:
         return sd
     for name, style in state.sharded.items():

@@ -62,8 +62,11 @@ DELAY_S = 0.2
 WIDGET = (dict(world=4, layout=(1, 2, 2), microbatches=2, schedule="1f1b") if QUICK else
           dict(world=8, layout=(4, 1, 2), microbatches=4, schedule="gpipe"))
 # The planner's top layouts trained on this machine (section 9): how many, how often each
-# (the verdict reads a clock, so it is decided over repeats), steps per training
-PLAN_TOP, PLAN_REPEATS, PLAN_STEPS = (3, 2, 4) if QUICK else (5, 3, 8)
+# (the verdict reads a clock, so it is decided over repeats), steps per training (the first 2
+# dropped), and the all-reduce sizes its link is fitted on (16 KiB to 4 MiB; quick: 3 of them)
+PLAN_TOP, PLAN_REPEATS, PLAN_STEPS = (2, 2, 3) if QUICK else (5, 3, 8)
+PLAN_SIZES = (16 << 10, 256 << 10, 4 << 20) if QUICK else (16 << 10, 64 << 10, 256 << 10,
+                                                          1 << 20, 4 << 20)
 # A 4-layer, 32-wide GPT with 4 heads on 16-token rows, global batch 16.
 GPT = dict(n_layer=4, n_embd=32, n_head=4, seq_len=16, global_batch=16)
 
@@ -596,7 +599,7 @@ assert lc["3D only"] is None and lc_best is not None
 
 # %%
 pc = planned_vs_measured(BASE.replace(steps=PLAN_STEPS), gpus=8, top=PLAN_TOP,
-                         repeats=PLAN_REPEATS, warmup=2)
+                         repeats=PLAN_REPEATS, warmup=2, coll_reps=3, sizes=PLAN_SIZES)
 table(["#", "layout (planner's row)", "predicted ms", "measured ms (median)", "repeats ms"],
       [[r["rank"], r["layout"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
         ", ".join(f"{x * 1e3:.1f}" for x in r["spread_s"])] for r in pc["rows"]])

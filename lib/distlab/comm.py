@@ -277,6 +277,19 @@ class Comm:
                    lambda: dist.broadcast(t, src=self._global(src), group=self.group))
         return t
 
+    def broadcast_tensors(self, tensors, src: int = 0) -> None:
+        """Every tensor of `tensors` from group rank `src` to every rank, as one flat message
+        per dtype and device (one broadcast per tensor cost ~1 ms each: a GPT's 100 or so
+        made TP's and DP's setup seconds on 8 ranks)."""
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for same in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            self.broadcast(flat, src=src)
+            for t, part in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(part.view_as(t))
+
     def all_gather(self, out: torch.Tensor, t: torch.Tensor):
         """out (world × t.numel(), flat) gets every rank's `t`, in rank order."""
         n, S = self.world, tensor_bytes(out)

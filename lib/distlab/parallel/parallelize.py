@@ -298,8 +298,8 @@ class MeshParallel(Strategy):
             return self.dp_s.wrap(model)  # ZeRO's units: what is left
         if self.dp_comm is not None:
             with torch.no_grad():  # the replicas start from one rank's weights, as DDP
-                for t in self._dense(model) + list(model.buffers()):
-                    self.dp_comm.broadcast(t.data, src=0)
+                self.dp_comm.broadcast_tensors(
+                    [t.data for t in self._dense(model) + list(model.buffers())], src=0)
         return model
 
     def _experts(self, model) -> list:

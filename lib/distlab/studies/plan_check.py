@@ -85,14 +85,15 @@ def top_rows(base, cluster, top: int, cps=(1, 2)) -> list:
 
 
 def planned_vs_measured(base, gpus: int = 8, top: int = 5, repeats: int = 2, warmup: int = 2,
-                        coll_reps: int = 5, cps=(1, 2)) -> dict:
-    """Calibrate, plan, train the top rows; the rows and the verdict (module docstring)."""
+                        coll_reps: int = 5, cps=(1, 2), sizes=SIZES) -> dict:
+    """Calibrate, plan, train the top rows; the rows and the verdict (module docstring).
+    sizes: the all-reduce sizes the link is fitted on (fewer: a quicker, rougher fit)."""
     from distlab.caller.launch import run_ranks
     from distlab.theory.plan_runs import label, run_config
 
     compute = rank_flops(base)
     # one launch to fit the link (the plan needs it), one to train what it ranks
-    timed = run_ranks(collectives_and_steps, gpus, SIZES, coll_reps, [], 0, 0,
+    timed = run_ranks(collectives_and_steps, gpus, sizes, coll_reps, [], 0, 0,
                       timeout_s=120, wall_timeout_s=600)[0]["collectives"]
     fits, worst = fit({"all_reduce": timed["all_reduce"]})
     ab = fits["all_reduce"]

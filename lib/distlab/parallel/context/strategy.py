@@ -82,8 +82,8 @@ class ContextParallelDP(Strategy):
 
     def wrap(self, model):
         with torch.no_grad():  # every rank starts from rank 0's weights
-            for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast(t.data, src=0)
+            self.comm.broadcast_tensors(
+                [t.data for t in list(model.parameters()) + list(model.buffers())], src=0)
         attach(model, self.cp, self.cfg.seq_len)
         return model
 

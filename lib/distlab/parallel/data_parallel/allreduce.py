@@ -147,8 +147,8 @@ class AllReduceDP(ReplicatedDP):
         # Same seed gives the same init on every rank, but a broadcast makes it true by
         # construction (a rank that drew random numbers differently would otherwise diverge).
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast(t.data, src=0)
+            self.comm.broadcast_tensors(
+                [t.data for t in list(model.parameters()) + list(model.buffers())], src=0)
         attach_comm(model, self.comm)  # SyncBatchNorm shares statistics over these ranks
         self.model = model
         return model

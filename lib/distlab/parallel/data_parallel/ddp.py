@@ -199,8 +199,8 @@ class DistributedDataParallel(nn.Module):
         self._rows: int | None = 0  # rows this step's forwards took (None: not a batch)
         self._rows_said = False  # uneven rows are said once
         with torch.no_grad():  # every replica starts from rank 0's state
-            for t in list(module.parameters()) + list(module.buffers()):
-                self.comm.broadcast(t.data, src=0)
+            self.comm.broadcast_tensors(
+                [t.data for t in list(module.parameters()) + list(module.buffers())], src=0)
         params = self._trainable()[::-1]  # about the order backward produces gradients
         self.buckets = [_make_bucket(i, [params[j] for j in idx])
                         for i, idx in enumerate(plan_buckets(params, bucket_mb * MiB))]

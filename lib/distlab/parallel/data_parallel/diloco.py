@@ -55,8 +55,8 @@ class DiLoCo(Strategy):
 
     def wrap(self, model):
         with torch.no_grad():  # every replica starts from rank 0's state
-            for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast(t.data, src=0)
+            self.comm.broadcast_tensors(
+                [t.data for t in list(model.parameters()) + list(model.buffers())], src=0)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.anchor = [p.detach().clone() for p in self.params]  # θ_global
         m = self.cfg.outer_momentum

@@ -101,8 +101,7 @@ def expert_parallel(moe: MoE, comm: Comm | None = None) -> MoE:
            "capacity_factor": moe.capacity_factor})
     if N > 1:
         with torch.no_grad():
-            for p in moe.parameters():
-                comm.broadcast(p.data, src=0)
+            comm.broadcast_tensors([p.data for p in moe.parameters()], src=0)
     first = comm.rank * (E // N)
     moe.experts = nn.ModuleDict({str(i): moe.experts[i] for i in range(first, first + E // N)})
     moe.ep_comm, moe.ep_first = comm, first

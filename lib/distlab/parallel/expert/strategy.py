@@ -47,9 +47,9 @@ class ExpertParallelDP(Strategy):
 
     def wrap(self, model):
         with torch.no_grad():  # the dense part: rank 0's weights everywhere
-            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                if ".experts." not in name:
-                    self.comm.broadcast(t.data, src=0)
+            self.comm.broadcast_tensors(
+                [t.data for name, t in list(model.named_parameters())
+                 + list(model.named_buffers()) if ".experts." not in name], src=0)
         for block in model.blocks:  # the experts: broadcast inside, then each keeps its own
             expert_parallel(block.mlp, self.comm)
         self.moes = [b.mlp for b in model.blocks]

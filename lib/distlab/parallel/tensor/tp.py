@@ -546,8 +546,8 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
            "plan": [(name, _describe(style)) for name, style in targets]})
     if state.comm.world > 1:
         with torch.no_grad():  # every rank splits the same weights: rank 0's
-            for t in list(module.parameters()) + list(module.buffers()):
-                state.comm.broadcast(t.data, src=0)
+            state.comm.broadcast_tensors(
+                [t.data for t in list(module.parameters()) + list(module.buffers())], src=0)
     before = dict(module.named_parameters())
     for name, style in targets:
         new = style.apply(name, module.get_submodule(name) if name else module, state)
@@ -789,7 +789,8 @@ class TensorParallel(Strategy):
     def wrap(self, model):
         # every rank built the same full model from cfg.seed; each keeps its slice of it
         if self.cfg.model == "gpt":
-            plan = gpt_plan(len(model.blocks), self.sp, experts=bool(self.cfg.n_experts))
+            # a mixture of experts in the blocks (the model's own config says): attention only
+            plan = gpt_plan(len(model.blocks), self.sp, experts=bool(model.config.n_experts))
             model = parallelize_module(model, plan, comm=self.comm)
         else:  # yours: its own plan (checked before spawn by distlab.models.factory.check)
             model = parallelize_module(model, model.tp_plan, comm=self.comm)

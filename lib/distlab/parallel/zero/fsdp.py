@@ -490,9 +490,8 @@ class FullyShard(ShardedGradients):
     def _replicate_rest(self, module: nn.Module) -> None:
         """What is not sharded is rank 0's on every rank: frozen parameters, buffers."""
         with torch.no_grad():
-            for p in module.parameters():
-                if not p.requires_grad:
-                    self.comm.broadcast(p.data, src=0)
+            self.comm.broadcast_tensors([p.data for p in module.parameters()
+                                         if not p.requires_grad], src=0)
         broadcast_buffers(self.comm, module, 0)
         attach_comm(module, self.comm)  # distlab's SyncBatchNorm shares statistics over these
 

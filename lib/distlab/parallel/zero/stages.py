@@ -192,8 +192,7 @@ class ZeRO(Strategy):
             raise ValueError(f"zero{self.stage}: parameters {loose} belong to no unit (the root "
                              "module's own parameters); put them in a submodule")
         with torch.no_grad():
-            for p in self.frozen:
-                self.comm.broadcast(p.data, src=0)
+            self.comm.broadcast_tensors([p.data for p in self.frozen], src=0)
         broadcast_buffers(self.comm, model, 0)
         attach_comm(model, self.comm)  # SyncBatchNorm shares statistics over these ranks
         return model

@@ -147,8 +147,8 @@ class TorchFSDP(Strategy):
 
         device = next(model.parameters()).device
         with torch.no_grad():  # every rank starts from rank 0's weights
-            for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast(t.data, src=0)
+            self.comm.broadcast_tensors(
+                [t.data for t in list(model.parameters()) + list(model.buffers())], src=0)
         g = self.cfg.shard_ranks or self.world
         mesh = (init_device_mesh(device.type, (self.world // g, g),
                                  mesh_dim_names=("replicate", "shard"))  # HSDP

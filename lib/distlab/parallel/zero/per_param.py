@@ -63,8 +63,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from distlab.comm import Pending
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
@@ -78,6 +76,14 @@ from distlab.units import tensor_bytes
 # gradient shard as a DTensor (seconds of each in PerParamShard.copy_s)
 COPIES = ("all-gather copy-in", "all-gather copy-out", "reduce-scatter copy-in",
           "reduce-scatter copy-out", "gradient DTensor wrap")
+
+
+def _dtensor():
+    """torch's DTensor and Shard, imported when first used: torch.distributed.tensor takes
+    ~0.5 s to import, which every process that builds a RunConfig (it reads every strategy's
+    knobs, so imports this module) would otherwise pay."""
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor, Shard
 
 
 def rows_per_rank(d0: int, world: int) -> int:
@@ -147,6 +153,7 @@ class PerParamShard(FullyShard):
         _refuse_sequence_parallel(module)
         device = next(module.parameters()).device
         group = comm.group if comm.group is not None else dist.group.WORLD
+        from torch.distributed.device_mesh import DeviceMesh
         self.mesh = DeviceMesh.from_group(group, device.type)  # the DTensors' (no collective)
         self._sharded_of: dict[int, nn.Parameter] = {}  # id(own parameter) -> its shard
         self.copy_s = dict.fromkeys(COPIES, 0.0)  # seconds spent copying (take_copy_seconds)
@@ -198,6 +205,7 @@ class PerParamShard(FullyShard):
     def _shard(self, u: ParamUnit, p: nn.Parameter) -> None:
         """p's rows [r·c, r·c + local) as this rank's DTensor shard; p a view of its padded
         full storage, freed."""
+        DTensor, Shard = _dtensor()
         N, r, d0 = self.world, self.rank, p.shape[0]
         c, n = rows_per_rank(d0, N), local_rows(d0, N, self.rank)
         local = p.new_zeros((c, *p.shape[1:]))
@@ -396,6 +404,7 @@ class PerParamShard(FullyShard):
 
     def _finish_reduce(self, u: ParamUnit):
         """The mean gradient's rows of each parameter, added to its shard's .grad (copy-out)."""
+        DTensor, Shard = _dtensor()
         u.reduce.wait()
         u.reduce_out.div_(self.world)  # the sum over ranks -> the global batch's mean
         for i, piece in zip(u.trainable, u.reduce_out.split([u.sizes[k] for k in u.trainable])):
@@ -501,6 +510,7 @@ class PerParamShard(FullyShard):
         """The whole parameters (in the shards' dtype) and buffers under state_dict's names:
         each shard all-gathered (a collective: every rank calls it). state_dict() itself is
         the shards, with no communication."""
+        DTensor, _ = _dtensor()
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             out[k] = (self._full(v.to_local().detach(), v.shape) if isinstance(v, DTensor)
@@ -510,6 +520,7 @@ class PerParamShard(FullyShard):
 
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (a DTensor by its local tensor)."""
+    DTensor, _ = _dtensor()
     seen, total = set(), 0
     for t in tensors:
         if t is None:

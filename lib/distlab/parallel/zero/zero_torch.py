@@ -48,7 +48,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.ddp_torch import TorchDDP
@@ -94,6 +93,9 @@ class TorchZeRO1(TorchDDP):
 
     def build_optimizer(self, model, make):
         probe = make([torch.nn.Parameter(torch.zeros(1))])  # RunConfig's class and settings
+        # imported here: torch.distributed.optim takes ~0.2 s, which every RunConfig (reading
+        # every strategy's knobs) would otherwise pay
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         optimizer = ZeroRedundancyOptimizer(
             [p for p in model.parameters() if p.requires_grad], optimizer_class=type(probe),
             process_group=self.comm.group, lr=probe.defaults["lr"],

@@ -60,7 +60,7 @@ def test_knobs_are_what_the_strategy_classes_declare():
     assert declared_by["mesh"] == {"microbatches", "schedule", "virtual_stages", "pp_op_delay_s",
                                    "cp_layout", "cp_attention", "cp", "dp_shard", "dp_replicate",
                                    "zero_stage", "ep", "fsdp_prefetch", "mesh_order",
-                                   "param_dtype", "reduce_dtype", "fsdp_units", "fsdp_layout"}
+                                   "param_dtype", "reduce_dtype", "fsdp_units", "fsdp_layout", "mesh"}
     # a field is a knob, a degree or a feature's: one way of saying who reads it
     assert not set(KNOBS) & set(DEGREES) and not set(KNOBS) & set(FEATURE_FIELDS.values())
 

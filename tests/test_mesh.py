@@ -313,6 +313,20 @@ def test_expert_groups_are_cut_from_the_data_parallel_ranks():
 
 
 # -- the config: degrees named, the world inferred, impossible meshes refused -----------------
+def test_a_mesh_string_names_the_degrees():
+    from distlab.parallel.parallelize import mesh_string, parse_mesh
+    cfg = RunConfig(mesh="pp2 x dp_shard2 x tp2", microbatches=2, global_batch=8, seq_len=16,
+                    n_embd=32, n_head=4)
+    assert (cfg.strategy, cfg.world_size, cfg.pp, cfg.dp_shard, cfg.tp) == ("mesh", 8, 2, 2, 2)
+    assert parse_mesh(mesh_string(sizes(cfg.replace(ep=1)))) == {"pp": 2, "dp_shard": 2, "tp": 2}
+    assert parse_mesh("dp4 × cp2 (ep2)") == {"dp_shard": 4, "cp": 2, "ep": 2}
+    for bad, words in (("pp2 x qq2", "'qq2'"), ("tp2 x tp2", "tp twice")):
+        with pytest.raises(ValueError, match=words):
+            parse_mesh(bad)
+    with pytest.raises(ValueError, match="name each degree once"):
+        RunConfig(mesh="tp2 x cp2", tp=4)
+
+
 def test_degrees_without_a_strategy_run_on_the_mesh():
     cfg = RunConfig(tp=2, cp=2, dp_shard=2, global_batch=8, seq_len=16, n_embd=32, n_head=4)
     assert (cfg.strategy, cfg.world_size, cfg.dp_degree) == ("mesh", 8, 2)

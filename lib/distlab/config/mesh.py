@@ -54,6 +54,10 @@ class Mesh:
     ep: int = declare(1, "mesh: ranks (of the data-parallel ones) over which each MoE's "
                       "experts spread", at_least=1, at_most=4096,
                       widget=Widget("ep (expert-parallel ranks)", "int", low=1, high=1024))
+    mesh: str = declare("", "the mesh's degrees in one string, 'pp2 x dp_shard2 x tp2' (sets "
+                        "those fields; the rest stay as given)",
+                        widget=Widget("mesh", "text", hint="pp2 x dp_shard2 x tp2; empty: the "
+                                      "degrees above"))
     cp_ranks: int = declare(0, "cp: ranks per replica that split each sequence (0: all)",
                             widget=Widget("cp ranks (0: all)", "int", low=0, high=1024))
     cp_layout: str = declare("zigzag", "which tokens each cp rank holds: zigzag (balanced "
@@ -66,7 +70,16 @@ class Mesh:
     def pick_strategy(self) -> None:
         """RunConfig(tp=2, cp=2, dp_shard=2): degrees named without a strategy run on the
         mesh, and a world size left at 1 is their product."""
-        named = (self.cp > 1 or self.dp_shard > 0 or self.dp_replicate > 1 or self.ep > 1)
+        if self.mesh:  # "pp2 x dp_shard2 x tp2": the degrees it names, each named once
+            from distlab.parallel.parallelize import parse_mesh
+            for dim, n in parse_mesh(self.mesh).items():
+                given, default = getattr(self, dim), 0 if dim == "dp_shard" else 1
+                if given not in (default, n):
+                    raise ValueError(f"mesh={self.mesh!r} says {dim}={n}, and {dim}={given} was "
+                                     "given too: name each degree once")
+                setattr(self, dim, n)
+        named = (self.cp > 1 or self.dp_shard > 0 or self.dp_replicate > 1 or self.ep > 1
+                 or bool(self.mesh))
         if self.strategy == "single" and (named or self.tp > 1 or self.pp > 1):
             self.strategy = "mesh"
         if self.strategy == "mesh" and self.world_size == 1:

@@ -106,6 +106,23 @@ def mesh_string(s: dict) -> str:
     return out + (f" (ep{s['ep']})" if s.get("ep", 1) > 1 else "")
 
 
+def parse_mesh(text: str) -> dict:
+    """"pp2 x dp_shard2 x tp2" (what mesh_string writes; "(ep2)" too, and "dp" for dp_shard)
+    as {dimension: degree}. ValueError naming the part it cannot read."""
+    import re
+    out = {}
+    for part in filter(None, re.split(r"[\sx×*,()]+", text.strip())):
+        m = re.fullmatch(r"([a-z_]+?)=?(\d+)", part)
+        dim = {"dp": "dp_shard"}.get(m.group(1), m.group(1)) if m else None
+        if dim not in (*DIMS, "ep"):
+            raise ValueError(f"mesh={text!r}: cannot read {part!r}; write degrees as "
+                             f"'pp2 x dp_shard2 x cp2 x tp2' (dimensions: {', '.join(DIMS)}, ep)")
+        if dim in out:
+            raise ValueError(f"mesh={text!r} names {dim} twice")
+        out[dim] = int(m.group(2))
+    return out
+
+
 def ep_groups(s: dict, order: tuple = ORDER) -> dict:
     """ep and edp groups: each dp_cp group (members in rank order) cut into consecutive
     blocks of ep ranks (ep), and its members with the same place in their block (edp)."""
@@ -177,7 +194,7 @@ class MeshParallel(Strategy):
     knobs = frozenset({"microbatches", "schedule", "virtual_stages", "pp_op_delay_s",
                        "cp_layout", "cp_attention", "cp", "dp_shard", "dp_replicate",
                        "zero_stage", "ep", "fsdp_prefetch", "mesh_order", "param_dtype",
-                       "reduce_dtype", "fsdp_units", "fsdp_layout"})
+                       "reduce_dtype", "fsdp_units", "fsdp_layout", "mesh"})
     supports = frozenset({"grad_clip", "loss_scaling", "sp", "moe"})
 
     @classmethod

@@ -124,7 +124,7 @@ def collective_trace(cfg: RunConfig, sp: bool = False) -> list[dict]:
             m.register_forward_pre_hook(lambda *_, n=name: rec.events.append(("enter", n)))
             m.register_forward_hook(lambda *_, n=name: rec.events.append(("leave", n)))
             # the output's gradient, by a tensor hook: a module backward hook would wrap the
-            # inputs in new tensors, and q, k, v would no longer share one f (tp._RegionEntry)
+            # inputs in new tensors, and q, k, v would no longer share one f (layers._RegionEntry)
             m.register_forward_hook(lambda m, i, out, n=name: _on_grad(out, rec, n))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     with warnings.catch_warnings():  # token ids need no gradient: hooks fire on outputs

@@ -2,7 +2,10 @@
 imports it, and it is the only part that needs the [lab] extra (plotly, ipywidgets, anywidget).
 
     common.py           units, palettes and tables every companion shares
-    panel.py            the live dashboard, the control panel and the explorers' base (00)
+    panel.py            the control panel (00); it re-exports the names of the three below
+    dashboard.py        the live dashboard: loss, memory and bytes per rank; lab.watch(run)
+    explorer.py         the explorers' base: Run, Stop and a status line, off the kernel's thread
+    live.py             reading a run while it grows; what every live widget shares
     runs.py             several configs in one launch; comparing what they trained
     <notebook>.py       each notebook's companion, named after it: collectives (01),
                         data_parallel, stragglers and scaling (02), memory_and_precision (03),

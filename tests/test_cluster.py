@@ -176,17 +176,18 @@ def test_a_node_that_dies_mid_run_ends_the_run_and_leaves_no_process(tmp_path):
 
 
 def test_the_readme_cluster_snippet_runs(tmp_path, monkeypatch, capfd):
-    """The README's snippet as written, on a smaller model and fewer steps (2 nodes x 2 ranks
-    on 2 cores): it trains and prints node 0's link counters."""
+    """docs/cluster.md's snippet (the README's until the reference moved to docs/) as written,
+    on a smaller model and fewer steps (2 nodes x 2 ranks on 2 cores): it trains and prints
+    node 0's link counters."""
     import pathlib
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("## Several nodes on one machine", 1)[1]
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    block = page.split("## Several nodes on one machine", 1)[1]
     code = next(b.split("```", 1)[0] for b in block.split("```python")[1:] if "Cluster(" in b)
-    assert '"--steps", "20"' in code, "the README's cluster snippet changed"
+    assert '"--steps", "20"' in code, "docs/cluster.md's cluster snippet changed"
     code = code.replace('"--steps", "20"', '"--steps", "3", "--n-layer", "2", "--n-embd", "32",'
                         ' "--n-head", "2", "--seq-len", "16", "--global-batch", "8"')
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/cluster.md", "exec"), {})
     out = capfd.readouterr().out  # the agents write to the same file descriptor
     assert "'sent':" in out and "done: 3 steps" in out, out[-2000:]
     assert not ours()

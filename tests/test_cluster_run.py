@@ -78,18 +78,18 @@ def test_stop_ends_every_node(tmp_path):
 
 @needs_nodes
 def test_the_readme_snippet_trains_as_one_machine_and_leaves_nothing(tmp_path):
-    """The README's launch across nodes as written (a smaller model, fewer steps; a step delay:
-    the links' counters are read at most every 0.5 s, the figure per step needs readings
-    across steps): the losses one machine gets, the links' bytes, the dashboard's link bars,
-    and nothing left."""
+    """docs/cluster.md's launch across nodes (the README's until the reference moved to docs/)
+    as written (a smaller model, fewer steps; a step delay: the links' counters are read at
+    most every 0.5 s, the figure per step needs readings across steps): the losses one machine
+    gets, the links' bytes, the dashboard's link bars, and nothing left."""
     import pathlib
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("## Several nodes on one machine", 1)[1]
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    block = page.split("## Several nodes on one machine", 1)[1]
     code = next(b.split("```", 1)[0] for b in block.split("```python")[1:] if "nodes=2" in b)
-    assert "steps=20))" in code, "the README's snippet changed"
+    assert "steps=20))" in code, "docs/cluster.md's snippet changed"
     code = code.replace("steps=20))", "steps=6, step_delay_s=0.1, runs_root=ROOT, **TINY))")
     scope = {"ROOT": str(tmp_path), "TINY": TINY}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/cluster.md", "exec"), scope)
     on_nodes = scope["run"]
     assert on_nodes.status == "done" and on_nodes.problems == []
     assert len(on_nodes.losses()) == 6
@@ -173,17 +173,18 @@ def test_a_link_that_goes_down_fails_the_run_within_the_collective_timeout(tmp_p
 
 @needs_nodes
 def test_the_readme_slurm_launch_line_runs_in_simulated_nodes(tmp_path):
-    """The README's SLURM script: its `srun` line's command, run once in each of two simulated
-    nodes (what srun does with one task per node) with SLURM's variables set, trains what one
-    machine trains (a smaller model and fewer steps than the README's)."""
+    """docs/cluster.md's SLURM script (the README's until the reference moved to docs/): its
+    `srun` line's command, run once in each of two simulated nodes (what srun does with one
+    task per node) with SLURM's variables set, trains what one machine trains (a smaller model
+    and fewer steps than the page's)."""
     import pathlib
     import shlex
     import sys
     from distlab.caller.run import Run
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    script = next(b.split("```", 1)[0] for b in readme.split("```bash")[1:] if "#SBATCH" in b)
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    script = next(b.split("```", 1)[0] for b in page.split("```bash")[1:] if "#SBATCH" in b)
     line = next(x for x in script.splitlines() if x.startswith("srun "))
-    assert "--steps 100" in line, "the README's SLURM line changed"
+    assert "--steps 100" in line, "docs/cluster.md's SLURM line changed"
     small = "--steps 4 --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --global-batch 8"
     command = line.removeprefix("srun ").replace("--steps 100", small)
     job = str(os.getpid())

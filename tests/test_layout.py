@@ -173,13 +173,13 @@ def test_layout_checks_can_fail():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-# -- the README's map of the package is the tree ------------------------------------------------
-def _readme_layout() -> set[str]:
-    """The paths the README's layout block lists: `name.py` and `name/` entries, two spaces of
+# -- the layout page's map of the package is the tree -------------------------------------------
+def _layout_block() -> set[str]:
+    """The paths docs/layout.md's layout block lists: `name.py` and `name/` entries, two spaces of
     indent per folder level (descriptions after two or more spaces, continuation lines
     further in)."""
-    readme = (LIB.parent / "README.md").read_text()
-    block = readme.split("## How the library is laid out", 1)[1].split("```\n", 2)[1]
+    page = (LIB.parent / "docs" / "layout.md").read_text()
+    block = page.split("# How the library is laid out", 1)[1].split("```\n", 2)[1]
     lines = block.splitlines()
     assert lines[0].strip() == "lib/distlab/", lines[0]
     paths, stack = set(), []
@@ -210,11 +210,12 @@ def _tree() -> set[str]:
 
 
 def test_readme_layout_block_is_the_tree():
-    """Every module and folder under lib/distlab/ is in the README's layout block, and the
-    block names nothing that is not there (it drifted by ten modules when kept by hand)."""
-    listed, tree = _readme_layout(), _tree()
-    assert not tree - listed, f"in the tree, not in the README's layout: {sorted(tree - listed)}"
-    assert not listed - tree, f"in the README's layout, not in the tree: {sorted(listed - tree)}"
+    """Every module and folder under lib/distlab/ is in docs/layout.md's layout block (the
+    README's until the reference moved to docs/), and the block names nothing that is not
+    there (it drifted by ten modules when kept by hand)."""
+    listed, tree = _layout_block(), _tree()
+    assert not tree - listed, f"in the tree, not in docs/layout.md: {sorted(tree - listed)}"
+    assert not listed - tree, f"in docs/layout.md, not in the tree: {sorted(listed - tree)}"
 
 
 def test_runtime_source_never_names_the_workbook_layer():
@@ -252,7 +253,7 @@ def test_no_module_is_shadowed_by_a_function():
     assert importlib.import_module("distlab.caller.launch").run_ranks is distlab.run_ranks
 
 
-# -- a new strategy: one file and one registry line (the README's example, run) -------------------
+# -- a new strategy: one file and one registry line (docs/library.md's example, run) --------------
 _NEW_STRATEGY_RUN = r'''
 import datetime, json, sys
 sys.path.insert(0, sys.argv[1])
@@ -293,15 +294,15 @@ if __name__ == "__main__":
 
 
 def test_a_new_strategy_is_one_file_and_one_line(tmp_path):
-    """The README's MeanDP, as written there, trains under RunConfig and the one loop on 2 ranks
-    and matches `single` on the same global batch; RunConfig reads what it declares (LoRA
+    """docs/library.md's MeanDP, as written there, trains under RunConfig and the one loop on
+    2 ranks and matches `single` on the same global batch; RunConfig reads what it declares (LoRA
     accepted, EWC refused naming who supports it). Tolerance 1e-5: SGD in fp32 over 6 steps;
     the two ranks' gradient average differs from one process's mean only by summation order
     (~1e-8 per step, DESIGN's measured 6e-8 across strategies)."""
-    readme = (LIB.parent / "README.md").read_text()
+    page = (LIB.parent / "docs" / "library.md").read_text()
     marker = "# lib/distlab/parallel/data_parallel/mean_dp.py\n"
-    assert marker in readme, "the README's 'Adding a strategy' example moved"
-    code = readme.split(marker, 1)[1].split("```", 1)[0]
+    assert marker in page, "docs/library.md's 'Adding a strategy' example moved"
+    code = page.split(marker, 1)[1].split("```", 1)[0]
     (tmp_path / "mean_dp.py").write_text(code)
     (tmp_path / "run.py").write_text(_NEW_STRATEGY_RUN)
     done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path)],

@@ -1,8 +1,9 @@
-"""Every README snippet that says "run with torchrun --nproc_per_node=2" runs as written, on 2
-processes, in ONE torchrun job: a driver runs the snippets one after another in the same two
-ranks (each snippet makes its process group, in a store of its own, and destroys it at its
-end). A torchrun job costs an agent and two ranks that each import torch, about 8 CPU-seconds
-on CI's 2 cores; seven jobs cost more than any of the snippets' training.
+"""Every snippet of docs/your_model.md (the README's until the reference moved to docs/) that
+says "run with torchrun --nproc_per_node=2" runs as written, on 2 processes, in ONE torchrun
+job: a driver runs the snippets one after another in the same two ranks (each snippet makes
+its process group, in a store of its own, and destroys it at its end). A torchrun job costs
+an agent and two ranks that each import torch, about 8 CPU-seconds on CI's 2 cores; seven
+jobs cost more than any of the snippets' training.
 
 Each snippet is checked for what it prints (rank 0's loss per step). A snippet that fails ends
 the job at once (so no rank waits for a peer that left), with its traceback in its test; the
@@ -21,8 +22,8 @@ import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-# the scripts, in README order of the features they show
+PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "your_model.md"
+# the scripts, in the page's order of the features they show
 SCRIPTS = ("train_ddp.py", "train_zero.py", "train_fsdp.py", "train_nanogpt.py", "train_tp.py",
            "train_pp.py", "train_long.py")
 MARK = "=== snippet "
@@ -56,8 +57,8 @@ for i, script in enumerate(sys.argv[1:]):
 
 def snippet(script: str) -> str:
     marker = f"# {script}: run with"
-    text = README.read_text()
-    assert marker in text, f"the README's {script} snippet moved (no line '{marker}')"
+    text = PAGE.read_text()
+    assert marker in text, f"docs/your_model.md's {script} snippet moved (no line '{marker}')"
     return marker + text.split(marker, 1)[1].split("```")[0]
 
 

@@ -1,6 +1,6 @@
 """Build the workbook as a static web site: the notebooks with their outputs, figures you can
-hover and zoom, the claims report and the interview index, readable from disk with no
-network and no kernel.
+hover and zoom, the claims report, the interview index and the reference pages of docs/,
+readable from disk with no network and no kernel.
 
     .venv/bin/python tools/claims_report.py --executed reports/executed   # full mode, ~30 min
     .venv/bin/python tools/build_site.py --executed reports/executed --out site
@@ -16,8 +16,9 @@ application/vnd.plotly.v1+json, which nbconvert does not draw) become plotly div
 the plotly.js that the installed plotly package ships, copied once into the site; a widget (an
 explorer or the control panel needs a kernel) becomes a note saying so. A notebook with no
 executed copy is shown from its source, marked as not executed, so every link of the index
-resolves. Links between pages (the interview index points at notebook sections) are rewritten
-from the .ipynb files to the pages.
+resolves. Links between pages (the interview index points at notebook sections, the reference
+pages at each other) are rewritten from the .ipynb and .md files to the pages; a reference
+page's link back to the README goes to the site's index, which stands in for it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import nbformat
 from nbconvert import HTMLExporter
 
 REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"  # every .md here is a page of the site (interview_index.md among them)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("<p class='site-note'><i>An interactive widget stands here (an explorer or the "
@@ -98,7 +100,10 @@ def _relink(text: str) -> str:
     # an anchor may hold parentheses ("3.-(b)-Memory..."), one level deep as Markdown allows
     text = re.sub(r"(?:\.\./)?(?:workbook/)?(\d\d_[A-Za-z0-9_]+)\.ipynb"
                   r"(#(?:[^()\s]|\([^()\s]*\))*)?", page, text)
-    return text.replace("../docs/interview_index.md", "interview_index.html")
+    for md in DOCS.glob("*.md"):  # a notebook's link to a page, and the pages' to each other
+        text = text.replace(f"../docs/{md.name}", f"{md.stem}.html")
+        text = text.replace(f"]({md.name})", f"]({md.stem}.html)")
+    return text.replace("](../README.md)", "](index.html)")
 
 
 def notebook_page(path: Path, executed: bool) -> tuple[str, int]:
@@ -128,6 +133,12 @@ def _page(title: str, body: str) -> str:
             f"</title><style>{STYLE}</style></head><body>{body}</body></html>")
 
 
+def _md_title(path: Path) -> str:
+    """A Markdown page's title: its first top-level heading."""
+    m = re.search(r"^#\s+(.+)$", path.read_text(), re.M)
+    return m.group(1).strip() if m else path.stem
+
+
 def _title(path: Path) -> str:
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
@@ -153,9 +164,17 @@ def build(executed_dir: Path | None, out: Path, workbook: Path = REPO / "workboo
         pages[src.stem] = figures
         items.append(f"<li><a href='{src.stem}.html'>{html.escape(_title(src))}</a>"
                      f"{'' if ran else ' <i>(not executed)</i>'}</li>")
-    index_md = REPO / "docs" / "interview_index.md"
+    index_md = DOCS / "interview_index.md"
     (out / "interview_index.html").write_text(
         _page("Interview index", _markdown(_relink(index_md.read_text()))), encoding="utf-8")
+    reference = []  # the other pages of docs/ (the README's reference), each as a page
+    for md in sorted(DOCS.glob("*.md")):
+        if md == index_md:
+            continue
+        title = _md_title(md)
+        (out / f"{md.stem}.html").write_text(_page(title, _markdown(_relink(md.read_text()))),
+                                             encoding="utf-8")
+        reference.append(f"<li><a href='{md.stem}.html'>{html.escape(title)}</a></li>")
     claims = REPO / "reports" / "claims-full.md"
     claims_link = ""
     if claims.exists():
@@ -169,7 +188,8 @@ def build(executed_dir: Path | None, out: Path, workbook: Path = REPO / "workboo
         "zoom), widgets need JupyterLab.</p><h2>Notebooks</h2><ol start='0'>"
         + "".join(items) + "</ol><h2>Also</h2><ul><li><a href='interview_index.html'>the "
         "interview index: each question, the section that answers it, the evidence</a></li>"
-        + claims_link + "</ul>")), encoding="utf-8")
+        + claims_link + "</ul><h2>Reference</h2><ul>" + "".join(reference) + "</ul>")),
+        encoding="utf-8")
     return pages
 
 

@@ -2,7 +2,8 @@
 request that is not a file refused: one notebook executed in quick mode (14_long_context:
 plotly figures and an explorer widget), the others from their sources. The figures draw
 (plotly.js from the site itself), the widget is a note, no page asks the network for anything,
-and every link of the index and the interview index reaches a page (and its anchor)."""
+and every link of the index, the interview index and the reference pages (docs/) reaches a
+page (and its anchor)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ def test_the_site_reads_offline_with_figures_drawn_and_links_resolving(site):
         assert drawn == pages[NOTEBOOK], (drawn, pages[NOTEBOOK])
         assert page.locator(".site-note").count() >= 1  # the explorer: a note, not a repr
         checked = 0
-        for start in ("index.html", "interview_index.html"):
+        reference = [f"{md.stem}.html" for md in sorted((REPO / "docs").glob("*.md"))
+                     if md.stem != "interview_index"]
+        assert reference, "docs/ holds no reference page"
+        for start in ("index.html", "interview_index.html", *reference):
             page.goto((out / start).as_uri())
             for href in _links(page):
                 url = urlparse(href)

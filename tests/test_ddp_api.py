@@ -7,7 +7,7 @@ no_sync accumulates locally and the next backward averages the sum; the wrapper 
 process group other than the world.
 
 Launches: one of 2 ranks runs every case (ours, torch's, no_sync, the guard rails), one of 4
-ranks runs two groups of 2 side by side, and torchrun runs the README's snippet. The
+ranks runs two groups of 2 side by side, and torchrun runs docs/your_model.md's snippet. The
 single-process reference runs in this process.
 
 Tolerance: ATOL = 1e-6 on parameters, buffers and gradients, float32, 5 SGD steps at lr 0.1 on

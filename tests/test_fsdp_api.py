@@ -13,7 +13,7 @@ model.parameters() after fully_shard (bound to the shards: bit-identical to Zero
 with and without zero_grad() between steps; the bytes a bf16 all-gather moves, and the guard
 rails.
 
-Launches: one of 2 ranks runs every case in turn; torchrun runs the README's snippet. The
+Launches: one of 2 ranks runs every case in turn; torchrun runs docs/your_model.md's snippet. The
 single-process reference runs in this process.
 
 Tolerance, fp32: ATOL = 1e-6 on parameters after 5 steps of values of order 1 (as

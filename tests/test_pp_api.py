@@ -7,8 +7,8 @@ batch, and against torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B over PipelineStage; torch has no naive schedule, so naive is compared
 with its GPipe: same gradients, another order) on the same stages; the guard rails' messages.
 
-Launches: one of 2 ranks runs every case (ours, torch's, the guard rails); torchrun runs the
-README's snippet. The single-process reference runs in this process.
+Launches: one of 2 ranks runs every case (ours, torch's, the guard rails); torchrun runs
+docs/your_model.md's snippet. The single-process reference runs in this process.
 
 Tolerance: ATOL = 1e-5 on parameters after STEPS steps and on each step's loss, float32. A
 pipeline computes the single process's ops on micro-batches: only the summation order of the

@@ -8,8 +8,8 @@ batch), and against torch's DTensor parallelize_module with the same plan in tor
 the partial gradients of sequence-parallel LayerNorms are complete when backward returns; the
 guard rails' messages.
 
-Launches: one of 2 ranks runs every case (ours, torch's, the guard rails); torchrun runs the
-README's snippet. The single-process reference runs in this process.
+Launches: one of 2 ranks runs every case (ours, torch's, the guard rails); torchrun runs
+docs/your_model.md's snippet. The single-process reference runs in this process.
 
 Tolerance: ATOL = 1e-5 on parameters after STEPS steps and on each step's loss, float32.
 Against one process only the summation order differs (a layer's output as the sum of two

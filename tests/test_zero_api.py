@@ -11,7 +11,7 @@ guard rails (an outside optimizer over sharded parameters, for this optimizer an
 zero1/2/3 strategies' models).
 
 Launches: one of 2 ranks runs every case, one of 4 ranks runs two process groups of 2 side by
-side, and torchrun runs the README's snippet. The single-process reference runs in this
+side, and torchrun runs docs/your_model.md's snippet. The single-process reference runs in this
 process.
 
 Tolerance: ATOL = 1e-6 on parameters and optimizer state, float32 (the fp64 parameter is fed

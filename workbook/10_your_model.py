@@ -34,7 +34,7 @@
 # carries), and each is set beside one process training the same global batch. At the end:
 # the same run from a terminal under `python -m distlab` (and torchrun), and the control panel
 # with this model in it. The four library calls behind these strategies, for a training loop
-# of your own, are in the README ("Use it on your model").
+# of your own, are in docs/your_model.md ("Use it on your model").
 
 # %% tags=["parameters"]
 import os

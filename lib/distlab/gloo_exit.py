@@ -1,9 +1,9 @@
 """A clean exit for processes that used gloo: let its worker threads finish before Python
 finalizes.
 
-What we saw (torch 2.13, CPU, 2 ranks under torchrun, the README's fully_shard script): about
-1 run in 20 on a loaded 2-core machine ended with "terminate called without an active
-exception" and SIGABRT, after the last step had printed and after dist.barrier() and
+What we saw (torch 2.13, CPU, 2 ranks under torchrun, docs/your_model.md's fully_shard
+script): about 1 run in 20 on a loaded 2-core machine ended with "terminate called without
+an active exception" and SIGABRT, after the last step had printed and after dist.barrier() and
 dist.destroy_process_group(). The core dump's stacks:
 
     gloo worker  ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject
@@ -20,7 +20,7 @@ gloo threads are still there after destroy_process_group().
 
 The guard: an atexit handler (atexit runs before finalization, with the interpreter whole)
 that releases the GIL for GRACE_S, so a worker waiting for it finishes its release. Measured
-with two busy-loop processes loading the 2 cores: 3 of 60 runs of the README script aborted
+with two busy-loop processes loading the 2 cores: 3 of 60 runs of that script aborted
 without it, 0 of 60 with it. It costs GRACE_S once per process, at exit.
 """
 

@@ -13,7 +13,7 @@ deleting the oldest first. Only folders named as the launcher names them
 file, your own checkpoints folder) is never deleted. Runs that may still be writing — folders
 changed in the last `busy_s` seconds — are kept whatever the rule says.
 
-From a terminal (the README's cleanup command):
+From a terminal (docs/library.md's cleanup command):
 
     python -m distlab.caller.retention workbook/runs --keep 0        # every run not busy
     python -m distlab.caller.retention workbook/runs --keep 20 --max-mb 100

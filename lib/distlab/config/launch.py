@@ -99,4 +99,4 @@ def _check_nodes(cfg) -> None:
     if cfg.device == "cuda" or cfg.backend == "nccl":
         raise ValueError("nodes > 1 simulates nodes on this machine's CPU with gloo: "
                          "device='cuda' and backend='nccl' are for real GPUs (run torchrun "
-                         "on each node, as the README shows)")
+                         "on each node, as docs/cluster.md shows)")

@@ -125,7 +125,7 @@ def _check_target_parameter(cfg, model: nn.Module) -> None:
             f"{type(model).__name__}.forward's second parameter is {params[1].name!r} (it "
             f"takes its targets by keyword, as Hugging Face models take labels=): have "
             f"make_model return a small nn.Module whose forward(x, y) calls it and returns the "
-            f"mean loss (README, 'Use it on your model')")
+            f"mean loss (docs/library.md, 'Your model in the training loop')")
 
 
 def _the_loss(module, args, output):

@@ -72,7 +72,7 @@ def knobs() -> dict[str, tuple[str, ...]]:
 
 def __getattr__(name: str):
     # KNOBS is knobs(), built when read: a module-level table would import every strategy
-    # with this package (and miss strategies registered later, as the README's example does)
+    # with this package (and miss strategies registered later, as docs/library.md's example does)
     if name == "KNOBS":
         return knobs()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

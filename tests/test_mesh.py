@@ -75,32 +75,28 @@ COMPOSITIONS = {
     "HSDP dp_replicate2 x dp_shard2 x tp2": (dict(dp_replicate=2, dp_shard=2, tp=2), {}),
     "pp2 x dp4 (ep2)": (dict(pp=2, dp_shard=4, ep=2, zero_stage=0, microbatches=2,
                              **NO_DROP), dict(moe_groups=8, **NO_DROP)),
-    "cp2 x dp4 (ep2)": (dict(cp=2, dp_shard=4, ep=2, zero_stage=0, **NO_DROP), NO_DROP),
-    "dp_replicate2 x dp_shard4 (ep4, balance loss, drops)": (
-        dict(dp_replicate=2, dp_shard=4, ep=4, zero_stage=0, n_experts=4, capacity_factor=1.0),
-        dict(n_experts=4, capacity_factor=1.0, moe_groups=8)),
-    "pp2 x tp4, sp": (dict(pp=2, tp=4, sp=True, zero_stage=0, microbatches=2), {}),
-    # fully_shard's per-parameter layout (FSDP2's) on the mesh: with TP and CP, and as HSDP
-    "dp2 x cp2 x tp2 (per_param), grad_clip": (dict(dp_shard=2, cp=2, tp=2,
-                                                     fsdp_layout="per_param", grad_clip=0.05),
-                                                dict(grad_clip=0.05)),
-    "HSDP dp_replicate2 x dp_shard2 x tp2 (per_param)": (dict(dp_replicate=2, dp_shard=2, tp=2,
-                                                               fsdp_layout="per_param"), {}),
     # the norm's other groups: cp, and the experts over ep (each held by its edp ranks)
-    "dp2 x cp2 x tp2 (ep2), grad_clip": (dict(dp_shard=2, cp=2, tp=2, ep=2, zero_stage=0,
-                                              grad_clip=0.05, **NO_DROP),
-                                         dict(grad_clip=0.05, **NO_DROP)),
+    "cp2 x dp4 (ep2), grad_clip": (dict(cp=2, dp_shard=4, ep=2, zero_stage=0, grad_clip=0.05,
+                                        **NO_DROP), dict(grad_clip=0.05, **NO_DROP)),
+    # experts under tp (left whole on each tp rank), with the balance loss and capacity drops
+    "tp2 x dp4 (ep2, balance loss, drops)": (
+        dict(tp=2, dp_shard=4, ep=2, zero_stage=0, n_experts=4, capacity_factor=1.0),
+        dict(n_experts=4, capacity_factor=1.0, moe_groups=4)),
+    "pp2 x tp4, sp": (dict(pp=2, tp=4, sp=True, zero_stage=0, microbatches=2), {}),
+    # fully_shard's per-parameter layout (FSDP2's) on the mesh: HSDP with TP, clipped
+    "HSDP dp_replicate2 x dp_shard2 x tp2 (per_param), grad_clip": (
+        dict(dp_replicate=2, dp_shard=2, tp=2, fsdp_layout="per_param", grad_clip=0.05),
+        dict(grad_clip=0.05)),
 }
 MESH = {k: ND_BASE.replace(**m) for k, (m, _) in COMPOSITIONS.items()}
 SINGLE = {k: ND_BASE.replace(**s) for k, (_, s) in COMPOSITIONS.items()}
 # named strategies beside their mesh presets (RunConfig.as_mesh), in the same launch; 3d's two
 # orders are CFG and DP_FIRST above
-NAMED = {"cp": ND_BASE.replace(strategy="cp", world_size=8, cp_ranks=2),
-         "ep": ND_BASE.replace(strategy="ep", world_size=8, n_experts=8)}
+NAMED = {"cp": ND_BASE.replace(strategy="cp", world_size=8, cp_ranks=2)}
 PRESETS = {"3d": CFG.as_mesh(), **{k: c.as_mesh() for k, c in NAMED.items()}}
-# one process without the clip: grad_clip must change single's result for the clipped
-# compositions' equality to be about the norm
-UNCLIPPED = ND_BASE
+# one process without the clip, dense and with experts: grad_clip must change single's result
+# for the clipped compositions' equality to be about the norm
+UNCLIPPED = {"dense": ND_BASE, "experts": ND_BASE.replace(**NO_DROP)}
 
 
 def test_layout_formula():
@@ -133,7 +129,7 @@ def launch(tmp_path_factory):
     """The two launches: every reference in one process, everything else at world 8."""
     single = run_ranks(train_with_state, 1, [BASE.to_dict()] + [c.to_dict() for c in
                                                                   SINGLE.values()]
-                       + [UNCLIPPED.to_dict()],
+                       + [c.to_dict() for c in UNCLIPPED.values()],
                        timeout_s=60, run_dir=str(tmp_path_factory.mktemp("single")))[0]
     run_dir = str(tmp_path_factory.mktemp("mesh"))
     ranks = run_ranks(mesh_ranks, 8, (DP, TP, PP), [CFG.to_dict(), DP_FIRST.to_dict()]
@@ -359,7 +355,8 @@ def nd(launch):
     """(single's, each rank's, each rank's step events) per composition."""
     single, ranks, events = launch
     first = 2 * CFG.steps  # 3d's two runs came first
-    return ({**{k: single[1 + i] for i, k in enumerate(MESH)}, "unclipped": single[-1]},
+    return ({**{k: single[1 + i] for i, k in enumerate(MESH)},
+             **{f"unclipped {k}": single[1 + len(MESH) + i] for i, k in enumerate(UNCLIPPED)}},
             {k: [out["runs"][2 + i] for out in ranks] for i, k in enumerate(MESH)},
             {k: [e[first + i * STEPS:first + (i + 1) * STEPS] for e in events]
              for i, k in enumerate(MESH)})
@@ -394,8 +391,8 @@ def test_training_moved_the_weights(nd):
 
 
 @pytest.mark.parametrize("clipped, unclipped", [
-    ("pp2 x dp_shard2 x tp2 (zero3, 1f1b), grad_clip", "unclipped"),
-    ("dp2 x cp2 x tp2 (ep2), grad_clip", "cp2 x dp4 (ep2)")])
+    ("pp2 x dp_shard2 x tp2 (zero3, 1f1b), grad_clip", "unclipped dense"),
+    ("cp2 x dp4 (ep2), grad_clip", "unclipped experts")])
 def test_clipping_clipped(nd, clipped, unclipped):
     """grad_clip=0.05 changes the result (the norm is above it), so equality above is about
     the norm summed over tp, pp, cp, ep and the ZeRO shards, not a clip that never fired.
@@ -425,7 +422,7 @@ def test_expert_all_to_alls_carry_the_routed_rows(nd):
     experts and combines back the rows the other rank sent to its own, d floats each; the
     gradients go back the way the rows came (one forward a step: the step's routing is the
     event's)."""
-    name = "cp2 x dp4 (ep2)"
+    name = "cp2 x dp4 (ep2), grad_clip"
     _, _, events = nd
     cfg, row = MESH[name], MESH[name].n_embd * 4
     groups = ep_groups(sizes(cfg))["ep"]
@@ -448,14 +445,14 @@ def test_expert_all_to_alls_carry_the_routed_rows(nd):
 
 
 def test_capacity_dropped_tokens_where_the_reference_drops_them(nd):
-    """The ep4 run with capacity_factor=1 dropped tokens (so its equality covers drops)."""
+    """The run with capacity_factor=1 dropped tokens (so its equality covers drops)."""
     _, _, events = nd
-    evs = events["dp_replicate2 x dp_shard4 (ep4, balance loss, drops)"]
+    evs = events["tp2 x dp4 (ep2, balance loss, drops)"]
     assert sum(m["dropped"] for r in range(8) for e in evs[r] for m in e["moe"]) > 0
 
 
 def test_named_strategies_equal_their_mesh_presets(launch):
-    """`3d`, cp and ep train what their mesh presets train: the
+    """`3d` and cp train what their mesh presets train: the
     same final weights on every rank (the same sums in the same groups: equal to the last
     bit is not promised, 1e-6 is far below what a wrong group or a missing average moves)."""
     _, ranks, events = launch
@@ -464,7 +461,9 @@ def test_named_strategies_equal_their_mesh_presets(launch):
     presets = {k: first + len(NAMED) + i for i, k in enumerate(PRESETS)}
     assert PRESETS["3d"].dp_shard == DP and PRESETS["3d"].zero_stage == 1
     assert DP_FIRST.as_mesh().mesh_order == "dp-tp-pp"  # the order goes with it
-    assert PRESETS["ep"].ep == 8 and PRESETS["cp"].cp == 2
+    assert PRESETS["cp"].cp == 2
+    ep = RunConfig(strategy="ep", world_size=8, n_experts=8, global_batch=8).as_mesh()
+    assert (ep.ep, ep.dp_shard, ep.zero_stage) == (8, 8, 0)  # ep: every replica, no ZeRO
     for name in PRESETS:
         for rank, out in enumerate(ranks):
             named, preset = out["runs"][runs[name]]["state"], out["runs"][presets[name]]["state"]

@@ -461,16 +461,11 @@ class MeshParallel(Strategy):
         if self.dp_s is not None:
             info.update(self.dp_s.step_info())
         if self.cp is not None:
-            st = self.cp.take_stats()
-            info["cp"] = {"rank": self.cp.comm.rank, "pairs": st.pairs_fwd,
-                          "compute_s": st.compute_s, "wait_s": st.wait_s}
-        moes = [m for m in self.moes if m.last_stats]
-        if moes:  # as `ep`'s: the routing, per MoE block
-            info["moe"] = [{"tokens_per_expert": m.last_stats["tokens_per_expert"],
-                            "dropped": m.last_stats["dropped"],
-                            "capacity": m.last_stats["capacity"],
-                            "tokens": m.last_stats["tokens"],
-                            "aux_loss": float(m.aux_loss.detach())} for m in moes]
+            from distlab.parallel.context.strategy import ring_info
+            info["cp"] = ring_info(self.cp)
+        from distlab.parallel.expert.strategy import routing_info
+        if routing := routing_info(self.moes):  # as `ep`'s: the routing, per MoE block
+            info["moe"] = routing
         info["mesh"] = {"coords": dict(self.mesh.coords), "sizes": dict(self.s),
                         "comm": self.mesh.take_step_stats()}
         return info

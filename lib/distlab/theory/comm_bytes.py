@@ -14,18 +14,11 @@ algorithms distlab.comm books (an all-reduce 2(N-1)/N·S, a reduce-scatter or al
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-
-import torch
 
 from distlab.comm import ring_allreduce_bytes
 from distlab.config import RunConfig
-from distlab.models import GPT, GPTConfig
 from distlab.parallel.mesh import KINDS, coords
-from distlab.parallel.pipeline.pp import stage_blocks
-from distlab.parallel.tensor.tp import plan_table
 
 FP32 = 4
 
@@ -104,31 +97,9 @@ def rank_numel(cfg: RunConfig, rank: int) -> int:
     """Parameters `rank` holds in `3d`: its pipeline stage's blocks (plus the embeddings on
     the first stage, ln_f and the head on the last), with the column/row-split weights of
     Megatron's plan divided by tp. Counted from the model's shapes (built on the meta device)."""
+    from distlab.theory.mesh_bytes import stage_shapes  # the mesh's count (its pp stage)
     c = coords(rank, cfg.dp_degree, cfg.tp, cfg.pp, cfg.mesh_order)
-    blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, cfg.pp, c["pp"])}
-    split = set()
-    for name, style in plan_table(cfg.n_layer).items():
-        if style == "colwise":
-            split |= {f"{name}.weight", f"{name}.bias"}  # output rows split: bias too
-        elif style == "rowwise":
-            split.add(f"{name}.weight")  # input columns split; the bias is added once
-    total = 0
-    for name, numel in _param_numels(*dataclasses.astuple(GPTConfig.from_run(cfg))).items():
-        top = name.split(".")[0]
-        held = (any(name.startswith(b) for b in blocks)
-                or (top in ("tok_emb", "pos_emb") and c["pp"] == 0)
-                or (top in ("ln_f", "head") and c["pp"] == cfg.pp - 1))
-        if held:
-            total += numel // cfg.tp if name in split else numel
-    return total
-
-
-@functools.lru_cache(maxsize=16)
-def _param_numels(*gpt_fields) -> dict[str, int]:
-    """{parameter name: numel} of GPT(GPTConfig(*gpt_fields)), built on the meta device
-    (shapes, no memory); cached, as every rank of every row asks for the same model."""
-    with torch.device("meta"):
-        return {n: p.numel() for n, p in GPT(GPTConfig(*gpt_fields)).named_parameters()}
+    return sum(math.prod(s) for s in stage_shapes(cfg, c["pp"], cfg.pp, cfg.tp).values())
 
 
 def messages_per_step(cfg: RunConfig, rank: int) -> dict[str, int]:

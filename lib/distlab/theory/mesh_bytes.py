@@ -61,30 +61,37 @@ def held_numels(cfg, rank: int) -> dict[str, int]:
 
 
 def held_shapes(cfg, rank: int) -> dict[str, tuple]:
-    """{parameter name: the shape this rank holds} (before ZeRO): held_numels' parameters,
-    a column-parallel weight or bias cut on dim 0, a row-parallel weight on dim 1."""
+    """{parameter name: the shape this rank holds} (before ZeRO): held_numels' parameters."""
     s = sizes(cfg)
-    c = coords_of(cfg, rank)
-    blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, s["pp"], c["pp"])}
+    experts = _local_experts(cfg, s, rank)
+    return {name: shape for name, shape in
+            stage_shapes(cfg, coords_of(cfg, rank)["pp"], s["pp"], s["tp"]).items()
+            if ".experts." not in name
+            or int(name.split(".experts.")[1].split(".")[0]) in experts}
+
+
+def stage_shapes(cfg, stage: int, pp: int, tp: int) -> dict[str, tuple]:
+    """{parameter name: shape} a tp rank of pipeline stage `stage` holds of cfg's GPT: the
+    stage's blocks (the embeddings on the first, ln_f and the head on the last), a
+    column-parallel weight or bias cut on dim 0 by tp, a row-parallel weight on dim 1; every
+    expert (the caller keeps its own). `3d`'s and the mesh's count alike."""
+    blocks = {f"blocks.{i}." for i in stage_blocks(cfg.n_layer, pp, stage)}
     split = {}  # name -> the dim tp cuts
     for name, style in plan_table(cfg.n_layer, experts=bool(cfg.n_experts)).items():
         if style == "colwise":
             split |= {f"{name}.weight": 0, f"{name}.bias": 0}
         elif style == "rowwise":
             split[f"{name}.weight"] = 1
-    experts = _local_experts(cfg, s, rank)
     out = {}
     gpt = _param_shapes(*dataclasses.astuple(GPTConfig.from_run(cfg, cfg.moe_groups_per_rank)))
     for name, shape in gpt.items():
         top = name.split(".")[0]
         if not (any(name.startswith(b) for b in blocks)
-                or (top in ("tok_emb", "pos_emb") and c["pp"] == 0)
-                or (top in ("ln_f", "head") and c["pp"] == s["pp"] - 1)):
-            continue
-        if ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) not in experts:
+                or (top in ("tok_emb", "pos_emb") and stage == 0)
+                or (top in ("ln_f", "head") and stage == pp - 1)):
             continue
         if name in split:
-            shape = tuple(n // s["tp"] if i == split[name] else n for i, n in enumerate(shape))
+            shape = tuple(n // tp if i == split[name] else n for i, n in enumerate(shape))
         out[name] = tuple(shape)
     return out
 

@@ -100,9 +100,15 @@ class ContextParallelDP(Strategy):
             g.copy_(part.view_as(g))
 
     def step_info(self) -> dict:
-        s, comm = self.cp.take_stats(), self.cp.comm
-        info = {"cp": {"rank": comm.rank, "pairs": s.pairs_fwd, "compute_s": s.compute_s,
-                       "wait_s": s.wait_s}}
-        if comm is not self.comm:  # a replica's own group: its bytes apart
-            info["cp"]["comm"] = comm.take_step_stats()[0]
+        info = {"cp": ring_info(self.cp)}
+        if self.cp.comm is not self.comm:  # a replica's own group: its bytes apart
+            info["cp"]["comm"] = self.cp.comm.take_step_stats()[0]
         return info
+
+
+def ring_info(cp: ContextParallel) -> dict:
+    """The step event's "cp": this rank's place in its cp group, the chunk pairs it computed,
+    its compute and its waits on the ring's hops since the last call."""
+    s = cp.take_stats()
+    return {"rank": cp.comm.rank, "pairs": s.pairs_fwd, "compute_s": s.compute_s,
+            "wait_s": s.wait_s}

@@ -66,8 +66,13 @@ class ExpertParallelDP(Strategy):
         return model_state_bytes(model, optimizer)  # this rank's experts only: what it holds
 
     def step_info(self) -> dict:
-        return {"moe": [{"tokens_per_expert": m.last_stats["tokens_per_expert"],
-                         "dropped": m.last_stats["dropped"], "capacity": m.last_stats["capacity"],
-                         "tokens": m.last_stats["tokens"],
-                         "aux_loss": float(m.aux_loss.detach())}
-                        for m in self.moes if isinstance(m, MoE) and m.last_stats]}
+        return {"moe": routing_info(self.moes)}
+
+
+def routing_info(moes: list) -> list[dict]:
+    """Per MoE block that routed this step: its tokens per expert, the choices dropped over
+    capacity, the capacity, its tokens and its balance loss (the step event's "moe")."""
+    return [{"tokens_per_expert": m.last_stats["tokens_per_expert"],
+             "dropped": m.last_stats["dropped"], "capacity": m.last_stats["capacity"],
+             "tokens": m.last_stats["tokens"], "aux_loss": float(m.aux_loss.detach())}
+            for m in moes if isinstance(m, MoE) and m.last_stats]

@@ -73,14 +73,21 @@ COMPOSITIONS = {
         dict(pp=2, dp_shard=2, tp=2, microbatches=2, schedule="1f1b", grad_clip=0.05),
         dict(grad_clip=0.05)),
     "HSDP dp_replicate2 x dp_shard2 x tp2": (dict(dp_replicate=2, dp_shard=2, tp=2), {}),
-    "pp2 x dp4 (ep2)": (dict(pp=2, dp_shard=4, ep=2, zero_stage=0, microbatches=2,
-                             **NO_DROP), dict(moe_groups=8, **NO_DROP)),
+    # the experts' own ZeRO over edp beside the dense one (distlab.parallel.expert.zero):
+    # stage 3 under the pipeline, 2 with TP, 1 with HSDP and the clip; cp2 x dp4 keeps the
+    # unsharded path (the experts' gradients all-reduced over edp)
+    "pp2 x dp4 (ep2, zero3, 1f1b)": (dict(pp=2, dp_shard=4, ep=2, zero_stage=3, microbatches=2,
+                                          schedule="1f1b", **NO_DROP),
+                                     dict(moe_groups=8, **NO_DROP)),
+    "HSDP dp_replicate2 x dp_shard2 x cp2 (ep2, zero1), grad_clip": (
+        dict(dp_replicate=2, dp_shard=2, cp=2, ep=2, zero_stage=1, grad_clip=0.05, **NO_DROP),
+        dict(grad_clip=0.05, **NO_DROP)),
     # the norm's other groups: cp, and the experts over ep (each held by its edp ranks)
     "cp2 x dp4 (ep2), grad_clip": (dict(cp=2, dp_shard=4, ep=2, zero_stage=0, grad_clip=0.05,
                                         **NO_DROP), dict(grad_clip=0.05, **NO_DROP)),
     # experts under tp (left whole on each tp rank), with the balance loss and capacity drops
-    "tp2 x dp4 (ep2, balance loss, drops)": (
-        dict(tp=2, dp_shard=4, ep=2, zero_stage=0, n_experts=4, capacity_factor=1.0),
+    "tp2 x dp4 (ep2, zero2, balance loss, drops)": (
+        dict(tp=2, dp_shard=4, ep=2, zero_stage=2, n_experts=4, capacity_factor=1.0),
         dict(n_experts=4, capacity_factor=1.0, moe_groups=4)),
     "pp2 x tp4, sp": (dict(pp=2, tp=4, sp=True, zero_stage=0, microbatches=2), {}),
     # fully_shard's per-parameter layout (FSDP2's) on the mesh: HSDP with TP, clipped
@@ -337,7 +344,7 @@ def test_degrees_without_a_strategy_run_on_the_mesh():
      ["ulysses", "tp=2", "cp=2"]),
     (dict(dp_shard=4, ep=3, n_experts=6), ["ep=3", "4 data-parallel"]),
     (dict(dp_shard=2, tp=2, ep=2, n_experts=4, sp=True, zero_stage=0), ["sp=True", "experts"]),
-    (dict(dp_shard=4, ep=2, n_experts=4), ["ep=2", "zero_stage=3", "zero_stage=0"]),
+    (dict(dp_shard=4, ep=2, n_experts=4, fsdp_layout="per_param"), ["ep=2", "per_param"]),
     (dict(pp=2, dp_shard=2, ep=2, n_experts=4, zero_stage=0), ["pp=2", "aux_loss_coef=0"]),
     (dict(dp_shard=2, ep=2), ["ep=2", "n_experts"]),
     (dict(tp=2, dp_shard=2, sp=True, zero_stage=2), ["sp=True", "zero_stage"]),
@@ -444,10 +451,48 @@ def test_expert_all_to_alls_carry_the_routed_rows(nd):
             assert sent and back  # the routing did send rows both ways
 
 
+@pytest.mark.parametrize("name", [k for k in COMPOSITIONS
+                                  if MESH[k].ep > 1 and MESH[k].zero_stage])
+def test_experts_have_their_own_shards_over_edp(nd, name):
+    """Beside a dense ZeRO the experts are sharded by their own ZeRO over edp: the dense units
+    hold no expert, the experts' units hold this rank's experts, and the two add up to what the
+    rank holds (distlab.theory.mesh_bytes counts both from the model's shapes)."""
+    from distlab.theory.mesh_bytes import expert_units, held_numels
+    _, _, events = nd
+    cfg = MESH[name]
+    s = sizes(cfg)
+    edp = s["dp_replicate"] * s["dp_shard"] * s["cp"] // s["ep"]
+    for rank, evs in enumerate(events[name]):
+        e = evs[-1]
+        experts = e["expert_zero"]
+        assert (experts["stage"], experts["ranks"]) == (cfg.zero_stage, edp)
+        want = [sum(n for sh in shapes for n in [torch.Size(sh).numel()])
+                for _, shapes in expert_units(cfg, rank)]
+        assert [u[1] for u in experts["units"]] == want and all(w > 0 for w in want)
+        assert all(p % edp == 0 for _, _, p in experts["units"])
+        assert not any(".experts." in u[0] for u in e["zero"]["units"])
+        assert e["zero"]["numel"] + sum(want) == sum(held_numels(cfg, rank).values())
+
+
+def test_a_chained_optimizer_steps_and_schedules_every_optimizer():
+    from distlab.parallel.zero.chained import ChainedOptimizer
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    chain = ChainedOptimizer([torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)])
+    for g in chain.param_groups:  # what the loop's schedule does
+        g["lr"] = 0.5
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    chain.step()
+    assert a.tolist() == [0.5, 0.5] and b.tolist() == [0.5, 0.5, 0.5]
+    chain.zero_grad()
+    assert a.grad is None and b.grad is None
+    with pytest.raises(ValueError, match="2 optimizers' states, this chain 1"):
+        ChainedOptimizer([torch.optim.SGD([a], lr=0.1)]).load_state_dict(chain.state_dict())
+
+
 def test_capacity_dropped_tokens_where_the_reference_drops_them(nd):
     """The run with capacity_factor=1 dropped tokens (so its equality covers drops)."""
     _, _, events = nd
-    evs = events["tp2 x dp4 (ep2, balance loss, drops)"]
+    evs = events["tp2 x dp4 (ep2, zero2, balance loss, drops)"]
     assert sum(m["dropped"] for r in range(8) for e in evs[r] for m in e["moe"]) > 0
 
 

@@ -45,8 +45,13 @@ Refused before any process starts (check_config): degrees whose product is not t
 head or sequence split that does not divide, Ulysses over more ranks than a tp rank's heads,
 ep that does not divide the data-parallel ranks or the experts, experts with tp and sp (TP
 leaves the experts whole on every tp rank, as Megatron-Core's expert tensor parallel size 1;
-with sp each tp rank would see other tokens), experts over ep with ZeRO (its flat units would mix the different experts
-of an ep group) or, under a pipeline, with the balance loss (the stages do not carry it).
+with sp each tp rank would see other tokens), experts over ep with fully_shard's per_param
+layout (written for the flat units) or, under a pipeline, with the balance loss (the stages do
+not carry it).
+
+**Experts with ZeRO.** The ranks of an ep group hold different experts, so the dense ZeRO over
+dp_shard x cp leaves them out (fully_shard's ignored_params); they get their own ZeRO of the
+same stage over edp (distlab.parallel.expert.zero), and the two optimizers step as one.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ CARRIES = {"tp": "activations' partial sums: all-reduce per block, forward and b
            "dp_shard_cp": "ZeRO: gradient reduce-scatter, parameter all-gather",
            "dp_cp": "the whole gradient averaged (one flat all-reduce)",
            "ep": "tokens to their experts' ranks and back (all-to-all), every MoE layer",
-           "edp": "each expert's gradient averaged over the ranks holding it"}
+           "edp": "each expert's gradient averaged over the ranks holding it (under ZeRO: "
+                  "the experts' own reduce-scatter and all-gather)"}
 
 
 def sizes(cfg) -> dict:
@@ -146,7 +152,10 @@ def used_groups(s: dict, zero_stage: int) -> list[str]:
         out.append("dp_cp")
     if s.get("ep", 1) > 1:
         out.append("ep")
-        if s["dp_replicate"] * s["dp_shard"] * s["cp"] > s["ep"]:
+        # under a dense ZeRO the experts have their own, over edp, even of one rank (its
+        # shard is then the whole: nothing is sent)
+        if (s["dp_replicate"] * s["dp_shard"] * s["cp"] > s["ep"]
+                or "dp_shard_cp" in out):
             out.append("edp")
     return out
 
@@ -263,10 +272,10 @@ class MeshParallel(Strategy):
             # would need summing over tp, which is not written
             raise ValueError(f"n_experts={cfg.n_experts} with tp={s['tp']} and sp=True: the "
                              "experts would see a sequence shard per tp rank; use sp=False")
-        if ep > 1 and cfg.zero_stage and s["dp_shard"] * s["cp"] > 1:
-            raise ValueError(f"ep={ep} with zero_stage={cfg.zero_stage}: ZeRO's flat units "
-                             "over dp_shard x cp would mix the different experts the ranks of "
-                             "an ep group hold; use zero_stage=0")
+        if ep > 1 and cfg.zero_stage == 3 and cfg.fsdp_layout == "per_param":
+            raise ValueError(f"ep={ep} with fsdp_layout='per_param': the experts' own "
+                             "sharding over edp is written for the flat units; use "
+                             "fsdp_layout='flat'")
         if s["pp"] > 1 and cfg.aux_loss_coef:
             raise ValueError(f"n_experts with pp={s['pp']}: the pipeline's stages carry no "
                              "balance loss from their MoE blocks; set aux_loss_coef=0")
@@ -288,6 +297,7 @@ class MeshParallel(Strategy):
         self.dp_s = zero(cfg, c["dp_shard_cp"]) if "dp_shard_cp" in c else None
         self.dp_comm = c.get("dp_cp")  # no ZeRO: the flat all-reduce's group
         self.ep_comm, self.edp_comm = c.get("ep"), c.get("edp")
+        self.expert_zero = None  # the experts' ZeRO over edp, beside a dense ZeRO (wrap)
         self.moes = []  # the MoE layers (their routing stats go in the step's event)
         xy = self.mesh.coords
         self.dp_index = xy["dp_replicate"] * s["dp_shard"] + xy["dp_shard"]
@@ -312,12 +322,25 @@ class MeshParallel(Strategy):
             if self.tp_s is not None:
                 self.tp_s.after_model_split(model)  # TP forgets the blocks it no longer holds
         if self.dp_s is not None:
-            return self.dp_s.wrap(model)  # ZeRO's units: what is left
+            if self.ep_comm is not None:  # each ep rank's experts: their own ZeRO over edp
+                self._shard_experts(model)
+            model = self.dp_s.wrap(model)  # ZeRO's units: what is left
+            if self.expert_zero is not None:
+                self.expert_zero.wrap({n: m for n, m in model.named_modules()
+                                       if any(m is moe for moe in self.moes)})
+            return model
         if self.dp_comm is not None:
             with torch.no_grad():  # the replicas start from one rank's weights, as DDP
                 self.dp_comm.broadcast_tensors(
                     [t.data for t in self._dense(model) + list(model.buffers())], src=0)
         return model
+
+    def _shard_experts(self, model) -> None:
+        from distlab.parallel.expert.zero import ExpertZeRO
+        from distlab.parallel.zero.stages import mixed_precision_policy
+        self.dp_s.ignored = self._experts(model)
+        self.expert_zero = ExpertZeRO(self.cfg.zero_stage, self.edp_comm, self.s["ep"],
+                                      mixed_precision_policy(self.cfg), self.cfg.fsdp_prefetch)
 
     def _experts(self, model) -> list:
         """This rank's expert parameters (under ep: its own experts only)."""
@@ -331,6 +354,10 @@ class MeshParallel(Strategy):
     def build_optimizer(self, model, make):
         if self.dp_s is not None:
             optimizer = self.dp_s.build_optimizer(model, make)
+            if self.expert_zero is not None:  # the experts' shards step beside the dense
+                from distlab.parallel.zero.chained import ChainedOptimizer
+                optimizer = ChainedOptimizer([optimizer,
+                                              *self.expert_zero.build_optimizer(make)])
         else:
             optimizer = super().build_optimizer(model, make)
         if self.pp_s is not None:  # ZeRO re-pointed parameters into its flat buffers
@@ -347,7 +374,12 @@ class MeshParallel(Strategy):
         return x, y
 
     def no_sync(self, model):
-        return self.dp_s.no_sync(model) if self.dp_s is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.dp_s is not None:
+            stack.enter_context(self.dp_s.no_sync(model))
+        if self.expert_zero is not None:
+            stack.enter_context(self.expert_zero.no_sync())
+        return stack
 
     def forward_backward(self, model, x, y, scale_loss):
         if self.pp_s is None:
@@ -364,7 +396,9 @@ class MeshParallel(Strategy):
                     self.mesh.comms["dp_replicate"].all_reduce(g, op="avg")
         elif self.dp_comm is not None:
             _average(self.dp_comm, self._dense(model))
-        if self.ep_comm is not None:  # summed over the ep group's losses: its mean, then edp's
+        if self.expert_zero is not None:  # reduce-scattered over edp, divided by ep
+            self.expert_zero.reduce_gradients()
+        elif self.ep_comm is not None:  # summed over the ep group's losses: its mean, then edp's
             experts = self._experts(model)
             for p in experts:
                 if p.grad is not None:
@@ -374,7 +408,8 @@ class MeshParallel(Strategy):
 
     def step_gradients(self, model) -> list:
         if self.dp_s is not None:
-            return self.dp_s.step_gradients(model)
+            experts = self.expert_zero.gradient_shards() if self.expert_zero else []
+            return self.dp_s.step_gradients(model) + experts
         return super().step_gradients(model)
 
     def clip_gradients(self, model, max_norm: float) -> float:
@@ -404,7 +439,10 @@ class MeshParallel(Strategy):
             experts = {id(p) for p in self._experts(model)}  # on edp's ranks only
             return [(p.grad, per_tp(p) / (copies // s["ep"] if id(p) in experts else copies))
                     for p in model.parameters() if p.grad is not None]
-        out, rank = [], self.dp_s.rank
+        # the experts' shards: each entry on one rank of edp, whole on every tp rank
+        out = [(g, 1.0 / s["tp"]) for g in
+               (self.expert_zero.gradient_shards() if self.expert_zero else [])]
+        rank = self.dp_s.rank
         if self.cfg.fsdp_layout == "per_param":  # each parameter's rows: its DTensor's
             return [(sh.grad.to_local(), per_tp(sh) / s["dp_replicate"])
                     for u in self.dp_s.units for sh in u.sharded if sh.grad is not None]
@@ -421,6 +459,10 @@ class MeshParallel(Strategy):
         return super().optimizer_step(optimizer)
 
     def state_bytes(self, model, optimizer) -> dict:
+        if self.expert_zero is not None:  # the dense ZeRO's bytes and the experts'
+            dense = self.dp_s.state_bytes(model, optimizer.optimizers[0])
+            experts = self.expert_zero.state_bytes()
+            return {k: dense.get(k, 0) + experts.get(k, 0) for k in {**dense, **experts}}
         if self.dp_s is not None:
             return self.dp_s.state_bytes(model, optimizer)
         return super().state_bytes(model, optimizer)
@@ -460,6 +502,8 @@ class MeshParallel(Strategy):
             info.update(self.pp_s.step_info())
         if self.dp_s is not None:
             info.update(self.dp_s.step_info())
+        if self.expert_zero is not None:
+            info["expert_zero"] = self.expert_zero.step_info()
         if self.cp is not None:
             from distlab.parallel.context.strategy import ring_info
             info["cp"] = ring_info(self.cp)

@@ -34,7 +34,13 @@ S = b·T_c·d·4 (one micro-batch's residual stream on one rank), L_s = n_layer 
          no ZeRO: the dense gradient all-reduced over dp_cp, 2(n-1)/n·4Ψ
     edp  under ep: this rank's experts' gradients all-reduced over the ranks holding them,
          2(E-1)/E·4Ψ_experts (the all-to-alls depend on the routing: tests check them against
-         the routed counts)
+         the routed counts). Beside a dense ZeRO the experts have their own over the E ranks
+         of edp (distlab.parallel.expert.zero; the dense units above then hold no expert):
+         units padded to a multiple of E (zero1 one of all local experts, zero2/3 one per
+         expert, P_e in all), a reduce-scatter and an all-gather of (E-1)/E·4P_e each (zero2
+         under a pipeline: m reduce-scatters); zero3 gathers each expert for every forward
+         and again for its backward (the expert is the module fully_shard wraps, so its
+         forward's end frees it and prefetches it back): 2m all-gathers, m reduce-scatters
 """
 
 from __future__ import annotations
@@ -117,11 +123,19 @@ def _local_experts(cfg, s: dict, rank: int) -> set[int]:
     return set(range(first, first + per))
 
 
+def _expert_zero(cfg) -> bool:
+    """Whether the experts have a ZeRO of their own: over ep, beside a dense ZeRO."""
+    s = sizes(cfg)
+    return s["ep"] > 1 and "dp_shard_cp" in used_groups(s, cfg.zero_stage)
+
+
 def zero_units(cfg, rank: int) -> list[tuple[str, list[tuple]]]:
     """ZeRO's units on this rank in forward order, (name, its parameters' shapes): zero1 one
     unit of everything; zero2/3 the embeddings, each block, then ln_f and the head
-    (find_units' cut)."""
+    (find_units' cut). The experts are not in them when they have their own (expert_units)."""
     held = held_shapes(cfg, rank)
+    if _expert_zero(cfg):
+        held = {k: v for k, v in held.items() if ".experts." not in k}
     if cfg.zero_stage == 1:
         return [("model", list(held.values()))]
     units: dict[str, list] = {}
@@ -133,6 +147,19 @@ def zero_units(cfg, rank: int) -> list[tuple[str, list[tuple]]]:
     order = sorted(units, key=lambda u: (0, 0) if u == "tok_emb+pos_emb" else (
         2, 0) if u == "ln_f+head" else (1, int(u.split(".")[1])))
     return [(u, units[u]) for u in order]
+
+
+def expert_units(cfg, rank: int) -> list[tuple[str, list[tuple]]]:
+    """The experts' own ZeRO units on this rank (distlab.parallel.expert.zero): zero1 one unit
+    of every local expert, zero2/3 one per expert."""
+    experts: dict[str, list] = {}
+    for name, shape in held_shapes(cfg, rank).items():
+        if ".experts." in name:
+            head, tail = name.split(".experts.")
+            experts.setdefault(f"{head}.experts.{tail.split('.')[0]}", []).append(shape)
+    if cfg.zero_stage == 1:
+        return [("experts", [sh for shapes in experts.values() for sh in shapes])]
+    return list(experts.items())
 
 
 def forward_then_backward(cfg, stage: int) -> int:
@@ -206,5 +233,13 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
         out["dp_cp"]["all_reduce"] = ring_allreduce_bytes(FP32 * (sum(held.values()) - experts), n)
     if "edp" in out:
         E = s["dp_replicate"] * s["dp_shard"] * cp // s["ep"]
-        out["edp"]["all_reduce"] = ring_allreduce_bytes(FP32 * experts, E)
+        if not _expert_zero(cfg):
+            out["edp"]["all_reduce"] = ring_allreduce_bytes(FP32 * experts, E)
+        elif E > 1:  # a group of one sends nothing
+            P = sum(unit_padded(shapes, E, "flat") for _, shapes in expert_units(cfg, rank))
+            one, mm = (E - 1) * FP32 / E, m if p > 1 else 1
+            out["edp"] = ({"all_gather": 2 * mm * one * P, "reduce_scatter": mm * one * P}
+                          if cfg.zero_stage == 3 else
+                          {"reduce_scatter": one * P * (mm if cfg.zero_stage == 2 else 1),
+                           "all_gather": one * P})
     return out

@@ -94,7 +94,8 @@ LAYOUTS: dict[str, type] = {}
 
 def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolicy | None = None,
                 group=None, reshard_after_forward: bool = True, offload: bool = False,
-                prefetch: int = 1, comm: Comm | None = None, layout: str = "flat") -> nn.Module:
+                prefetch: int = 1, comm: Comm | None = None, layout: str = "flat",
+                ignored_params=None) -> nn.Module:
     """Shard `module`'s trainable parameters over the ranks of `group` (ZeRO-3), in place;
     returns `module`. Then build distlab.ZeroOptimizer(module.parameters(), ...).
 
@@ -116,6 +117,9 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
                            "per_param": each parameter a DTensor sharded on dim 0, as FSDP2's
                            (distlab.parallel.zero.per_param: build a torch optimizer over
                            model.parameters(); ZeroOptimizer steps flat units only)
+    ignored_params         parameters left alone (torch's name): not sharded, not broadcast,
+                           not gathered; their gradients and their optimizer are the caller's
+                           (the mesh's experts, held differently by each rank of an ep group)
 
     Call it after moving the module to its device and dtype, and change no parameter after it:
     every rank starts from rank 0's values (parameters, frozen ones and buffers broadcast).
@@ -129,14 +133,21 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
     if not (isinstance(prefetch, int) and prefetch >= 0):
         raise ValueError(f"prefetch={prefetch!r} must be an integer >= 0 (units gathered ahead "
                          "of need; 0: none)")
+    ignored = frozenset(id(p) for p in ignored_params or ())
+    if ignored and layout != "flat":
+        raise ValueError(f"ignored_params with layout={layout!r}: written for the flat layout "
+                         "only; use layout='flat'")
     comm = comm if comm is not None else Comm(group)
     specs, policy = unit_specs(module, units), mp_policy or MixedPrecisionPolicy()
+    kept = [row for row, p in zip(parameter_layout(module), module.parameters())
+            if id(p) not in ignored]  # ignored ones may differ between the ranks
     agree(comm, "distlab.fully_shard",  # before the first broadcast
-          {"parameters": parameter_layout(module), "buffers": buffer_layout(module),
+          {"parameters": kept, "buffers": buffer_layout(module),
            "units": [name for name, _ in specs], "mp_policy": repr(policy),
            "reshard_after_forward": reshard_after_forward, "offload": offload,
            "prefetch": prefetch, "layout": layout})
-    LAYOUTS[layout](module, specs, policy, comm, reshard_after_forward, offload, prefetch)
+    LAYOUTS[layout](module, specs, policy, comm, reshard_after_forward, offload, prefetch,
+                    **({"ignored": ignored} if ignored else {}))  # per_param takes none
     return module
 
 
@@ -388,9 +399,11 @@ class FullyShard(ShardedGradients):
     layout = "flat"
 
     def __init__(self, module: nn.Module, specs: list, policy: MixedPrecisionPolicy,
-                 comm: Comm, reshard_after_forward: bool, offload: bool, prefetch: int = 1):
+                 comm: Comm, reshard_after_forward: bool, offload: bool, prefetch: int = 1,
+                 ignored: frozenset = frozenset()):
         super().__init__(3, comm)
         self.module, self.policy, self.reshard = module, policy, reshard_after_forward
+        self.ignored = ignored  # ids of parameters left to the caller (_shards)
         self.prefetch = prefetch  # units ahead whose all-gather starts before they run
         self.optimizer = None  # the ZeroOptimizer stepping the shards, once built
         self._steps = StepCounter("fully_shard")  # training forwards; a failing collective says
@@ -415,8 +428,9 @@ class FullyShard(ShardedGradients):
 
     # -- setup -------------------------------------------------------------------------------
     def _shards(self, p: nn.Parameter) -> bool:
-        """Whether p goes into a unit: the trainable ones (frozen ones are replicated)."""
-        return p.requires_grad
+        """Whether p goes into a unit: the trainable ones (frozen ones are replicated), unless
+        ignored."""
+        return p.requires_grad and id(p) not in self.ignored
 
     def _claim(self, params: list) -> None:
         """Mark the sharded parameters: no other optimizer steps them (optimizer.py's guard

@@ -160,6 +160,9 @@ class ZeRO(Strategy):
         self.grads = None  # the gradient path: the ZeroOptimizer's units (or per_param's state)
         self.frozen: list[nn.Parameter] = []  # requires_grad=False: replicated, not sharded
         self.fsdp: FullyShard | None = None  # zero3: distlab.fully_shard's state on the model
+        # trainable parameters another sharding owns (the mesh's experts over ep): in no
+        # unit, not broadcast; set before wrap
+        self.ignored: list[nn.Parameter] = []
 
     # -- setup -----------------------------------------------------------------------------
     def wrap(self, model):
@@ -170,16 +173,17 @@ class ZeRO(Strategy):
         self.offload_to_cpu = self.cfg.offload and device.type == "cuda"
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.model = model
+        ignored = {id(p) for p in self.ignored}
         if self.stage == 3:
             fully_shard(model, units=units_of(self.cfg, model), offload=self.offload_to_cpu,
                         comm=self.comm, mp_policy=mixed_precision_policy(self.cfg),
-                        prefetch=self.cfg.fsdp_prefetch)
+                        prefetch=self.cfg.fsdp_prefetch, ignored_params=self.ignored)
             self.fsdp = model._distlab_fsdp
             self._groups = [({"params": u.params, "name": u.name}, u.modules)
                             for u in self.fsdp.units]
             return model
         specs = ([("model", [model])] if self.stage == 1 else find_units(model))
-        owned, self._groups = set(), []
+        owned, self._groups = set(ignored), []
         for name, modules in specs:
             # a weight two modules of the unit share (a head tied to the embedding) once
             params = list({id(p): p for m in modules for p in m.parameters()

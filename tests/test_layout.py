@@ -57,9 +57,9 @@ def _runtime() -> dict[str, pathlib.Path]:
 # import each other in a circle (test_no_folder_cycle). Each folder's __init__ docstring says
 # the same in words ("May import: ...").
 LAYERS = [
-    ("foundation", ["distlab.units", "distlab.modules", "distlab.wire", "distlab.gloo_exit",
-                    "distlab.step_ledger", "distlab.comm", "distlab.memory", "distlab.events",
-                    "distlab.step_event"]),
+    ("foundation", ["distlab.units", "distlab.modules", "distlab.non_finite", "distlab.wire",
+                    "distlab.gloo_exit", "distlab.step_ledger", "distlab.comm", "distlab.memory",
+                    "distlab.events", "distlab.step_event"]),
     ("data", ["distlab.data"]),
     ("models", ["distlab.models"]),
     ("parallel", ["distlab.parallel"]),

@@ -10,6 +10,7 @@ from distlab.caller.resume import resume
 from distlab.config import RunConfig
 from distlab.caller.launch import launch, run_ranks
 from distlab.caller.run import Run, RunError, RunStopped
+from distlab.non_finite import NonFiniteError, detect_nan
 from distlab.parallel.data_parallel.ddp import DistributedDataParallel
 from distlab.parallel.zero.optimizer import ZeroOptimizer
 from distlab.parallel.zero.fsdp import (MixedPrecisionPolicy, full_grad, fully_shard, grad_shard,
@@ -27,5 +28,6 @@ __all__ = ["RunConfig", "launch", "run_ranks", "Run", "RunError", "RunStopped", 
            "MixedPrecisionPolicy", "grad_shard", "full_grad", "parallelize_module",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "full_state_dict",
            "PipelineSchedule", "ContextParallel", "MoE", "expert_parallel",
-           "reduce_expert_parallel_grads", "expert_parallel_state_dict"]
+           "reduce_expert_parallel_grads", "expert_parallel_state_dict", "detect_nan",
+           "NonFiniteError"]
 __version__ = "0.1.0"

@@ -65,9 +65,11 @@ import torch
 from torch import nn
 
 from distlab.comm import Comm, Pending
+from distlab.non_finite import detect_nan as nan_detector
 from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
 from distlab.parallel.data_parallel.compression import TopK
+from distlab.parallel.data_parallel.kept_rows import KeptRows
 from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.weak_hooks import on_gradient_accumulated
 from distlab.step_ledger import StepCounter
@@ -160,6 +162,10 @@ class DistributedDataParallel(nn.Module):
     broadcast_buffers  rank 0's buffers to every rank before the first forward of each step
     comm               a distlab.comm.Comm to communicate (and book bytes) through, instead of
                        one made over `group`
+    detect_nan         raise at the first inf/NaN, naming this rank, the step (this wrapper's)
+                       and the module (distlab.non_finite); off by default, as torch's DDP has
+                       no such check: one rank's NaN batch then reaches every rank's weights
+                       through the all-reduce, silently
 
     `no_sync()` skips the all-reduce for the backward of forwards run inside it (gradient
     accumulation). `module` is the wrapped model; state_dict keys start with "module.", as
@@ -170,7 +176,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0,
                  compression: str | None = None, topk_ratio: float = 0.01,
-                 broadcast_buffers: bool = True, comm: Comm | None = None):
+                 broadcast_buffers: bool = True, comm: Comm | None = None,
+                 detect_nan: bool = False):
         super().__init__()
         if compression not in (None, "topk"):
             raise ValueError(f"compression={compression!r} is not one of None, 'topk'")
@@ -198,6 +205,7 @@ class DistributedDataParallel(nn.Module):
         self._steps = StepCounter("DistributedDataParallel")  # a failing collective says so
         self._rows: int | None = 0  # rows this step's forwards took (None: not a batch)
         self._rows_said = False  # uneven rows are said once
+        self._kept = KeptRows()  # rows the forwards kept (dropped inside forward), said once
         with torch.no_grad():  # every replica starts from rank 0's state
             self.comm.broadcast_tensors(
                 [t.data for t in list(module.parameters()) + list(module.buffers())], src=0)
@@ -209,6 +217,9 @@ class DistributedDataParallel(nn.Module):
                 on_gradient_accumulated(p, self._bucket_ready, b.index)  # weak: weak_hooks
         self._layout = self._param_layout()
         attach_comm(module, self.comm)  # distlab's SyncBatchNorm shares statistics over these
+        # the step whose forward runs: begin() counts it when its backward starts
+        self._nan = (nan_detector(module, step_of=lambda: self._steps.step + 1)
+                     if detect_nan else None)
 
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -230,6 +241,7 @@ class DistributedDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         if grad:
             self._count_rows(args, kwargs)
+            self._kept.count(output)
         # torch's rule: the next forward broadcasts buffers if this one will synchronise
         self._buffers_due = grad and self._sync
         if grad:
@@ -261,6 +273,7 @@ class DistributedDataParallel(nn.Module):
         self._steps.begin()
         if self._rows is not None and not self._rows_said:
             self._steps.note_rows(self._rows)
+            self._kept.note(self._steps, self._rows)
         for b in self.buckets:
             b.pending, b.handle, b.ready, b.start = len(b.params), None, None, None
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -304,6 +317,8 @@ class DistributedDataParallel(nn.Module):
         """Launch what is left (unused parameters), wait for every bucket, average, and copy
         into .grad: the gradients are complete when backward returns."""
         self._t_end = time.perf_counter()
+        if self._nan is not None:  # this rank's own gradients, before the average mixes them
+            self._nan.check_gradients(self.module)
         self._launch_ready(force=True)
         for b in self.buckets:
             b.handle.wait()
@@ -333,12 +348,16 @@ class DistributedDataParallel(nn.Module):
 
     def _say_uneven_rows(self):
         """Once per run: peers that fed another number of rows this step (distlab.step_ledger;
-        before, silent: the average of unequal means is not the global mean gradient)."""
+        before, silent: the average of unequal means is not the global mean gradient); and
+        once, peers whose forwards kept another number of the rows fed (kept_rows)."""
         if self._rows is not None and not self._rows_said:
             said = self._steps.uneven_rows(self.comm.group, self._rows)
             if said is not None:
                 self._rows_said = True
                 warnings.warn(said, stacklevel=2)
+            kept = self._kept.uneven(self._steps, self.comm.group, self._rows)
+            if kept is not None:
+                warnings.warn(kept, stacklevel=2)
         self._rows = 0 if self._rows is not None else None
 
     def _make_timeline(self) -> dict:

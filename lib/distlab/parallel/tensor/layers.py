@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.parallel.tensor.operators import F_Copy, G_Reduce, GatherSeq, ReduceScatterSeq
+from distlab.parallel.tensor.operators import (F_Copy, G_Reduce, GatherSeq, ReduceScatterSeq,
+                                               same_shape)
 
 
 class _RegionEntry:
@@ -106,6 +107,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         self.comm, self.output_layout, self.name = comm, output_layout, name
+        self.check_shapes = False  # parallelize_module(check_shapes=True): same_shape first
 
     def forward(self, x):
         if x.shape[-1] != self.weight.shape[1]:
@@ -114,5 +116,10 @@ class RowParallelLinear(nn.Module):
                 f"({self.weight.shape[1]} of them) and got {x.shape[-1]}: put ColwiseParallel "
                 f"on the linear layer that feeds it, whose output is that block")
         exit_op = ReduceScatterSeq if self.output_layout == "sequence" else G_Reduce
-        y = exit_op.apply(F.linear(x, self.weight), self.comm)
+        partial = F.linear(x, self.weight)
+        if self.check_shapes:
+            how = "reduce-scattered" if self.output_layout == "sequence" else "all-reduced"
+            same_shape(self.comm, partial, f"the partial output of RowwiseParallel "
+                                           f"'{self.name}' (its sum is {how})")
+        y = exit_op.apply(partial, self.comm)
         return y if self.bias is None else y + self.bias

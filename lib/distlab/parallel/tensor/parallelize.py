@@ -7,6 +7,8 @@ original names. An optimizer built before parallelize_module is refused at its s
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -59,8 +61,9 @@ class TensorParallelState:
     Comm, the sharded layers by name ("colwise"/"rowwise"), and the replicated parameters
     whose gradients are partial sums (sequence parallel)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, check_shapes: bool = False):
         self.comm, self.entry = comm, _RegionEntry(comm)
+        self.check_shapes = check_shapes  # the ranks' shapes compared before each exit's sum
         self.sharded: dict[str, str] = {}
         self.transposed: set[str] = set()  # Conv1D layers: their whole weight is (in, out)
         self.fused: dict[str, tuple] = {}  # fused column-parallel layers: their parts' widths
@@ -82,7 +85,8 @@ class TensorParallelState:
         return norm
 
 
-def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> nn.Module:
+def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None,
+                       check_shapes: bool | None = None) -> nn.Module:
     """Megatron tensor parallelism on any module, over a process group (default: the world).
 
         model = distlab.parallelize_module(model, {"blocks.*.attn.q": distlab.ColwiseParallel(),
@@ -93,6 +97,11 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
              SequenceParallel() or PrepareModuleInput(...)
     comm     a distlab.comm.Comm to communicate (and book bytes) through instead of one made
              over `group`
+    check_shapes  compare the ranks' shapes before each RowwiseParallel's sum and each
+             PrepareModuleInput, and name the layer and both shapes when they differ (gloo
+             would abort a rank with "Received data size doesn't match"); one small
+             all-gather each, so off by default; None: on when TORCH_DISTRIBUTED_DEBUG=DETAIL
+             (torch's switch for its own check)
 
     Every rank first takes rank 0's parameters and buffers (broadcast), then keeps its block
     of each sharded layer; the module changes in place (sharded layers are replaced) and is
@@ -104,7 +113,9 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None) -> 
         raise ValueError("this module is already tensor-parallel (parallelize_module ran on it): "
                          "its layers hold 1/t blocks and would be split again; call it once, "
                          "with every entry in one plan")
-    state = TensorParallelState(comm if comm is not None else Comm(group))
+    if check_shapes is None:
+        check_shapes = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    state = TensorParallelState(comm if comm is not None else Comm(group), check_shapes)
     targets = _match(module, plan)
     agree(state.comm, "distlab.parallelize_module",  # before the broadcast, which would not
           {"parameters": parameter_layout(module),    # notice a shape that differs

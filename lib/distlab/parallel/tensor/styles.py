@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from distlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from distlab.parallel.tensor.operators import GatherSeq, GatherSeqToReplicated, SplitSeq
+from distlab.parallel.tensor.operators import (GatherSeq, GatherSeqToReplicated, SplitSeq,
+                                               same_shape)
 
 
 LAYOUTS = ("replicate", "sequence")  # whole tensor on every rank / dim 1 cut into t blocks
@@ -90,6 +91,7 @@ class RowwiseParallel:
         _check_linear(self, name, module, "in_features", state.comm.world)
         state.sharded[name] = "rowwise"
         new = RowParallelLinear(module, state.comm, self.output_layout, name)
+        new.check_shapes = state.check_shapes
         if self.output_layout == "sequence" and new.bias is not None:
             state.partial_params.append(new.bias)  # added to 1/t of the sequence on each rank
         return new
@@ -136,10 +138,13 @@ class PrepareModuleInput:
 
     def apply(self, name, module, state):
         module.register_forward_pre_hook(
-            lambda mod, args: (self._prepare(args[0], state), *args[1:]))
+            lambda mod, args: (self._prepare(args[0], state, name), *args[1:]))
         return module
 
-    def _prepare(self, x, state):
+    def _prepare(self, x, state, name):
+        if state.check_shapes:
+            same_shape(state.comm, x, f"the input of PrepareModuleInput '{name}' ({self.src} "
+                                      f"to {self.dst})")
         if self.dst == "sequence":
             return SplitSeq.apply(x, state.comm)
         if self.local:

@@ -68,6 +68,7 @@ import torch.nn as nn
 
 from distlab.comm import Comm
 from distlab.modules import tensors_in
+from distlab.non_finite import detect_nan as nan_detector
 from distlab.parallel.agree import agree, buffer_layout, parameter_layout
 from distlab.parallel.data_parallel.allreduce import broadcast_buffers
 from distlab.parallel.data_parallel.syncbn import attach_comm
@@ -95,7 +96,7 @@ LAYOUTS: dict[str, type] = {}
 def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolicy | None = None,
                 group=None, reshard_after_forward: bool = True, offload: bool = False,
                 prefetch: int = 1, comm: Comm | None = None, layout: str = "flat",
-                ignored_params=None) -> nn.Module:
+                ignored_params=None, detect_nan: bool = False) -> nn.Module:
     """Shard `module`'s trainable parameters over the ranks of `group` (ZeRO-3), in place;
     returns `module`. Then build distlab.ZeroOptimizer(module.parameters(), ...).
 
@@ -120,6 +121,9 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
     ignored_params         parameters left alone (torch's name): not sharded, not broadcast,
                            not gathered; their gradients and their optimizer are the caller's
                            (the mesh's experts, held differently by each rank of an ep group)
+    detect_nan             raise at the first inf/NaN in the forward or a module's backward,
+                           naming this rank, the step (fully_shard's training forwards) and the
+                           module (distlab.non_finite); off by default, as FSDP2 has none
 
     Call it after moving the module to its device and dtype, and change no parameter after it:
     every rank starts from rank 0's values (parameters, frozen ones and buffers broadcast).
@@ -148,6 +152,9 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
            "prefetch": prefetch, "layout": layout})
     LAYOUTS[layout](module, specs, policy, comm, reshard_after_forward, offload, prefetch,
                     **({"ignored": ignored} if ignored else {}))  # per_param takes none
+    if detect_nan:  # hooked after the units' own, so each forward's step is already counted
+        state = module._distlab_fsdp
+        nan_detector(module, step_of=lambda: state._steps.step)
     return module
 
 

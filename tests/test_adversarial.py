@@ -14,6 +14,8 @@ where one is at fault), how long it took to come, and that no process is left:
   a full disk under the event logs              a warning, not the run
   NaN in one rank's input                       a warning; with detect_nan, the rank and step
   a lost fork server                            said as such; the next launch starts a new one
+  a fork server killed just before a launch,    a new one, and the run trains (before: EOFError)
+    or while it starts the ranks
   the launcher killed while a rank is stopped   no rank, fork server or tracker left
 
 Ranks that disagree: tests/test_agree.py; a rank stuck in a collective, a killed rank, a killed
@@ -35,6 +37,7 @@ import pytest
 from test_process_safety import TINY, assert_all_gone, kill_the_launcher, wait_for_step
 
 from distlab import RunConfig, RunError, launch
+from distlab.caller import fork_server
 from distlab.caller import run as run_module
 
 HOSTILE = RunConfig(strategy="ddp", world_size=2, steps=6, optimizer="sgd", lr=0.1,
@@ -293,6 +296,50 @@ def test_a_lost_fork_server_is_said_as_such_and_the_next_launch_starts_a_new_one
     assert_all_gone(run.pids)
     again = launch(HOSTILE).wait(timeout=60)  # before: EOFError, 3 times out of 3
     assert again.status == "done" and forkserver._forkserver._forkserver_pid != server
+
+
+def kill_the_fork_server() -> int:
+    server = fork_server.server_pid()
+    os.kill(server, signal.SIGKILL)
+    return server
+
+
+@pytest.mark.slow
+def test_a_launch_right_after_the_fork_server_died_starts_a_new_one_and_trains(hostile,
+                                                                                monkeypatch):
+    hostile("none")
+    launch(HOSTILE).wait(timeout=60)  # a fork server to kill
+    # Killed between runs, the next launch at once: multiprocessing's waitpid still says the
+    # server runs, and a start fails with "EOFError: unexpected EOF" (before: 5 times of 5)
+    relaunch_after(kill_the_fork_server)
+
+    # Killed between two ranks' starts: the first rank dies with it (PR_SET_PDEATHSIG), and
+    # multiprocessing quietly starts a new server for the second. Both start again.
+    same_server = fork_server.same_server
+    killed = []
+
+    def kill_after_the_first_rank(first):
+        if not killed:
+            killed.append(kill_the_fork_server())
+            while run_module.process_state(killed[0]) != "Z":
+                time.sleep(0.01)
+        return same_server(first)
+
+    monkeypatch.setattr(fork_server, "same_server", kill_after_the_first_rank)
+    relaunch_after(lambda: fork_server.server_pid())
+
+
+def relaunch_after(kill):
+    """kill() the fork server (returns its pid), launch at once: a new server, and the run
+    trains every step; nothing is left of the dead server or the run."""
+    server = kill()
+    t0 = time.time()
+    run = launch(HOSTILE).wait(timeout=60)
+    took = time.time() - t0
+    assert run.status == "done" and len(run.losses()) == HOSTILE.steps
+    assert fork_server.server_pid() not in (None, server)
+    assert took < 30  # measured ~3 s: the new server's imports, the factory check, the ranks
+    assert_all_gone(run.pids + [server])  # the dead server reaped, not left a zombie
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distlab import step_ledger
+from distlab.caller import fork_server
 from distlab.comm import steps_explained
 from distlab.config import RunConfig
 from distlab.events import EventLog, rank_log_path, rank_stderr_path
@@ -225,12 +226,15 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
         if spec.get("save_result"):
             torch.save(result, os.path.join(spec["run_dir"], f"result{rank}.pt"))
         # Leave together: a rank tearing down its connections while a peer still uses them
-        # can abort the peer. A peer still in a step times this out: said as a step mismatch.
+        # can abort the peer. A peer still in a step reads "finished" and stops waiting
+        # (step_ledger.peers_left), said with the step mismatch.
+        step_ledger.mark("finished")
         with steps_explained(None):
             dist.barrier()
         dist.destroy_process_group()
         log.write("done", last_step=log.last_step)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+        step_ledger.mark(f"failed: {type(e).__name__}: {e}")  # the peers' waits end naming it
         # the step in progress when it failed (the last one logged was finished)
         log.write("error", step=log.last_step + 1, error=f"{type(e).__name__}: {e}",
                   traceback=traceback.format_exc())
@@ -278,7 +282,7 @@ def _own_process_group() -> None:
         pass
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(launcher_pid: int) -> None:
     """Linux: SIGKILL from the kernel when the rank's parent exits. The parent-watching thread
     cannot act in a stopped rank (SIGSTOP, a debugger); the kernel's signal still lands."""
     if sys.platform.startswith("linux"):
@@ -287,6 +291,25 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
+    # A parent already gone sends no signal: a fork server killed as it forked this rank may
+    # have died before telling the launcher its pid. Such a rank would join the rendezvous
+    # beside the rank the launcher starts again in its place (distlab.caller.fork_server).
+    if _orphaned(launcher_pid):
+        os._exit(3)
+
+
+def _orphaned(launcher_pid: int) -> bool:
+    """Neither the rank's parent (spawned) nor its parent's parent (forked from the fork
+    server) is the launcher: the rank was re-parented. False where /proc cannot say."""
+    parent = os.getppid()
+    if parent == launcher_pid:
+        return False
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            grandparent = int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return grandparent != launcher_pid
 
 
 def _release_fork_server() -> None:
@@ -328,7 +351,7 @@ def loopback_interface() -> str:
 def _spawned_rank(rank: int, world: int, spec: dict, rendezvous: str, parent_pid: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a run stops
     _own_process_group()
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     _release_fork_server()
     _stderr_to_file(rank_stderr_path(spec["run_dir"], rank))
     # the launcher's environment now, as a spawned process gets it (the fork server's is that of
@@ -366,26 +389,36 @@ def start_ranks(fn, world: int, args: tuple, run_dir: str, *, backend="auto", de
     place_rank(device, backend, 0, world, local_gpu_count())
     os.makedirs(run_dir, exist_ok=True)
     # The rendezvous is a file of this run's folder: no port to pick, none open to the network.
-    # A file left by an earlier launch into the same folder would hand out dead addresses.
     rendezvous = os.path.join(run_dir, RENDEZVOUS_FILE)
-    if os.path.exists(rendezvous):
-        os.remove(rendezvous)
     spec = {"fn": fn, "args": args, "run_dir": run_dir, "backend": backend, "device": device,
             "timeout_s": timeout_s, "threads": threads, "debug": debug,
             "save_result": save_result, "env": dict(os.environ)}
     ctx = rank_context()
-    procs = []
+    # all ranks again if the fork server dies as they start (those started went with it)
+    procs = fork_server.start(lambda: _start_each(ctx, world, spec, rendezvous))
+    return procs, rendezvous
+
+
+def _start_each(ctx, world: int, spec: dict, rendezvous: str) -> list:
+    """Start every rank, or none: one that fails to start ends those started before it."""
+    # a file left by an earlier launch into the same folder, or by the ranks of an attempt that
+    # failed to start, would hand out dead addresses
+    if os.path.exists(rendezvous):
+        os.remove(rendezvous)
+    procs, server = [], None
     try:
         for rank in range(world):
             p = ctx.Process(target=_spawned_rank, name=f"distlab-rank{rank}", daemon=False,
                             args=(rank, world, spec, rendezvous, os.getpid()))
             p.start()
             procs.append(p)
+            server = fork_server.same_server(server)  # all from one server, or start again
     except BaseException:
         for p in procs:
             p.kill()
+            p.join(5.0)
         raise
-    return procs, rendezvous
+    return procs
 
 
 def launch(cfg: RunConfig, block: bool = False, run_dir: str | None = None,

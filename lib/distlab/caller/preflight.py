@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+from distlab.caller import fork_server
 from distlab.models import factory
 
 
@@ -72,7 +73,7 @@ def check_factory_apart(cfg, processes) -> None:
     p = processes.Process(target=_factory_check_child, daemon=True,
                           args=(cfg.to_dict(), dict(os.environ), send),
                           name="distlab-factory-check")
-    p.start()
+    fork_server.start(p.start)  # a new fork server if the last one died
     send.close()
     what = f"model={cfg.model!r}" + (f", data={cfg.data!r}" if cfg.data else "")
     try:

@@ -10,8 +10,10 @@ where one is at fault), how long it took to come, and that no process is left:
   inputs the ranks used to refuse               refused by the config or launch()
   the sockets of a local run                    loopback only; the caller listens on nothing
   resume_from="auto" with damaged checkpoints   the newest that verifies, with a warning
-  a full disk under a sharded save              "no space left" with the path; no partial save
-  a full disk under the event logs              a warning, not the run
+  a full disk under a sharded save              "no space left" with the path and the step as
+                                                its folder numbers it; no partial save
+  a full disk under the event logs              a warning, not the run, saying how many steps
+                                                the logs lack (also in the dashboard's status)
   NaN in one rank's input                       a warning; with detect_nan, the rank and step
   a lost fork server                            said as such; the next launch starts a new one
   a fork server killed just before a launch,    a new one, and the run trains (before: EOFError)
@@ -249,7 +251,9 @@ def test_a_full_disk_under_a_sharded_save_says_no_space_and_leaves_no_partial_sa
                        runs_root=str(tmp_path / "runs"))
     fill(small_disk, 16 * 1024)  # a shard of this model is ~40 KiB
     err, took, run = failure(cfg)
-    assert "no space left on device saving step 1's checkpoint" in err.message, err
+    # numbered as the folder is, and as the error's step (before: "step 1's", at step 2)
+    assert err.step == 2, err  # the first save, after 2 steps (checkpoint_every=2)
+    assert "no space left on device saving step 2's checkpoint (step_000002)" in err.message, err
     assert str(small_disk / "ckpt") in err.message
     assert [p.name for p in (small_disk / "ckpt").iterdir()] == []  # the partial save went
     assert took < 30
@@ -260,10 +264,23 @@ def test_a_full_disk_under_a_sharded_save_says_no_space_and_leaves_no_partial_sa
 def test_event_logs_on_a_full_disk_cost_a_warning_not_the_run(small_disk):
     cfg = CKPT.replace(checkpoint_every=0, steps=40, runs_root=str(small_disk / "runs"))
     fill(small_disk, 24 * 1024)  # the config and a few steps' events fit, the rest does not
+    t0 = time.time()
     run = launch(cfg)
-    with pytest.warns(RuntimeWarning, match="could not write|is full"):
+    with pytest.warns(RuntimeWarning) as warned:
         run.wait(timeout=120)
+    took = time.time() - t0
     assert run.status == "done" and run.error is None
+    # how many steps the logs lack is said (before: only that "done" could not be logged)
+    kept = len(run.losses())
+    assert 0 < kept < cfg.steps
+    said = (f"events of {cfg.steps - kept} of {cfg.steps} steps were not recorded: the run "
+            f"folder's disk is full ({run.dir}); run.losses() holds the other {kept}")
+    assert any(said in str(w.message) for w in warned), [str(w.message) for w in warned]
+    assert said in run.problems
+    from distlab.lab.live import describe  # the dashboard's status line
+    status = describe(run, "full")
+    assert said in status and f"last recorded loss {run.losses()[-1]:.3f}" in status
+    assert took < 30
     assert 0 < len(run.history("step")) < 2 * cfg.steps  # some events were lost, none raised
     assert_all_gone(run.pids)
 

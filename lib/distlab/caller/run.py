@@ -95,6 +95,7 @@ class Run:
         self._stopping = False
         self._last_heard = [self.started] * self.world_size  # when each rank last logged
         self.problems: list[str] = []  # what went wrong around the run, not in it (reported once)
+        self.unrecorded_steps = 0  # steps of a finished run whose events no log holds
         self._reported = False
         if self.processes:
             _live_runs.add(self)
@@ -378,6 +379,8 @@ class Run:
                 p.join(5.0)
             self._end_groups()
             self._note_non_finite_loss()
+            if status == "done":
+                self._note_unrecorded_steps()
             self.status = status
             self.ended = time.time()
             self._remove_rendezvous()
@@ -403,6 +406,43 @@ class Run:
                                  f"{first['rank']} ({len(bad)} step events in all): "
                                  "RunConfig(detect_nan=True) names the step, the rank and the "
                                  "module (or the input batch) where it was born")
+
+    def _note_unrecorded_steps(self):
+        """A run that ended "done" trained all its steps, but a full disk may have kept their
+        events out of the logs (distlab.events.EventLog drops what it cannot write, and says so
+        only at a later write that succeeds): count the steps no rank recorded, and say so."""
+        trained = self._steps_trained()
+        if not trained:
+            return
+        missing = len(trained - {e["step"] for e in self.history("step")})
+        if not missing:
+            return
+        self.unrecorded_steps = missing
+        why = (f"the run folder's disk is full ({self.dir})" if disk_full(self.dir) else
+               "the ranks' event logs lack them")
+        self.problems.append(f"events of {missing} of {len(trained)} steps were not recorded: "
+                             f"{why}; run.losses() holds the other {len(trained) - missing}")
+
+    def _steps_trained(self) -> set[int]:
+        """The step numbers a finished training run took: from its resume point (0 on a fresh
+        start) to the last step its ranks said they finished, or the config's last. Empty where
+        the logs cannot say (a run_ranks function; a resume whose "resume" event was lost and
+        no step recorded)."""
+        if self.cfg is None:
+            return set()
+        resumed = [e["steps_done"] for e in self.history("resume")]
+        recorded = [e["step"] for e in self.history("step")]
+        if resumed:
+            first = resumed[0]
+        elif not self.cfg.resume_from:
+            first = 0
+        elif recorded:
+            first = min(recorded)  # at most the resume point: never counts a step too many
+        else:
+            return set()
+        done = [e["last_step"] for e in self.history("done") if e.get("last_step") is not None]
+        last = max(done) if done else self.cfg.steps - 1
+        return set(range(first, last + 1))
 
     def _remove_rendezvous(self):
         try:

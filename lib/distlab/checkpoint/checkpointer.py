@@ -122,11 +122,12 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # must not hold the disk
             # (a peer that died mid-save leaves the temporary, as a killed job would: the next
             # save's prune removes it, and a resume never reads it)
-            if full:
+            if full:  # numbered as its folder is (and as the RunError's step): steps done
                 raise CheckpointError(
-                    f"no space left on device saving step {step}'s checkpoint under "
-                    f"{self.root} ({_free_bytes(self.root):,} bytes free): free some space or "
-                    "set checkpoint_dir to a larger disk; the partial save was removed") from e
+                    f"no space left on device saving step {steps_done}'s checkpoint ({name}) "
+                    f"under {self.root} ({_free_bytes(self.root):,} bytes free): free some "
+                    "space or set checkpoint_dir to a larger disk; the partial save was "
+                    "removed") from e
             raise
         self.log.write("checkpoint", step=step, steps_done=steps_done, reason=reason,
                        format=self.format, seconds=time.perf_counter() - t0,

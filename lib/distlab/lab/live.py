@@ -70,7 +70,9 @@ def _stands(run: Run, label: str) -> str:
         return f"running {label}: step {len(losses)}/{steps}{loss}"
     if run.status == "done":
         took = (run.ended or time.time()) - run.started
-        final = f", final loss {losses[-1]:.3f}" if losses else ""
+        # a full disk may have kept the last steps' events out of the logs (Run.problems)
+        which = "last recorded" if run.unrecorded_steps else "final"
+        final = f", {which} loss {losses[-1]:.3f}" if losses else ""
         return f"done in {took:.1f} s{final}"
     if run.status == "failed" and run.error is not None:
         e = run.error

@@ -412,16 +412,20 @@ class Run:
         events out of the logs (distlab.events.EventLog drops what it cannot write, and says so
         only at a later write that succeeds): count the steps no rank recorded, and say so."""
         trained = self._steps_trained()
-        if not trained:
-            return
         missing = len(trained - {e["step"] for e in self.history("step")})
-        if not missing:
-            return
-        self.unrecorded_steps = missing
-        why = (f"the run folder's disk is full ({self.dir})" if disk_full(self.dir) else
-               "the ranks' event logs lack them")
-        self.problems.append(f"events of {missing} of {len(trained)} steps were not recorded: "
-                             f"{why}; run.losses() holds the other {len(trained) - missing}")
+        why = self._why_events_were_lost()
+        if missing and why:  # (a rank out of data may step on without logging: no cause)
+            self.unrecorded_steps = missing
+            self.problems.append(f"events of {missing} of {len(trained)} steps were not "
+                                 f"recorded: {why}; run.losses() holds the other "
+                                 f"{len(trained) - missing}")
+
+    def _why_events_were_lost(self) -> str | None:
+        if disk_full(self.dir):
+            return f"the run folder's disk is full ({self.dir})"
+        if self.history("dropped"):  # the disk filled and was freed again
+            return "the ranks could not write them to their logs"
+        return None
 
     def _steps_trained(self) -> set[int]:
         """The step numbers a finished training run took: from its resume point (0 on a fresh

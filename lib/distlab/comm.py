@@ -73,15 +73,38 @@ def _busy() -> bool:
 
 @contextlib.contextmanager
 def steps_explained(group):
-    """A collective that fails while the ranks are at different steps (distlab.step_ledger)
-    fails with that said first."""
+    """A collective that fails because a peer failed or left its loop, or while the ranks are
+    at different steps (distlab.step_ledger), fails with that said first."""
     try:
         yield
+    except step_ledger.PeersLeft:
+        raise  # already says why
     except RuntimeError as e:
-        why = step_ledger.disagreement(group)
+        why = step_ledger.peers_left(group) or step_ledger.disagreement(group)
         if why is None:
             raise
         raise RuntimeError(f"{why}.\n{e}") from e
+
+
+# a wait that ends early, saying why, when a peer failed or left its loop (step_ledger's)
+wait_watching = step_ledger.wait_watching
+
+
+class Watched:
+    """A point-to-point Work whose wait() is wait_watching's (what isend/irecv return);
+    `what` says it to the peers while it blocks ("recv from rank 1")."""
+
+    def __init__(self, work, group, what: str):
+        self.work, self.group, self.what = work, group, what
+
+    def wait(self):
+        with steps_explained(self.group):
+            wait_watching(self.work, self.group, self.what)
+        _forget(self.work)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 def _forget(work) -> None:
@@ -109,8 +132,10 @@ class Pending:
         waited   wait() returned (None until then)
     """
 
-    def __init__(self, comm: "Comm", kind: str, work, result: torch.Tensor):
+    def __init__(self, comm: "Comm", kind: str, work, result: torch.Tensor,
+                 unsliced: str | None = None):
         self.comm, self.kind, self.work, self.result = comm, kind, work, result
+        self.unsliced = unsliced  # wait_watching's: what to publish while it blocks
         self.issued = time.perf_counter()
         _IN_FLIGHT.append(work)
         comm._unmeasured(kind)
@@ -136,7 +161,7 @@ class Pending:
         if self.waited is None:
             t0 = time.perf_counter()
             with steps_explained(self.comm.group):
-                self.work.wait()
+                wait_watching(self.work, self.comm.group, self.unsliced)
             self.waited = time.perf_counter()
             _forget(self.work)
             self.done = self.done if self.done is not None else self.waited
@@ -153,6 +178,7 @@ class Comm:
         self.group, self.name = group, name  # name: the mesh group ("tp", "dp", "pp")
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.members = dist.get_process_group_ranks(group or dist.group.WORLD)  # global ranks
         self.stats: dict[str, KindStats] = {}
         self.buffer_bytes_peak = 0  # largest scratch buffer an algorithm here allocated
         backend = dist.get_backend(group)
@@ -178,13 +204,15 @@ class Comm:
     def _unmeasured(self, kind: str) -> None:
         wire.LEDGER.add_unmeasured(self._key(kind))
 
-    def _call(self, kind, sent, recv, fn):
-        """Run a blocking call `fn`, book `sent`/`recv` bytes and its seconds under `kind`,
-        and the bytes the kernel saw written meanwhile if nothing else was in flight."""
+    def _call(self, kind, sent, recv, fn, unsliced: str | None = None):
+        """Run `fn` (which starts a collective and returns its Work) and wait for it
+        (wait_watching), book `sent`/`recv` bytes and its seconds under `kind`, and the bytes
+        the kernel saw written meanwhile if nothing else was in flight."""
         w0 = self._wire_start()
         t0 = time.perf_counter()
         with steps_explained(self.group):
             out = fn()
+            wait_watching(out, self.group, unsliced)
         seconds = time.perf_counter() - t0
         self._add(kind, sent, recv, seconds, wire_sent=self._wire_stop(kind, w0))
         return out
@@ -219,6 +247,11 @@ class Comm:
         self.stats, self.buffer_bytes_peak = {}, 0
         return out, peak
 
+    def _unsliced(self, kind: str) -> str:
+        """What a wait that cannot be sliced publishes (step_ledger.wait_watching): gloo's
+        reduce-scatter ignores a wait's timeout."""
+        return f"{kind} on ranks {','.join(map(str, self.members))}"
+
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
@@ -234,7 +267,8 @@ class Comm:
         elif algorithm == "torch":
             n, S = self.world, tensor_bytes(t)
             self._call("all_reduce", 2 * (n - 1) * S / n, 2 * (n - 1) * S / n,
-                       lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group))
+                       lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group,
+                                               async_op=True))
         else:
             raise ValueError(f"algorithm={algorithm!r} is not one of 'torch', 'ring', 'naive'")
         if op == "avg":
@@ -267,14 +301,15 @@ class Comm:
         work = _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group,
                                       async_op=True)
         self._add(kind, (n - 1) * S / n, (n - 1) * S / n, 0.0)
-        return Pending(self, kind, work, out)
+        return Pending(self, kind, work, out, self._unsliced("reduce_scatter"))
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy `t` from group rank `src` to every rank (modeled as a pipelined chain)."""
         n, S = self.world, tensor_bytes(t)
         pos = (self.rank - src) % n  # place in the chain src -> src+1 -> ...
         self._call("broadcast", S if pos < n - 1 else 0, S if pos > 0 else 0,
-                   lambda: dist.broadcast(t, src=self._global(src), group=self.group))
+                   lambda: dist.broadcast(t, src=self._global(src), group=self.group,
+                                          async_op=True))
         return t
 
     def broadcast_tensors(self, tensors, src: int = 0) -> None:
@@ -294,7 +329,7 @@ class Comm:
         """out (world × t.numel(), flat) gets every rank's `t`, in rank order."""
         n, S = self.world, tensor_bytes(out)
         self._call("all_gather", (n - 1) * S / n, (n - 1) * S / n,
-                   lambda: _all_gather_tensor(out, t, group=self.group))
+                   lambda: _all_gather_tensor(out, t, group=self.group, async_op=True))
         return out
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum"):
@@ -302,7 +337,8 @@ class Comm:
         n, S = self.world, tensor_bytes(t)
         self._call("reduce_scatter", (n - 1) * S / n, (n - 1) * S / n,
                    lambda: _reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM,
-                                                  group=self.group))
+                                                  group=self.group, async_op=True),
+                   unsliced=self._unsliced("reduce_scatter"))
         if op == "avg":
             out.div_(n)
         return out
@@ -321,20 +357,24 @@ class Comm:
         own_out = out_splits[me] if out_splits is not None else len(out) // n
         self._call(kind, (len(t) - own_in) * row, (len(out) - own_out) * orow,
                    lambda: dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits,
-                                                  group=self.group))
+                                                  group=self.group, async_op=True))
         return out
 
     def barrier(self):
-        self._call("barrier", 0, 0, lambda: dist.barrier(group=self.group))
+        # torch's own barrier (step_ledger notes the user's calls of dist.barrier)
+        self._call("barrier", 0, 0, lambda: dist.distributed_c10d.barrier(group=self.group,
+                                                                           async_op=True))
 
     # -- point to point (counted bytes) -----------------------------------------------------
     def send(self, t: torch.Tensor, dst: int, kind: str = "send"):
         self._call(kind, tensor_bytes(t), 0,
-                   lambda: dist.send(t.contiguous(), dst=self._global(dst), group=self.group))
+                   lambda: dist.isend(t.contiguous(), dst=self._global(dst), group=self.group),
+                   unsliced=f"send to rank {self._global(dst)}")
 
     def recv(self, t: torch.Tensor, src: int, kind: str = "recv", tag: int = 0):
         self._call(kind, 0, tensor_bytes(t),
-                   lambda: dist.recv(t, src=self._global(src), group=self.group, tag=tag))
+                   lambda: dist.irecv(t, src=self._global(src), group=self.group, tag=tag),
+                   unsliced=f"recv from rank {self._global(src)}")
         return t
 
     def isend(self, t: torch.Tensor, dst: int, kind: str = "send", tag: int = 0):
@@ -346,7 +386,7 @@ class Comm:
         _IN_FLIGHT.append(work)
         self._unmeasured(kind)
         self._add(kind, tensor_bytes(t), 0, 0.0)
-        return work
+        return Watched(work, self.group, f"send to rank {self._global(dst)}")
 
     def irecv(self, t: torch.Tensor, src: int, kind: str = "recv", tag: int = 0):
         """Start receiving into `t` from group rank `src`; wait() on the handle before reading
@@ -355,7 +395,7 @@ class Comm:
         _IN_FLIGHT.append(work)
         self._unmeasured(kind)
         self._add(kind, 0, tensor_bytes(t), 0.0)
-        return work
+        return Watched(work, self.group, f"recv from rank {self._global(src)}")
 
     def _exchange(self, send_t, dst, recv_t, src):
         """Send one tensor and receive another at once (no deadlock in a ring).

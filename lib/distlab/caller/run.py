@@ -45,7 +45,8 @@ PROGRESS_EVERY_S = 1.0
 
 # Errors that are usually consequences of another rank failing, not causes.
 _SECONDARY = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
-                        r"remote worker crash|ECONNRESET|peer has closed", re.I)
+                        r"remote worker crash|ECONNRESET|peer has closed|"
+                        r"the cause is rank \d+'s error", re.I)  # step_ledger.peers_left's
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
 
 _live_runs: "weakref.WeakSet[Run]" = weakref.WeakSet()

@@ -168,3 +168,20 @@ def test_rows_dropped_inside_forward_are_warned_under_ddp_and_named_under_tp():
                 in said[rank]["tp"]), said
     assert took < 30, took
     assert_all_gone(pids)
+
+
+def test_gloos_size_mismatch_abort_is_explained():
+    """Without check_shapes gloo aborts the rank from its own thread (no Python error); the
+    launcher's RunError for that SIGABRT reads gloo's line in the rank's stderr and says what
+    it means and how to have the layer named (the run this line came from: DropRows under tp
+    with check_shapes off, measured once by hand)."""
+    from distlab.caller.run import _size_mismatch_hint
+    line = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  "
+            "[enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:"
+            "456] op.preamble.length <= op.nbytes. 20 vs 16. Received data size doesn't match "
+            "expected size. Is there a distributed collective mismatch in your code?")
+    hint = _size_mismatch_hint(line)
+    assert "a message of 20 bytes for this rank's buffer of 16" in hint, hint
+    assert "tensors of different sizes" in hint
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in hint and "check_shapes=True" in hint
+    assert _size_mismatch_hint("Connection closed by peer") == ""

@@ -51,6 +51,24 @@ _TIMEOUT = re.compile(r"timed out|timeout", re.I)
 
 _live_runs: "weakref.WeakSet[Run]" = weakref.WeakSet()
 
+# gloo aborts the process (from its own thread: no Python error) when a peer's tensor has
+# another size than this rank's
+# ("op.preamble.length <= op.nbytes. 20 vs 16. Received data size doesn't match ...")
+_SIZE_MISMATCH = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match")
+
+
+def _size_mismatch_hint(stderr: str) -> str:
+    """What a SIGABRT for gloo's size mismatch means, and how to have the tensor named."""
+    m = _SIZE_MISMATCH.search(stderr or "")
+    if not m:
+        return ""
+    return (f": gloo received a message of {m.group(1)} bytes for this rank's buffer of "
+            f"{m.group(2)}, so the ranks passed tensors of different sizes to one "
+            "collective (e.g. rows dropped inside forward differently per rank, under tensor "
+            "parallelism). To have the layer and both shapes named, set "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL (RunConfig(debug=True), run_ranks(..., debug=True)) "
+            "or pass check_shapes=True to parallelize_module")
+
 
 class RunError(RuntimeError):
     """A run failed. `rank` is the rank whose failure came first; `traceback` is its own;
@@ -300,6 +318,7 @@ class Run:
                 said = tail(rank_stderr_path(self.dir, r), 3000).strip()
                 return RunError(r, f"rank {r} was killed by {name} (exit code {c}); "
                                    f"last step it logged: {last.get(r, -1)}"
+                                   + _size_mismatch_hint(said)
                                    + (f"; the last it wrote to stderr:\n{said}" if said else ""),
                                 "", last.get(r, -1) + 1)
         done = {e["rank"] for e in self.history("done")}

@@ -8,9 +8,10 @@ shapes), how long it took, and that no process is left:
   a NaN made by one module on one rank, fully_shard     detect_nan=True: rank 1, step 5, module '0'
   rows dropped inside forward, a different number       ddp: a warning, once, naming each rank's
   on each rank                                          kept rows of those fed; none when equal
-                                                        tp (check_shapes=True): a ValueError naming
-                                                        the RowwiseParallel layer and both shapes,
-                                                        before gloo aborts a rank
+                                                        tp (default: checked at each layer's calls
+                                                        1, 2, 4, ...): a ValueError naming the
+                                                        RowwiseParallel layer and both shapes at
+                                                        the first forward, before gloo aborts
 
 Data that differs by rank before the model (rows fed, NaN in a launched run's batch):
 tests/test_agree.py and tests/test_adversarial.py.
@@ -143,8 +144,7 @@ def rows_dropped_inside_forward(rank, world, device, log):
         said[case] = [str(w.message) for w in caught if "kept different" in str(w.message)]
     torch.manual_seed(0)
     tp = distlab.parallelize_module(DropRows(rank), {"fc1": distlab.ColwiseParallel(),
-                                                     "fc2": distlab.RowwiseParallel()},
-                                    check_shapes=True)
+                                                     "fc2": distlab.RowwiseParallel()})
     try:
         tp(torch.randn(5, 8, generator=torch.Generator().manual_seed(0)))
         said["tp"] = "no error"

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.parallel.tensor.operators import (F_Copy, G_Reduce, GatherSeq, ReduceScatterSeq,
-                                               same_shape)
+                                               same_shape, shapes_due)
 
 
 class _RegionEntry:
@@ -107,7 +107,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         self.comm, self.output_layout, self.name = comm, output_layout, name
-        self.check_shapes = False  # parallelize_module(check_shapes=True): same_shape first
+        self.check_shapes = False  # parallelize_module's: when same_shape runs first
+        self.calls = 0  # forwards so far (every rank of the group counts the same)
 
     def forward(self, x):
         if x.shape[-1] != self.weight.shape[1]:
@@ -117,7 +118,8 @@ class RowParallelLinear(nn.Module):
                 f"on the linear layer that feeds it, whose output is that block")
         exit_op = ReduceScatterSeq if self.output_layout == "sequence" else G_Reduce
         partial = F.linear(x, self.weight)
-        if self.check_shapes:
+        self.calls += 1
+        if shapes_due(self.check_shapes, self.calls):
             how = "reduce-scattered" if self.output_layout == "sequence" else "all-reduced"
             same_shape(self.comm, partial, f"the partial output of RowwiseParallel "
                                            f"'{self.name}' (its sum is {how})")

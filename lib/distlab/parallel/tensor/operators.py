@@ -28,9 +28,12 @@ than it expects aborts from gloo's own thread (SIGABRT, "Received data size does
 expected size (20 vs 16)", no word of which tensor), and its peer reads "Connection reset by
 peer". Nothing can be caught after the fact, so `same_shape` compares the shapes *before* the
 collective: one small all-gather each (measured on the shared 2-core machine: 1.1 ms, beside
-1.5 ms for the all-reduce of an (8, 64, 128) activation). Off by default, as torch's own check
-(TORCH_DISTRIBUTED_DEBUG=DETAIL, which names the shapes but not the layer); on with
-parallelize_module(..., check_shapes=True) or that variable.
+1.5 ms for the all-reduce of an (8, 64, 128) activation). So by default each layer checks at
+its calls 1, 2, 4, 8, ... (`shapes_due`): a run of n forwards pays log2(n) + 1 checks per
+layer, and a mismatch there from the start (the usual case: a per-rank drop) is named at the
+first forward; one that appears later, between two checks, is gloo's abort, which the launcher
+explains (distlab.caller.run). parallelize_module(..., check_shapes=True), or torch's
+TORCH_DISTRIBUTED_DEBUG=DETAIL, checks every call; False never.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ KINDS = {"all_reduce": "tp.all_reduce", "all_gather": "sp.all_gather",
          "reduce_scatter": "sp.reduce_scatter", "grads": "sp.grad_all_reduce",
          "norm": "tp.grad_norm", "shapes": "tp.shape_check"}
 MAX_DIMS = 8  # same_shape compares tensors of up to this many dims
+
+
+def shapes_due(mode, calls: int) -> bool:
+    """Whether a layer compares the ranks' shapes at its call number `calls` (from 1): every
+    call (True), never (False), or at calls 1, 2, 4, 8, ... ("doubling", the default)."""
+    if mode == "doubling":
+        return calls & (calls - 1) == 0
+    return bool(mode)
 
 
 def same_shape(comm, x, what: str) -> None:

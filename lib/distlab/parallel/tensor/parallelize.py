@@ -61,9 +61,11 @@ class TensorParallelState:
     Comm, the sharded layers by name ("colwise"/"rowwise"), and the replicated parameters
     whose gradients are partial sums (sequence parallel)."""
 
-    def __init__(self, comm, check_shapes: bool = False):
+    def __init__(self, comm, check_shapes="doubling"):
         self.comm, self.entry = comm, _RegionEntry(comm)
-        self.check_shapes = check_shapes  # the ranks' shapes compared before each exit's sum
+        # when the ranks' shapes are compared before each exit's sum (operators.shapes_due)
+        self.check_shapes = check_shapes
+        self.calls: dict[str, int] = {}  # PrepareModuleInput's calls, by name
         self.sharded: dict[str, str] = {}
         self.transposed: set[str] = set()  # Conv1D layers: their whole weight is (in, out)
         self.fused: dict[str, tuple] = {}  # fused column-parallel layers: their parts' widths
@@ -99,9 +101,10 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None,
              over `group`
     check_shapes  compare the ranks' shapes before each RowwiseParallel's sum and each
              PrepareModuleInput, and name the layer and both shapes when they differ (gloo
-             would abort a rank with "Received data size doesn't match"); one small
-             all-gather each, so off by default; None: on when TORCH_DISTRIBUTED_DEBUG=DETAIL
-             (torch's switch for its own check)
+             would abort a rank with "Received data size doesn't match"): True at every
+             call, False never; None (default): at each layer's calls 1, 2, 4, 8, ... (one
+             small all-gather each, so log2(n) + 1 in n forwards), or every call when
+             TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's switch for its own check)
 
     Every rank first takes rank 0's parameters and buffers (broadcast), then keeps its block
     of each sharded layer; the module changes in place (sharded layers are replaced) and is
@@ -114,7 +117,8 @@ def parallelize_module(module: nn.Module, plan: dict, group=None, comm=None,
                          "its layers hold 1/t blocks and would be split again; call it once, "
                          "with every entry in one plan")
     if check_shapes is None:
-        check_shapes = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        check_shapes = True if detail else "doubling"
     state = TensorParallelState(comm if comm is not None else Comm(group), check_shapes)
     targets = _match(module, plan)
     agree(state.comm, "distlab.parallelize_module",  # before the broadcast, which would not

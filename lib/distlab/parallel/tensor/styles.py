@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from distlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from distlab.parallel.tensor.operators import (GatherSeq, GatherSeqToReplicated, SplitSeq,
-                                               same_shape)
+                                               same_shape, shapes_due)
 
 
 LAYOUTS = ("replicate", "sequence")  # whole tensor on every rank / dim 1 cut into t blocks
@@ -142,7 +142,8 @@ class PrepareModuleInput:
         return module
 
     def _prepare(self, x, state, name):
-        if state.check_shapes:
+        state.calls[name] = state.calls.get(name, 0) + 1
+        if shapes_due(state.check_shapes, state.calls[name]):
             same_shape(state.comm, x, f"the input of PrepareModuleInput '{name}' ({self.src} "
                                       f"to {self.dst})")
         if self.dst == "sequence":

@@ -22,6 +22,8 @@ and re-exports the names the others hold, so `distlab.parallel.tensor.tp` import
 
 from __future__ import annotations
 
+import os
+
 from distlab.parallel.base import Strategy
 from distlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, fused_rows
 from distlab.parallel.tensor.operators import (KINDS, F_Copy, G_Reduce, GatherSeq,
@@ -57,15 +59,20 @@ class TensorParallel(Strategy):
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.sp = cfg.sp
+        # the loop's runs feed every tp rank the same batch through the GPT (or your model's
+        # factory), and their bytes per step are held to the formulas: shapes are compared
+        # only when asked (RunConfig(debug=True)); the launcher explains gloo's abort otherwise
+        self.checks = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
     def wrap(self, model):
         # every rank built the same full model from cfg.seed; each keeps its slice of it
         if self.cfg.model == "gpt":
             # a mixture of experts in the blocks (the model's own config says): attention only
             plan = gpt_plan(len(model.blocks), self.sp, experts=bool(model.config.n_experts))
-            model = parallelize_module(model, plan, comm=self.comm)
+            model = parallelize_module(model, plan, comm=self.comm, check_shapes=self.checks)
         else:  # yours: its own plan (checked before spawn by distlab.models.factory.check)
-            model = parallelize_module(model, model.tp_plan, comm=self.comm)
+            model = parallelize_module(model, model.tp_plan, comm=self.comm,
+                                       check_shapes=self.checks)
         self.sharded = dict(model._distlab_tp.sharded)
         return model
 

@@ -177,13 +177,15 @@ def md_table(header, rows) -> list[str]:
     return lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
 
 
-def verdict(holds: bool) -> str:
+def verdict(holds: bool | None, basis: str = "measured") -> str:
+    if holds is None:  # a timed row whose spreads overlap, or one only other hardware answers
+        return "undecided on this machine" if basis == "timed" else "not measured here"
     return "yes" if holds else "no"
 
 
 def held(result: dict) -> str:
     rows = result["rows"]
-    return f"{sum(r['holds'] for r in rows)} of {len(rows)} hold"
+    return f"{sum(r['holds'] is True for r in rows)} of {len(rows)} hold"
 
 
 def header_lines(meta: dict) -> list[str]:
@@ -224,7 +226,7 @@ def notebook_lines(r: dict) -> list[str]:
     lines.append("")
     if r["rows"]:
         lines += md_table(COLUMNS, [[x["claim"], x["source"], x["figure"], x["basis"],
-                                     verdict(x["holds"])] for x in r["rows"]])
+                                     verdict(x["holds"], x["basis"])] for x in r["rows"]])
     else:
         lines.append("No claims recorded: the notebook did not reach a claims_table call "
                      "(or has none).")
@@ -257,7 +259,7 @@ def budget(notebook: str, seconds: float, mode: str) -> str:
 def summary_lines(results: list[dict], mode: str = "full") -> list[str]:
     rows = [[r["notebook"], r["status"], f"{r['seconds']:.0f}",
              budget(r["notebook"], r["seconds"], mode), len(r["rows"]),
-             sum(x["holds"] for x in r["rows"])] for r in results]
+             sum(x["holds"] is True for x in r["rows"])] for r in results]
     over = sum(over_budget(r["notebook"], r["seconds"], mode) for r in results)
     total = [["all", f"{sum(r['status'] == 'fail' for r in results)} failed",
               f"{sum(r['seconds'] for r in results):.0f}", f"{over} over",

@@ -146,29 +146,41 @@ def mib(b) -> str:
 
 # -- claims tables -----------------------------------------------------------------------------
 # Every notebook ends with a table of textbook claims set against its own run. A row's verdict
-# is computed from the run (a bool), never typed in, and the basis says whether the figure was
-# measured in this run or modelled by a formula (whose source the row names). When the
-# environment variable DISTLAB_CLAIMS_JSONL names a file, every row is also appended to it as
-# one JSON object: tools/claims_report.py collects them from a full-mode run of the workbook.
-BASES = ("measured", "modelled")
+# is computed from the run (a bool), never typed in, and the basis says what it rests on:
+#   measured           a figure this run measured (bytes, counts, values), not a clock
+#   timed              a clock, read over repeats: min/median/max in the figure, and
+#                      holds=None ("undecided on this machine") when the spreads overlap
+#   modelled           a formula, whose source the row names
+#   arithmetic         constants and identities: shown for reading, never cited as evidence
+#   not measured here  only other hardware can answer (a GPU): holds=None on this machine
+# When the environment variable DISTLAB_CLAIMS_JSONL names a file, every row is also appended
+# to it as one JSON object: tools/claims_report.py collects them from a full-mode run.
+BASES = ("measured", "timed", "modelled", "arithmetic", "not measured here")
+UNDECIDED = {"timed": "undecided on this machine", "not measured here": "not measured here"}
 
 
-def claim(claim: str, source: str, figure: str, holds: bool, basis: str = "measured") -> dict:
-    """One row of a claims table. `holds` must be computed from the run: a bool, not a string."""
-    if not isinstance(holds, bool):
-        raise TypeError(f"holds must be a bool computed from the run, got {holds!r}")
+def claim(claim: str, source: str, figure: str, holds: bool | None,
+          basis: str = "measured") -> dict:
+    """One row of a claims table. `holds` must be computed from the run: a bool, not a string;
+    None only for a timed row whose spreads overlap, or one not measured on this hardware."""
     if basis not in BASES:
         raise ValueError(f"basis={basis!r} is not one of {BASES}")
+    if not (isinstance(holds, bool) or (holds is None and basis in UNDECIDED)):
+        raise TypeError(f"holds must be a bool computed from the run (None only with basis "
+                        f"{' or '.join(map(repr, UNDECIDED))}), got {holds!r}")
     return {"claim": claim, "source": source, "figure": figure, "holds": holds, "basis": basis}
 
 
-def verdict(holds: bool) -> str:
+def verdict(holds: bool | None, basis: str = "measured") -> str:
+    if holds is None:
+        return UNDECIDED[basis]
     return "yes" if holds else "**no**"
 
 
 def claims_markdown(rows: list[dict]) -> str:
     return markdown_table(["claim", "source", "what this run shows", "basis", "holds?"],
-                          [[r["claim"], r["source"], r["figure"], r["basis"], verdict(r["holds"])]
+                          [[r["claim"], r["source"], r["figure"], r["basis"],
+                            verdict(r["holds"], r["basis"])]
                            for r in rows])
 
 

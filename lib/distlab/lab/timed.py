@@ -1,0 +1,152 @@
+"""Timing verdicts as distributions: repeats, their spread, and a verdict that can say undecided.
+
+A claims row that reads a clock on a shared 2-core machine is decided by repeats, not one run:
+
+    a, b = interleaved(run_a, run_b, repeats=7)        # A B B A A B ... : drift hits both alike
+    row = timed_claim("A is faster than B", "source", below(a, b), {"A": a, "B": b})
+
+The rule (`decided_spread`): a side's spread is its middle half, the interquartile range from
+the first to the third quartile. A verdict is yes or no only when the spreads do not overlap in
+the decisive direction, and only with at least MIN_REPEATS repeats; otherwise it is None,
+rendered "undecided on this machine". Why the quartiles and not min..max: on a shared machine
+one repeat in several is slowed by another process; that outlier widens min..max, and min..max
+only widens as repeats are added, so more repeats would push every verdict to undecided. The
+middle half ignores one outlier in four and narrows as repeats grow, so a verdict made in full
+mode is the one a second full run makes. The figure still shows min, median and max, so a reader
+sees the outliers the verdict set aside.
+
+`samples` are seconds (or any figure, e.g. an MFU per repeat); nothing here reads a clock except
+`repeat` and `interleaved`, so the verdict rules are tested on synthetic samples.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+from distlab.lab.common import claim
+
+MIN_REPEATS = 3  # fewer repeats than this never decide: quick mode's rows read undecided
+
+
+# -- taking the repeats -------------------------------------------------------------------------
+def repeat(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds per call of `fn`, `repeats` times, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int,
+                warmup: int = 1) -> tuple[list[float], list[float]]:
+    """Seconds per call of `a` and of `b`, taken in the order A B, B A, A B, ... so that a load
+    that rises or falls during the comparison falls on both sides alike."""
+    for _ in range(warmup):
+        a()
+        b()
+    ta, tb = [], []
+    for i in range(repeats):
+        for name in ("ab" if i % 2 == 0 else "ba"):
+            t0 = time.perf_counter()
+            (a if name == "a" else b)()
+            (ta if name == "a" else tb).append(time.perf_counter() - t0)
+    return ta, tb
+
+
+def ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """a[i] / b[i] for paired (interleaved) repeats: a ratio within one pair cancels the load the
+    pair shared."""
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
+# -- the spread and the rules -------------------------------------------------------------------
+def spread(samples: Sequence[float]) -> dict:
+    """min, quartiles, median and max of the samples."""
+    xs = sorted(samples)
+    if not xs:
+        raise ValueError("no samples")
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else xs * 3
+    return {"n": len(xs), "min": xs[0], "q1": q1, "median": statistics.median(xs), "q3": q3,
+            "max": xs[-1]}
+
+
+def decided_spread(samples: Sequence[float]) -> tuple[float, float] | None:
+    """The range a verdict is decided on (the interquartile range), or None with too few
+    repeats to decide."""
+    if len(samples) < MIN_REPEATS:
+        return None
+    s = spread(samples)
+    return s["q1"], s["q3"]
+
+
+def below(a: Sequence[float], b: Sequence[float], factor: float = 1.0) -> bool | None:
+    """"a is below factor·b": yes when a's spread lies wholly under factor·b's, no when wholly
+    above, else None (also with too few repeats)."""
+    ra, rb = decided_spread(a), decided_spread(b)
+    if ra is None or rb is None:
+        return None
+    if ra[1] < factor * rb[0]:
+        return True
+    if ra[0] > factor * rb[1]:
+        return False
+    return None
+
+
+def within(samples: Sequence[float], lo: float | None = None,
+           hi: float | None = None) -> bool | None:
+    """"the figure lies in [lo, hi]" (either bound may be open): yes when the spread lies wholly
+    inside, no when wholly outside (below lo or above hi), else None."""
+    r = decided_spread(samples)
+    if r is None:
+        return None
+    lo_ = -float("inf") if lo is None else lo
+    hi_ = float("inf") if hi is None else hi
+    if lo_ <= r[0] and r[1] <= hi_:
+        return True
+    if r[1] < lo_ or r[0] > hi_:
+        return False
+    return None
+
+
+# -- the row ------------------------------------------------------------------------------------
+def _num(x: float, digits: int) -> str:
+    """x to `digits` significant digits, never in exponent form (1020, 98.2, 0.0123)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    return f"{x:.{max(0, digits - 1 - math.floor(math.log10(abs(x))))}f}"
+
+
+def fmt_spread(samples: Sequence[float], scale: float = 1e3, unit: str = "ms",
+               digits: int = 3) -> str:
+    """'min / median / max unit', each scaled (seconds to ms by default)."""
+    s = spread(samples)
+    return " / ".join(_num(s[k] * scale, digits) for k in ("min", "median", "max")) + \
+        (f" {unit}" if unit else "")
+
+
+def timed_figure(sides: dict[str, Sequence[float]], scale: float = 1e3, unit: str = "ms",
+                 note: str = "", digits: int = 3, interleaved_: bool | None = None) -> str:
+    """'A 1.2 / 1.3 / 1.9 ms, B ... (min / median / max of n repeats, interleaved)'."""
+    n = sorted({len(v) for v in sides.values()})
+    paired = len(sides) > 1 if interleaved_ is None else interleaved_
+    body = ", ".join(f"{name} {fmt_spread(v, scale, unit, digits)}" for name, v in sides.items())
+    counts = "/".join(map(str, n))
+    tail = f"(min / median / max of {counts} repeats{', interleaved' if paired else ''})"
+    return f"{body} {tail}" + (f"; {note}" if note else "")
+
+
+def timed_claim(text: str, source: str, holds: bool | None, sides: dict[str, Sequence[float]],
+                scale: float = 1e3, unit: str = "ms", note: str = "", digits: int = 3,
+                interleaved_: bool | None = None) -> dict:
+    """A claims row with basis "timed": the figure shows each side's min / median / max and the
+    repeat count, `holds` comes from `below` / `within` (None reads "undecided on this
+    machine")."""
+    return claim(text, source, timed_figure(sides, scale, unit, note, digits, interleaved_),
+                 holds, basis="timed")

@@ -1,0 +1,64 @@
+"""Timing verdicts (distlab.lab.timed) on synthetic samples: no clock is read here.
+
+A timed row says yes or no only when the two spreads (the middle halves) do not overlap, and
+undecided when they do or when there are too few repeats.
+"""
+
+from distlab.lab.common import claims_markdown
+from distlab.lab.timed import (MIN_REPEATS, below, interleaved, ratios, spread, timed_claim,
+                               within)
+
+FAST = [1.0, 1.1, 1.05, 0.98, 1.02, 1.07, 1.01]
+SLOW = [2.0, 2.1, 1.95, 2.2, 2.05, 1.99, 2.03]
+NEAR = [1.03, 1.2, 0.9, 1.1, 1.0, 0.95, 1.15]
+
+
+def test_a_clear_yes_a_clear_no_and_an_overlap():
+    assert below(FAST, SLOW) is True
+    assert below(SLOW, FAST) is False
+    assert below(FAST, NEAR) is None and below(NEAR, FAST) is None
+
+
+def test_one_outlier_does_not_decide_the_verdict():
+    # one repeat in seven slowed by another process: min..max would overlap, the middle half not
+    loaded = FAST[:-1] + [2.5]
+    assert below(loaded, SLOW) is True
+    assert spread(loaded)["max"] == 2.5
+
+
+def test_a_factor_scales_the_other_side():
+    # 'A within 1.5x of B': A below 1.5 B
+    assert below(SLOW, FAST, factor=2.5) is True
+    assert below(SLOW, FAST, factor=1.5) is False
+
+
+def test_too_few_repeats_never_decide():
+    few = MIN_REPEATS - 1
+    assert below(FAST[:few], SLOW[:few]) is None
+    assert within(FAST[:few], 0.5, 1.5) is None
+
+
+def test_within_a_band_outside_it_and_across_its_edge():
+    mfu = [0.44, 0.45, 0.46, 0.43, 0.47]
+    assert within(mfu, 0.40, 0.50) is True
+    assert within([x / 2 for x in mfu], 0.40, 0.50) is False      # all below the band
+    assert within([x + 0.3 for x in mfu], 0.40, 0.50) is False    # all above it
+    assert within([0.35, 0.38, 0.41, 0.44, 0.47], 0.40, 0.50) is None
+    assert within(mfu, lo=0.4) is True and within(mfu, hi=0.4) is False
+
+
+def test_the_row_is_timed_shows_min_median_max_and_the_count():
+    row = timed_claim("A is faster than B", "s", below(FAST, SLOW), {"A": FAST, "B": SLOW},
+                      scale=1, unit="s")
+    assert row["basis"] == "timed" and row["holds"] is True
+    assert "A 0.980 / 1.02 / 1.10 s, B 1.95 / 2.03 / 2.20 s" in row["figure"]
+    assert "of 7 repeats, interleaved" in row["figure"]
+    undecided = timed_claim("A is faster", "s", below(FAST, NEAR), {"A": FAST, "B": NEAR})
+    assert "| timed | undecided on this machine |" in claims_markdown([undecided])
+
+
+def test_interleaving_alternates_the_order_and_ratios_pair_them():
+    order = []
+    ta, tb = interleaved(lambda: order.append("a"), lambda: order.append("b"), 3, warmup=0)
+    assert "".join(order) == "abbaab" and len(ta) == len(tb) == 3
+    assert ratios([2.0, 4.0], [1.0, 2.0]) == [2.0, 2.0]

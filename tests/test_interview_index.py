@@ -10,7 +10,9 @@ These checks are static and fast (no processes, no notebook execution). They fai
   reports/claims-full.json, or the page's report date or commit is not the report's;
 * an entry lacks a field, has an unknown evidence kind or verdict, links while saying "not
   yet answered", or a set's ids skip a question;
-* the page names the question sets' private folder ("shared/", "/work/").
+* the page names the question sets' private folder ("shared/", "/work/");
+* a report row that reads no (or undecided) is quoted nowhere: neither under the question it
+  bears on nor in the page's findings section.
 
 Each checker returns a list of problems; test_checkers_catch_broken_lines feeds them broken
 lines to show they can fail.
@@ -38,7 +40,10 @@ FORBIDDEN = ("shared/", "/work/")
 
 ENTRY = re.compile(r"^- \*\*([A-Z]\d+)\*\* — (\S.*)$")
 FIELD = re.compile(r"^  - (answered in|evidence|report|verdict|not answered here): (.*)$")
-REPORT_ROW = re.compile(r"^(\S+) — claim: `([^`]+)` — figure: `([^`]+)` — held: (yes|no)$")
+# a quoted field: `text`, or ``text`` (a Markdown code span that holds backticks itself)
+_QUOTED = r"(?:`` (.+?) ``|`([^`]+)`)"
+REPORT_ROW = re.compile(rf"^(\S+) — claim: {_QUOTED} — figure: {_QUOTED} — held: "
+                        r"(yes|no|undecided on this machine|not measured here)$")
 
 
 # --- anchors ---------------------------------------------------------------------------------
@@ -107,16 +112,32 @@ def check_link(dest: str, anchors_of) -> list[str]:
 
 # --- report rows -----------------------------------------------------------------------------
 
+def held(row: dict) -> str:
+    """A report row's verdict as the page quotes it."""
+    if row["holds"] is None:  # a timed row whose spreads overlap, or one only a GPU answers
+        return "undecided on this machine" if row["basis"] == "timed" else "not measured here"
+    return "yes" if row["holds"] else "no"
+
+
 def report_rows(report: dict) -> set[tuple[str, str, str, str]]:
-    return {(r["notebook"], r["claim"], r["figure"], "yes" if r["holds"] else "no")
+    return {(r["notebook"], r["claim"], r["figure"], held(r))
             for nb in report["notebooks"] for r in nb["rows"]}
 
 
-def check_report_line(value: str, rows: set) -> list[str]:
+def quoted_row(value: str) -> tuple | None:
+    """(notebook, claim, figure, held) of a quoted report line, or None."""
     m = REPORT_ROW.match(value)
     if not m:
+        return None
+    nb, c1, c2, f1, f2, verdict = m.groups()
+    return nb, c1 or c2, f1 or f2, verdict
+
+
+def check_report_line(value: str, rows: set) -> list[str]:
+    got = quoted_row(value)
+    if got is None:
         return [f"report line not in the form 'NB — claim: `…` — figure: `…` — held: yes|no': {value}"]
-    if m.groups() not in rows:
+    if got not in rows:
         return [f"not a row of reports/claims-full.json (notebook, claim, figure, held): {value}"]
     return []
 
@@ -239,6 +260,30 @@ def test_cited_rows_are_the_reports(page, report):
         f"the page's report date/commit is not the report's ({report['date']}, {report['commit']})")
 
 
+FINDINGS = "\n## The workbook's own findings"
+
+
+def uncited_findings(page: str, rows: set) -> list[str]:
+    """Report rows that read no (or could not be decided) and that the page quotes nowhere:
+    neither in an entry's report lines nor in its findings section. A rule that failed is news,
+    so every such row must be cited by the question it bears on or listed as a finding."""
+    quoted = set()
+    for line in page.splitlines():
+        m = re.match(r"^\s*- (?:report: )?(.*)$", line)
+        if m and (q := quoted_row(m.group(1).strip())) is not None:
+            quoted.add(q)
+    return [f"{nb} — {claim}: reads {held}, cited nowhere" for nb, claim, figure, held
+            in sorted(rows) if held != "yes" and (nb, claim, figure, held) not in quoted]
+
+
+def test_every_row_that_does_not_hold_is_cited_or_a_finding(page, report):
+    """A row that reads no is evidence against someone's answer or against a rule of ours: the
+    index quotes it under the question it bears on, or in its findings section."""
+    assert FINDINGS in page, "no section for the workbook's own findings"
+    problems = uncited_findings(page, report_rows(report))
+    assert not problems, "\n".join(problems)
+
+
 def test_gaps_list_every_unanswered_question(page):
     entries = parse_entries(page)
     gaps = page.split("\n## Gaps", 1)
@@ -289,6 +334,11 @@ def test_checkers_catch_broken_lines(report):
                              rows), "a flipped verdict passed"
     assert check_report_line(good.replace(figure, figure[:-1]), rows), "a truncated figure passed"
     assert check_report_line(f"{nbname} — {claim}", rows), "a malformed line passed"
+    row = ("01_collectives", "a rule", "a figure", "no")
+    said = f"- 01_collectives — claim: `a rule` — figure: `a figure` — held: no"
+    assert uncited_findings("", {row}), "an uncited row that reads no passed"
+    assert uncited_findings(said, {row}) == []
+    assert uncited_findings("", {row[:3] + ("yes",)}) == []  # rows that hold need no citation
 
     broken = "\n".join([
         "- **A1** — a question",

@@ -155,3 +155,9 @@ def growth_figure(points: list) -> go.Figure:
                       title="How cost grows with the work: ddp, measured against the model",
                       legend=dict(orientation="h", y=-0.22))
     return fig
+
+
+def ratio_samples(row: dict) -> list[float]:
+    """A strategy's steps, each over its predicted step (the ratio the limit table gives at the
+    median): the repeats a timed claim reads (distlab.lab.timed)."""
+    return [e["step_s"] / row["prediction"].total for e in row["steps"]]

@@ -213,6 +213,33 @@ def pruning_comparison(spec: HPSpec, n_trials: int, seed: int, pruners: dict | N
     return out
 
 
+def pruning_repeats(pruning: dict, spec: HPSpec, repeats: int,
+                    storage: str | None = None) -> dict[str, dict]:
+    """Steps saved is a race: a pruned run is stopped by the caller, and the steps it runs
+    before the stop lands depend on the machine's load. So each pruner's studies run `repeats`
+    times in all (`pruning` is the first: pruning_comparison's), on the unpruned study's
+    configurations. Per pruner: "saved", the share of the unpruned study's steps saved, one per
+    repeat (timed), and "kept", whether every repeat kept the unpruned best trial (measured)."""
+    ref = pruning["unpruned"]
+    ref_steps = compute_spent(ref)["steps_run"]
+    pruned = HPSpec(**{**asdict(spec), "prune": True})
+    out = {}
+    for name in default_pruners(spec):
+        studies = [pruning[name]]
+        for _ in range(repeats - 1):
+            study = new_study(f"prune-{name.replace(' ', '-')}", sampler("random", 0),
+                              storage=storage, pruner=default_pruners(spec)[name],
+                              spec=asdict(pruned))
+            for t in ref.trials:
+                study.enqueue_trial(t.params)
+            studies.append(optimize(study, pruned, len(ref.trials)))
+        out[name] = {
+            "saved": [1 - compute_spent(s)["steps_run"] / ref_steps for s in studies],
+            "kept": all(s.best_trial.number == ref.best_trial.number
+                        and s.best_value == ref.best_value for s in studies)}
+    return out
+
+
 def default_pruners(spec: HPSpec) -> dict:
     """Successive halving and Hyperband with reduction factor 3 (Li et al.'s η = 3), the first
     rung at the first report; resources are rows of training data."""

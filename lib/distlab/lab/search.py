@@ -371,9 +371,10 @@ def search_overhead_s(study: optuna.Study) -> float:
 def launch_overheads(trials) -> dict:
     """Medians over `trials` (statistics.median_high: a trial's own figure, never an average of
     two) of each run's wall time, its steps' time, and what a trial costs besides its steps:
-    launch, evaluation and teardown (wall - steps)."""
+    launch, evaluation and teardown (wall - steps); "overheads_s" holds every trial's."""
     runs = [measured(t) for t in trials]
     return {"trials": len(runs),
             "wall_s": statistics.median_high(m["wall_s"] for m in runs),
             "train_s": statistics.median_high(m["train_s"] for m in runs),
-            "overhead_s": statistics.median_high(m["wall_s"] - m["train_s"] for m in runs)}
+            "overhead_s": statistics.median_high(m["wall_s"] - m["train_s"] for m in runs),
+            "overheads_s": [m["wall_s"] - m["train_s"] for m in runs]}

@@ -41,25 +41,33 @@ def flops_rows(count: dict) -> list[list]:
              f"{count['counted'] / count['formula']:.4f}"]]
 
 
-def achieved(cfg: RunConfig, steps: int = 6) -> dict:
+def achieved(cfg: RunConfig, steps: int = 6, repeats: int = 1) -> dict:
     """Time `cfg`'s training step in this process and set its model FLOP/s against a peak: the
     datasheet's on a known GPU, else this machine's measured matmul peak at the same threads.
-    The step runs on the GPU where there is one (cfg.precision as given), else on the CPU."""
+    The step runs on the GPU where there is one (cfg.precision as given), else on the CPU.
+    On the CPU the peak and the step are measured `repeats` times, interleaved (peak, step,
+    peak, step, ...), and "mfus" holds one MFU per pair: the two share the load of their
+    moment, so each ratio is this machine's under that load."""
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = time_training(cfg, device, steps=steps, warmup=2)
     if device == "cuda":
+        result = time_training(cfg, device, steps=steps, warmup=2)
         name = torch.cuda.get_device_name()
         peak = datasheet_peak(name, "bf16" if cfg.precision == "bf16" else "fp32")
         if peak is None:
             return {**result, "device": name, "peak": None, "peak_source": "unknown GPU",
-                    "mfu": None}
+                    "mfu": None, "mfus": []}
         return {**result, "device": name, "peak": peak[0], "peak_source": peak[1],
-                "mfu": result["flops_per_s"] / peak[0]}
-    peak = matmul_peak(threads=torch.get_num_threads())
+                "mfu": result["flops_per_s"] / peak[0], "mfus": [result["flops_per_s"] / peak[0]]}
+    pairs = []
+    for _ in range(repeats):
+        peak = matmul_peak(threads=torch.get_num_threads())
+        pairs.append((peak, time_training(cfg, device, steps=steps, warmup=2)))
+    mfus = [r["flops_per_s"] / p["flops_per_s"] for p, r in pairs]
+    peak, result = pairs[mfus.index(sorted(mfus)[(len(mfus) - 1) // 2])]  # the median pair
     return {**result, "device": f"CPU, {peak['threads']} threads", "peak": peak["flops_per_s"],
             "peak_source": f"measured: median of 10 fp32 {peak['n']}×{peak['n']} matmuls",
-            "mfu": result["flops_per_s"] / peak["flops_per_s"]}
+            "mfu": result["flops_per_s"] / peak["flops_per_s"], "mfus": mfus}
 
 
 def scaling_runs(base: RunConfig, worlds=(1, 2, 4), rows_per_rank: int = 8) -> dict[int, Run]:
@@ -86,9 +94,14 @@ def slowest_rank_seconds(run: Run) -> dict[int, float]:
 def step_seconds(run: Run, skip: int = 2) -> float:
     """Median over steps (the first `skip` left out: allocation, first-touch) of the slowest
     rank's step time."""
+    return statistics.median(step_samples(run, skip))
+
+
+def step_samples(run: Run, skip: int = 2) -> list[float]:
+    """Every step's time (the slowest rank's), the first `skip` left out: the repeats a timed
+    claim reads (distlab.lab.timed)."""
     by_step = slowest_rank_seconds(run)
-    kept = [s for step, s in sorted(by_step.items()) if step >= skip]
-    return statistics.median(kept or list(by_step.values()))
+    return [s for step, s in sorted(by_step.items()) if step >= skip] or list(by_step.values())
 
 
 def tokens_per_step(run: Run) -> int:
@@ -154,6 +167,18 @@ def check_prediction(short: Run, steps: int) -> dict:
             # the short run's spread: the 10th to 90th percentile of its steps, over the median
             "spread": (times[int(0.9 * (len(times) - 1))] - times[int(0.1 * (len(times) - 1))])
             / step_s}
+
+
+def prediction_errors(short: Run, steps: int, repeats: int) -> dict:
+    """check_prediction `repeats` times: the first from `short`, each further one from a fresh
+    short run of the same config; "errors" holds measured / predicted − 1 per repeat (each
+    prediction is tested against the long run that follows its short run)."""
+    preds = [check_prediction(short, steps)]
+    for i in range(1, repeats):
+        again = launch(short.cfg.replace(name=f"{short.cfg.name}-again{i}")).wait()
+        preds.append(check_prediction(again, steps))
+    return {**preds[0], "errors": [p["measured_s"] / p["predicted_s"] - 1 for p in preds],
+            "repeats": repeats}
 
 
 def fusion_runs(base: RunConfig) -> dict:

@@ -115,6 +115,14 @@ def within(samples: Sequence[float], lo: float | None = None,
     return None
 
 
+def all_of(*verdicts: bool | None) -> bool | None:
+    """Several verdicts that must all hold: no if any is no, yes if all are yes, else
+    undecided."""
+    if any(v is False for v in verdicts):
+        return False
+    return True if all(v is True for v in verdicts) else None
+
+
 # -- the row ------------------------------------------------------------------------------------
 def _num(x: float, digits: int) -> str:
     """x to `digits` significant digits, never in exponent form (1020, 98.2, 0.0123)."""
@@ -138,7 +146,8 @@ def timed_figure(sides: dict[str, Sequence[float]], scale: float = 1e3, unit: st
     paired = len(sides) > 1 if interleaved_ is None else interleaved_
     body = ", ".join(f"{name} {fmt_spread(v, scale, unit, digits)}" for name, v in sides.items())
     counts = "/".join(map(str, n))
-    tail = f"(min / median / max of {counts} repeats{', interleaved' if paired else ''})"
+    plural = "" if n == [1] else "s"
+    tail = f"(min / median / max of {counts} repeat{plural}{', interleaved' if paired else ''})"
     return f"{body} {tail}" + (f"; {note}" if note else "")
 
 

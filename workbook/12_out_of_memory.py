@@ -67,6 +67,7 @@ import math
 
 import torch
 
+from distlab.studies.allocator_limits import measure_allocator_limits
 from distlab.studies.fragmentation import measure_fragmentation
 from distlab.lab import out_of_memory as O
 from distlab.lab.common import MiB, claim, claims_table, say, table
@@ -230,6 +231,11 @@ kept = {k: O.leak_summary(r) for k, r in leaks.items()}  # growth, activations, 
 # range that grows by mapping pages, so memory need not be contiguous in one cudaMalloc),
 # `max_split_size_mb` (large blocks are never split), fewer distinct shapes (bucketing,
 # padding to a few lengths), and `empty_cache()` between phases (wholly free segments only).
+# `torch.cuda.set_per_process_memory_fraction(f)` caps what the process's allocator may hold
+# at f × the device (to share a GPU, or to rehearse a smaller one): a request past it raises
+# the OOM although the device has room. `distlab.studies.allocator_limits` measures both on a
+# GPU (`tests/gpu/test_allocator_limits.py`); on a machine without one their rows below read
+# "not measured here".
 #
 # `distlab.studies.fragmentation.measure_fragmentation` runs a workload that fragments on purpose:
 # thirty 6 MiB tensors (three to a 20 MiB segment), every other one freed, then 14 MiB
@@ -314,14 +320,8 @@ oom_claims = [
           f"+{kept['detach']['growth']:.0f} B/step (the kept scalar)",
           kept["item"]["growth"] == 0 and kept["detach"]["growth"] == 4),
 ]
-if frag.cuda:  # measured only on a GPU; without one the cell above said so
-    ph = frag.phases
-    oom_claims.append(claim(
-        "fragmented free memory cannot serve a larger request", "CUDA caching allocator",
-        f"{ph['every other freed']['inactive_split'] / MiB:.0f} MiB free in split segments; "
-        f"{frag.large_granted} of 5 requests of 14 MiB granted under a cap; "
-        f"retries {ph['large requests']['num_alloc_retries']}",
-        bool(frag.oom) and ph["large requests"]["inactive_split"] >= 28 * MiB))
+# the allocator's rows: measured on a GPU, "not measured here" on this machine without one
+oom_claims += O.gpu_allocator_claims(frag, measure_allocator_limits())
 claims_table(oom_claims)
 # rows that check our code: the formula, the fixes verified, the drill caught, the tracker exact
 assert all(oom_claims[i]["holds"] for i in (1, 2, 3, 4, 7, 8)), \

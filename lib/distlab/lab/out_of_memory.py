@@ -272,3 +272,48 @@ def fragmentation_table(report: FragmentationReport) -> tuple[list, list]:
              f"{p['fragmentation']:.0%}", f"{p['inactive_split'] / MiB:,.1f}",
              p["num_alloc_retries"], p["num_ooms"]] for phase, p in report.phases.items()]
     return header, rows
+
+
+def gpu_allocator_claims(frag: FragmentationReport, limits) -> list[dict]:
+    """The allocator's rows, which only a GPU answers: fragmentation, empty_cache() and the
+    memory fraction. On a CUDA device each is measured (distlab.studies.fragmentation,
+    distlab.studies.allocator_limits) and can read no; elsewhere it reads "not measured here"
+    and names the GPU test that measures it."""
+    from distlab.lab.common import claim
+    from distlab.studies.allocator_limits import (empty_cache_released, fraction_capped,
+                                                  freed, released)
+    where = "no CUDA device here; measured by pytest -m gpu (tests/gpu/{})"
+    rows = []
+    if frag.cuda:
+        ph = frag.phases
+        rows.append(claim(
+            "fragmented free memory cannot serve a larger request", "CUDA caching allocator",
+            f"{ph['every other freed']['inactive_split'] / MiB:.0f} MiB free in split segments; "
+            f"{frag.large_granted} of 5 requests of 14 MiB granted under a cap; "
+            f"retries {ph['large requests']['num_alloc_retries']}",
+            bool(frag.oom) and ph["large requests"]["inactive_split"] >= 28 * MiB))
+    else:
+        rows.append(claim("fragmented free memory cannot serve a larger request",
+                          "CUDA caching allocator", where.format("test_fragmentation.py"),
+                          None, "not measured here"))
+    if limits.cuda:
+        rows.append(claim(
+            "empty_cache() returns cached memory to the driver, but not the holes between live "
+            "blocks", "torch.cuda.empty_cache's documentation",
+            f"all freed: {released(limits, 'all freed') / MiB:.0f} MiB released; half freed: "
+            f"{released(limits, 'half freed') / MiB:.0f} of {freed(limits, 'half freed') / MiB:.0f}"
+            " MiB freed released", empty_cache_released(limits)))
+        rows.append(claim(
+            "set_per_process_memory_fraction(f) caps the process below what the GPU has",
+            "torch.cuda.set_per_process_memory_fraction's documentation",
+            f"cap {limits.fraction:.4f} of the device: a request past it: "
+            f"{limits.capped_oom or 'granted'}; without the cap: "
+            f"{'granted' if limits.uncapped_ok else 'refused'}", fraction_capped(limits)))
+    else:
+        rows += [claim("empty_cache() returns cached memory to the driver, but not the holes "
+                       "between live blocks", "torch.cuda.empty_cache's documentation",
+                       where.format("test_allocator_limits.py"), None, "not measured here"),
+                 claim("set_per_process_memory_fraction(f) caps the process below what the "
+                       "GPU has", "torch.cuda.set_per_process_memory_fraction's documentation",
+                       where.format("test_allocator_limits.py"), None, "not measured here")]
+    return rows

@@ -56,6 +56,7 @@ from distlab import Run, RunConfig, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab.common import claim, claims_table
 from distlab.lab.runs import in_rank_step_order, median_step_change
+from distlab.lab.start_here import allocated_bytes, memory_rows
 
 # %% [markdown]
 # ## Launching a first run
@@ -103,18 +104,30 @@ assert losses[-1] - floor < 0.5 * (losses[0] - floor)
 # tensors autograd saved for the backward pass) and scratch buffers of the collectives.
 # In fp32 each parameter takes 4 bytes; a gradient is a tensor of the same shape; AdamW
 # keeps two more (its first and second moment) plus a step counter per tensor.
+#
+# The dashboard's bytes are numel × element_size of each tensor, so "4 bytes per parameter"
+# set against them would be an identity. `allocated_bytes` reads them where they are
+# allocated instead: it builds the run's model from its config and seed in this kernel under
+# `distlab.memory.PeakMemoryTracker` (every storage aten ops make, with its size, until it is
+# freed), then runs one backward and frees the loss (what is left is the gradients), then one
+# AdamW step (what it adds is its state).
 
 # %%
 n_params = single.info("n_params")
 mem = single.history("step")[-1]["memory"]
 for key, name in lab.MEMORY_CATEGORIES:
     print(f"{name:>16}: {mem[key] / lab.MiB:7.3f} MiB  ({mem[key]:,} bytes)")
-print(f"{n_params:,} parameters × 4 bytes = {4 * n_params:,} bytes")
-assert mem["params"] == 4 * n_params  # fp32 weights
-assert mem["grads"] == mem["params"]  # one fp32 gradient per weight
-adam_counters = mem["optim"] - 2 * mem["params"]  # what is left after the two moments
-print(f"AdamW state = 2 × parameters + {adam_counters} bytes of step counters")
-assert adam_counters >= 0 and adam_counters % 4 == 0
+alloc = allocated_bytes(cfg)
+print(f"allocated for the model's {alloc['n_params']:,} parameters: {alloc['params']:,} bytes "
+      f"({alloc['params'] / alloc['n_params']:g} per parameter); left by one backward: "
+      f"{alloc['grads']:,} bytes")
+assert alloc["n_params"] == n_params  # the same model as the run's
+print(f"allocated by AdamW's first step: {alloc['optim']:,} bytes = 2 × parameters + "
+      f"{alloc['optim'] - 2 * alloc['params']} bytes of step counters")
+# the run counted what this kernel allocated
+assert (mem["params"], mem["grads"], mem["optim"]) == (alloc["params"], alloc["grads"],
+                                                       alloc["optim"])
+adam_counters = mem["optim"] - 2 * mem["params"]  # AdamW's step counters, 4 bytes a tensor
 
 # %% [markdown]
 # **Bytes** (bottom): how many bytes each rank sent during one step, summed over
@@ -184,7 +197,7 @@ expected = ring_allreduce_bytes(grad_bytes, 4)
 events = four.history("step")
 sent = {lab.bytes_sent(e) for e in events}
 calls = {e["comm"]["all_reduce"]["calls"] for e in events}
-n_tensors = adam_counters // 4  # AdamW's step counters: one 4-byte tensor per parameter
+n_tensors = alloc["n_tensors"]  # the model's parameter tensors
 print(f"gradient bytes per step: {grad_bytes:,}, in {n_tensors} tensors")
 print(f"2(N-1)/N × gradient bytes, N = 4: {expected:,.0f}")
 print(f"booked bytes per rank per step: {sorted(sent)}, in {sorted(calls)} calls (buckets)")
@@ -271,14 +284,7 @@ rows = [
           f"floor {floor:.3f}; loss {losses[0]:.3f} at step 0, {losses[-1]:.3f} at step "
           f"{len(losses) - 1} ({(losses[0] - losses[-1]) / (losses[0] - floor):.0%} of the gap)",
           floor - 0.05 < losses[-1] < losses[0]),
-    claim("fp32 parameters take 4 bytes each", "IEEE 754 binary32",
-          f"4 × {n_params:,} = {4 * n_params:,}; measured {mem['params']:,}",
-          mem["params"] == 4 * n_params),
-    claim("gradients take as many bytes as the parameters", "one gradient per parameter",
-          f"measured {mem['grads']:,} vs {mem['params']:,}", mem["grads"] == mem["params"]),
-    claim("AdamW keeps two moments per parameter", "Loshchilov & Hutter 2019",
-          f"measured {mem['optim']:,} = 2 × {mem['params']:,} + {adam_counters} B of step "
-          f"counters", mem["optim"] - adam_counters == 2 * mem["params"]),
+    *memory_rows(alloc),
     claim("data parallelism computes what one process computes",
           "the gradient of a mean is the mean of the gradients",
           f"ddp×4 vs single, largest per-step loss difference {diff:.1e} "

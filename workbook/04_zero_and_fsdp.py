@@ -826,16 +826,14 @@ rows = [
              f"zero3 {on_wire['zero3'] / B:.3f}, fsdp-torch {on_wire['fsdp-torch'] / B:.3f}"),
           abs(sent["ddp"] / B - 2) < 0.05 and abs(sent["zero3"] / B - 3) < 0.05),
     claim("offload moves the optimizer state to CPU memory", "Ren et al. 2021 (ZeRO-Offload)",
-          f"zero3 at N = {WORLD}: optimizer state on the device "
-          f"{m0['zero3 offload']['optim']:,} B, offloaded "
-          f"{m0['zero3 offload']['optim_offloaded']:,} B (zero3 keeps {m0['zero3']['optim']:,}"
-          f" B); on a CPU run the bytes are only marked, nothing moves",
-          m0["zero3 offload"]["optim"] == 0
-          and m0["zero3 offload"]["optim_offloaded"] == m0["zero3"]["optim"]),
+          f"zero3 at N = {WORLD} on this CPU, where device and host memory are one: the "
+          f"{m0['zero3 offload']['optim_offloaded']:,} B of optimizer state are booked as "
+          "offloaded, nothing moves; tests/gpu/test_single_gpu.py measures the move on a GPU "
+          "(torch.cuda.memory_allocated)", None, basis="not measured here"),
     claim("70B on 8 GPUs: FSDP stores ~9B parameters per GPU", "interview answer",
-          f"{per_gpu / 1e9:.2f}B parameters; with Adam (K = 12) {fmt_gb(z3_8.device)} per GPU, "
-          f"{fmt_gb(z3_8_off.device)} with ZeRO-Offload", round(per_gpu / 1e9) == 9,
-          basis="modelled"),
+          f"70B / 8 = {per_gpu / 1e9:.2f}B parameters; with Adam (K = 12) "
+          f"{fmt_gb(z3_8.device)} per GPU, {fmt_gb(z3_8_off.device)} with ZeRO-Offload",
+          round(per_gpu / 1e9) == 9, basis="arithmetic"),
     claim("70B on 64 GPUs: 280 GB per GPU without ZeRO, ~4 GB with ZeRO-3", "interview answer",
           f"{fmt_gb(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (no "
           f"optimizer state); training with Adam: {fmt_gb(adam_dp)} and {fmt_gb(adam_z3)}",
@@ -857,5 +855,5 @@ rows = [
 claims_table(rows)
 # the interview answers and the limits of the "4×/8×" and "1.5×" rules may read no; the
 # measurements of this run must hold
-must = (0, 2, 3, 7)
+must = (0, 2, 3)
 assert all(rows[i]["holds"] for i in must), [rows[i]["claim"] for i in must]

@@ -84,7 +84,9 @@ def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
       integer-valued floats (small integers sum exactly in any order);
     * bytes this rank sent and received in one call, from Comm's stats (counted for ring and
       naive, modeled for torch: see distlab.comm);
-    * the median seconds of `repeats` calls, each after a barrier so all ranks start together.
+    * the seconds of `repeats` calls, each after a barrier so all ranks start together; the
+      algorithms take turns (repeat i starts with the i-th, rotating), so a load that comes or
+      goes during the comparison falls on all three alike.
 
     Returns one dict per (size, algorithm) for this rank.
     """
@@ -97,22 +99,26 @@ def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
         ref, refi = x.clone(), xi.clone()
         dist.all_reduce(ref)  # the reference: torch's own collective, not through Comm
         dist.all_reduce(refi)
+        comms, times, cells = {}, {}, []
         for algo in ALGORITHMS:
-            comm = Comm()
+            comm = comms[algo] = Comm()
             diff = float((comm.all_reduce(x.clone(), algorithm=algo) - ref).abs().max())
             one_call = comm.snapshot()[KIND[algo]]  # the bytes of exactly one call
             exact = torch.equal(comm.all_reduce(xi.clone(), algorithm=algo), refi)
-            y, times = torch.empty_like(x), []
-            for _ in range(repeats):
+            times[algo] = []
+            cells.append({"rank": rank, "world": world, "size_bytes": S, "algorithm": algo,
+                          "max_abs_diff": diff, "exact_int": bool(exact),
+                          "bytes_sent": one_call["bytes_sent"],
+                          "bytes_recv": one_call["bytes_recv"], "times_s": times[algo]})
+        y = torch.empty_like(x)
+        for i in range(repeats):
+            for algo in ALGORITHMS[i % len(ALGORITHMS):] + ALGORITHMS[:i % len(ALGORITHMS)]:
                 y.copy_(x)
                 dist.barrier()
                 t0 = time.perf_counter()
-                comm.all_reduce(y, algorithm=algo)
-                times.append(time.perf_counter() - t0)
-            rows.append({"rank": rank, "world": world, "size_bytes": S, "algorithm": algo,
-                         "max_abs_diff": diff, "exact_int": bool(exact),
-                         "bytes_sent": one_call["bytes_sent"], "bytes_recv": one_call["bytes_recv"],
-                         "median_s": statistics.median(times), "times_s": times})
+                comms[algo].all_reduce(y, algorithm=algo)
+                times[algo].append(time.perf_counter() - t0)
+        rows += [{**c, "median_s": statistics.median(c["times_s"])} for c in cells]
     return rows
 
 
@@ -183,7 +189,8 @@ WIRE_TOL = 0.02  # gloo's 48-byte message headers are 0.03% of a 4 MiB payload
 def summarize(results) -> list[dict]:
     """Merge compare_allreduce's per-rank rows (run_ranks' list) into one row per (size,
     algorithm): the worst diff over ranks, exactness on every rank, the bytes per rank (rank
-    order), and the time of the collective = the slowest rank's median."""
+    order), the time of the collective = the slowest rank's median, and "samples": per repeat,
+    the slowest rank's time (the repeats a timed claim reads)."""
     by = {}
     for rows in results:
         for r in rows:
@@ -196,7 +203,8 @@ def summarize(results) -> list[dict]:
                     "exact_int": all(r["exact_int"] for r in rs),
                     "bytes_sent": [r["bytes_sent"] for r in rs],
                     "bytes_recv": [r["bytes_recv"] for r in rs],
-                    "seconds": max(r["median_s"] for r in rs)})
+                    "seconds": max(r["median_s"] for r in rs),
+                    "samples": [max(ts) for ts in zip(*(r["times_s"] for r in rs))]})
     return out
 
 
@@ -216,7 +224,8 @@ def alpha_beta_points(summary) -> list[dict]:
         B = max(r["bytes_sent"]) if r["algorithm"] == "ring" else (
             r["bytes_sent"][0] + r["bytes_recv"][0])
         pts.append({"algorithm": r["algorithm"], "size_bytes": r["size_bytes"],
-                    "messages": 2 * (n - 1), "bytes": B, "seconds": r["seconds"]})
+                    "messages": 2 * (n - 1), "bytes": B, "seconds": r["seconds"],
+                    "samples": r["samples"]})
     return pts
 
 

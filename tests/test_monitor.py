@@ -81,3 +81,39 @@ def test_the_rate_counts_every_data_parallel_rank():
     shown = Run.load(run.dir).progress_line(1.0)
     assert f"{2 * last['tokens'] / last['step_s']:,.0f} tokens/s" in shown, shown
     assert last["tokens"] == 2 * 8  # rank 0 read 2 of the 4 rows of 8 tokens
+
+
+def _steps(n, tokens, step_s, t0=0.0):
+    return [{"kind": "step", "rank": 0, "step": i, "tokens": tokens, "step_s": step_s,
+             "time": t0 + i * step_s} for i in range(n)]
+
+
+def test_the_progress_line_names_the_config_and_never_passes_its_total(tmp_path):
+    """One launch training two configs in turn (launch_together): the line says which config
+    runs, its own k/n and rate (before: one count over all configs, a rate that swung from
+    2,591 to 22 tokens/s between models, and 'step 223/150 ETA -6 s' where a total was off)."""
+    from distlab.caller.run import Run
+    cfg = RunConfig(steps=5, global_batch=4, seq_len=8)
+    run = Run(str(tmp_path), cfg=cfg)
+    run._finished.clear()  # as a live run (a Run without processes reads as ended)
+    run.config_steps = [5, 5]
+    run.events = _steps(5, 32, 0.01) + _steps(3, 32, 0.5, t0=1.0)
+    line = run.progress_line(3.0)
+    assert line == "config 2/2: step 3/5, 64 tokens/s, ETA 1 s (3 s)", line  # 2 left x 0.5 s
+    run.config_steps, run.total_steps = None, 4  # a total that is wrong: 8 steps logged
+    assert run.progress_line(3.0).startswith("step 8, 64 tokens/s (3 s)")  # not 8/4
+    run.config_steps = [5, 5]
+    run.events += _steps(2, 32, 0.5, t0=3.0)
+    run._finished.set()
+    run.status, run.ended = "done", run.started + 4.0
+    assert run.progress_line(9.0) == ("done: 10 steps in 4.0 s (2 configs: 3,200 tokens/s; "
+                                      "64 tokens/s)")
+
+
+def test_a_terminal_progress_line_covers_a_longer_one_before_it(capsys):
+    from distlab.caller.run import ProgressOut
+    out = ProgressOut()
+    out.show("starting 2 rank(s)... 1 s")
+    out.show("ended 2 rank(s)... 1 s", final=True)
+    shown = capsys.readouterr().out
+    assert shown == "\rstarting 2 rank(s)... 1 s\rended 2 rank(s)... 1 s   \n", repr(shown)

@@ -100,6 +100,9 @@ class Run:
         # steps rank 0 will log: the progress line's n (a launch of several configs in turn,
         # distlab.lab.runs.launch_together, sets the sum of theirs)
         self.total_steps: int | None = cfg.steps if cfg else None
+        # each config's steps when a launch trains several in turn (launch_together): the
+        # progress line then says which config runs, and its own step count and rate
+        self.config_steps: list[int] | None = None
         self.processes = list(processes or [])
         self.pids = [p.pid for p in self.processes]
         self.events: list[dict] = []
@@ -482,20 +485,20 @@ class Run:
         `progress`: print a live progress line while waiting (default: SHOW_PROGRESS)."""
         show = progress if progress is not None else (
             SHOW_PROGRESS and threading.current_thread() is threading.main_thread())
-        t0 = time.time()
+        out, t0 = ProgressOut() if show else None, time.time()
         try:
             while not self._finished.wait(PROGRESS_EVERY_S if show else timeout):
                 if timeout is not None and time.time() - t0 >= timeout:
                     self.stop()
                     raise TimeoutError(f"run {self.dir} did not finish within {timeout} s; "
                                        "stopped it")
-                if show:
-                    print("\r" + self.progress_line(time.time() - t0), end="", flush=True)
+                if out:
+                    out.show(self.progress_line(time.time() - t0))
         except BaseException:
             self.stop()
             raise
-        if show:
-            print("\r" + self.progress_line(time.time() - t0), flush=True)
+        if out:
+            out.show(self.progress_line(time.time() - t0), final=True)
         self._report_problems()
         if self.error is not None:
             raise self.error
@@ -503,24 +506,43 @@ class Run:
 
     def progress_line(self, elapsed: float) -> str:
         """One line on where the run is: ranks starting, or step k/n, tokens/s and the ETA
-        (rank 0's steps; a launch that trains several configs in turn counts them all)."""
+        (rank 0's steps); when one launch trains several configs in turn (config_steps),
+        which config runs, its step k/n and its own rate. At the end: how many steps in how
+        long, and each config's rate. A count never passes its total (an unknown total is
+        left out)."""
         steps = self.history("step", rank=0)
         if not steps:
             verb = "ended" if self.done else "starting"
             return f"{verb} {self.world_size} rank(s)... {elapsed:.0f} s"
-        k, n = len(steps), self.total_steps
-        last = steps[-1]
-        # the whole run's rate: rank 0's tokens times the data-parallel ranks reading as many
-        # (tensor- and pipeline-parallel ranks read the same rows, so they add none)
-        dp = self.cfg.dp_degree if self.cfg is not None else 1
-        rate = (f"  {dp * last['tokens'] / last['step_s']:,.0f} tokens/s"
-                if last.get("step_s") else "")
+        parts = _by_config(steps, self.config_steps)
         if self.done:  # the run's own duration, not how long this wait() took
             took = (self.ended or time.time()) - self.started
-            return f"{self.status}: {k} steps in {took:.1f} s{rate}".ljust(60)
-        took = max(last["time"] - steps[0]["time"], 1e-9)
-        eta = f"  ETA {(n - k) * took / max(k - 1, 1):.0f} s" if n and k > 1 else ""
-        return f"step {k}{f'/{n}' if n else ''}{rate}{eta}  ({elapsed:.0f} s)".ljust(60)
+            rates = [r for r in (self._rate(p) for p in parts) if r]
+            each = (", " + ", ".join(rates) if len(parts) == 1 else
+                    f" ({len(parts)} configs: " + "; ".join(rates) + ")") if rates else ""
+            return f"{self.status}: {len(steps)} steps in {took:.1f} s{each}"
+        here, n = parts[-1], (self.config_steps[len(parts) - 1] if self.config_steps
+                              and len(self.config_steps) >= len(parts) else self.total_steps)
+        k = len(here)
+        n = n if n and k <= n else None  # a count never passes its total
+        which = f"config {len(parts)}/{len(self.config_steps)}: " if parts[1:] or (
+            self.config_steps and len(self.config_steps) > 1) else ""
+        rate = self._rate(here)
+        took = max(here[-1]["time"] - here[0]["time"], 1e-9)
+        left = (sum(self.config_steps) - len(steps) if self.config_steps
+                else (n - k if n else None))
+        eta = f", ETA {left * took / (k - 1):.0f} s" if left is not None and k > 1 else ""
+        return (f"{which}step {k}{f'/{n}' if n else ''}" + (f", {rate}" if rate else "")
+                + f"{eta} ({elapsed:.0f} s)")
+
+    def _rate(self, steps: list) -> str:
+        """tokens/s of the last of `steps`: rank 0's tokens times the data-parallel ranks
+        reading as many (tensor- and pipeline-parallel ranks read the same rows, so they add
+        none)."""
+        last = steps[-1] if steps else {}
+        dp = self.cfg.dp_degree if self.cfg is not None else 1
+        return (f"{dp * last['tokens'] / last['step_s']:,.0f} tokens/s"
+                if last.get("step_s") and last.get("tokens") else "")
 
     def _report_problems(self):
         """Once, in the caller's thread: what went wrong around the run (its folder deleted,
@@ -627,3 +649,48 @@ def _per_rank(last: dict) -> str:
 def _stop_live_runs():
     for run in list(_live_runs):
         run.stop()
+
+
+def _by_config(steps: list[dict], config_steps: list[int] | None) -> list[list[dict]]:
+    """Rank 0's step events cut into the configs a launch trained in turn (config_steps: how
+    many each), the last one possibly unfinished; one part without config_steps."""
+    if not config_steps or len(config_steps) < 2:
+        return [steps]
+    parts, i = [], 0
+    for n in config_steps:
+        if i >= len(steps):
+            break
+        parts.append(steps[i:i + n])
+        i += n
+    return parts
+
+
+def _in_notebook() -> bool:
+    """True inside a Jupyter kernel (where a display can be updated in place)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class ProgressOut:
+    """Where wait()'s progress line goes. In a notebook: one output, updated in place, so the
+    saved notebook holds only its final state ("done: 435 steps in 47.1 s, 2,530 tokens/s");
+    in a terminal: one line rewritten with a carriage return, padded over the longer one
+    before it."""
+
+    def __init__(self):
+        self.notebook, self.handle, self.width = _in_notebook(), None, 0
+
+    def show(self, line: str, final: bool = False) -> None:
+        if self.notebook:
+            from IPython.display import display
+            if self.handle is None:
+                self.handle = display({"text/plain": line}, raw=True, display_id=True)
+            else:
+                self.handle.update({"text/plain": line}, raw=True)
+            return
+        pad, self.width = max(self.width - len(line), 0), max(self.width, len(line))
+        print("\r" + line + " " * pad, end="\n" if final else "", flush=True)

@@ -46,6 +46,7 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
 
     def started(run: Run):
         run.total_steps = total  # rank 0 logs every config's steps in turn
+        run.config_steps = [c.steps for c in cfgs.values()]  # the line says which runs
         if on_start is not None:
             on_start(run)
 

@@ -134,12 +134,12 @@ exercises.check("one_f_one_b", one_f_one_b)
 # %% [markdown]
 # ## The references, checked
 #
-# Each reference solution through the same check (what CI runs). `exercises.solution(name)`
-# shows its source; here, the ring's.
+# Each reference solution through the same check (what CI runs). Their sources are not printed
+# here, so the exercises above stay exercises: `exercises.solution(name)` shows one when you
+# want it (run `print(exercises.solution("ring"))` in a cell of your own).
 
 # %%
 reports = {name: exercises.check(name, exercises.reference(name)) for name in exercises.EXERCISES}
 for report in reports.values():
     print(report)
 assert all(r.ok for r in reports.values()), [n for n, r in reports.items() if not r.ok]
-print(exercises.solution("ring"))

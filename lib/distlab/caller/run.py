@@ -613,6 +613,11 @@ class Run:
         return (f"Run({os.path.basename(self.dir)}, status={self.status}, "
                 f"steps={self.steps_done()}/{self.cfg.steps if self.cfg else '?'})")
 
+    def _repr_markdown_(self) -> str:
+        """What a notebook shows for a cell ending in a run: a sentence, not the repr."""
+        line = self.progress_line(0.0) if self.done else f"{self.status}"
+        return f"run `{os.path.basename(self.dir)}`: {line}"
+
 
 def process_state(pid: int) -> str:
     """The kernel's one-letter state of a process (R running, S sleeping, T stopped, Z zombie),

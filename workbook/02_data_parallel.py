@@ -68,6 +68,7 @@ from distlab import RunConfig, RunError, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab import stragglers
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
+from distlab.lab.timed import below, timed_claim
 from distlab.lab.data_parallel import (
     bucket_plan,
     bucket_timeline,
@@ -247,8 +248,8 @@ verdict = (f"{gil_speedup:.2f}x faster" if gil_speedup >= 1
            else f"{1 / gil_speedup:.2f}x slower")
 say(f"the replicas' forward in threads was {verdict} than one after another "
     f"({dp['intra_op_threads']} torch thread per replica, {os.cpu_count()} cores)")
-# in threads, a replica's forward waits for the GIL and for a core: it takes longer
-assert rep_thr > rep_seq
+# in threads, a replica's forward waits for the GIL and for a core: a clock on a shared
+# machine, so the claims table reads it over the replicas (timed), and nothing asserts it
 
 # %% [markdown]
 # ## 2. Parameter servers: sync and async
@@ -835,12 +836,14 @@ rows = [
           f"{n} replicas: replica 0 {fmt_bytes(moved[0])}/step, others {fmt_bytes(moved[1])} "
           f"({moved[0] / moved[1]:.2f}x); plus {dp['replica0_only_s'] * 1e3:.2f} ms/step only "
           "it does", moved[0] == (n - 1) * moved[1]),
-    claim("DP's replicas are Python threads that share the GIL: a replica's forward takes "
-          "longer in threads than alone", "torch.nn.DataParallel docs",
-          f"forward of {n} replicas: {fw_thr * 1e3:.2f} ms in threads, {fw_seq * 1e3:.2f} ms "
-          f"one after another ({gil_speedup:.2f}x); one replica's forward "
-          f"{rep_thr * 1e3:.2f} ms in threads vs {rep_seq * 1e3:.2f} ms alone",
-          rep_thr > rep_seq),
+    timed_claim("DP's replicas are Python threads that share the GIL: a replica's forward "
+                "takes longer in threads than alone", "torch.nn.DataParallel docs",
+                below(seq["replica_forward_s"], dp["replica_forward_s"]),
+                {"a replica's forward in threads": dp["replica_forward_s"],
+                 "alone": seq["replica_forward_s"]}, interleaved_=False,
+                note=f"one per replica, each its median over steps; forward of {n} replicas: "
+                     f"{fw_thr * 1e3:.2f} ms in threads, {fw_seq * 1e3:.2f} ms one after "
+                     f"another ({gil_speedup:.2f}x)"),
     claim("parameter server: the server moves N·P per update each way, a worker P",
           "Dean et al. 2012",
           f"N = {N_PS}: server sent {server_sent:,.0f} B = {server_sent / P:g}·P, worker "

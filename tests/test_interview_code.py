@@ -17,6 +17,8 @@ def outcomes():
     ("fsdp_string", "KeyError: 'FULL_SHARD'"),
     ("fsdp_checkpointing", "unexpected keyword argument 'activation_checkpointing'"),
     ("deepspeed_import", "SyntaxError"),
+    ("deepspeed_initialize", "SyntaxError: invalid syntax (<the answer>, line 1): the block "
+                             "stops before DeepSpeed.initialize runs"),
     ("launch", "torch.distributed.launch is deprecated"),
 ])
 def test_the_quoted_code_does_not_do_what_the_answer_says(outcomes, name, said):

@@ -10,7 +10,11 @@ What cannot run here is said, and the nearest thing that can is run instead: FSD
 to start without an accelerator on this machine (after Python has bound its arguments, so an
 unknown keyword is still refused first, as on a GPU), so for `sharding_strategy="FULL_SHARD"`
 the table FSDP looks the strategy up in is read (`_init_utils.SHARDING_STRATEGY_MAP`, keyed
-by the ShardingStrategy enum); DeepSpeed is not installed, so its quoted import is compiled.
+by the ShardingStrategy enum); DeepSpeed is not installed, so its quoted import is compiled,
+and the block that quotes `DeepSpeed.initialize` is run whole, as quoted: it stops at its first
+line, before the call, and says whether deepspeed is installed. With the import fixed, the call
+would still need DeepSpeed (`deepspeed.initialize`, which returns a tuple), which this machine
+does not have and cannot download: that part is not run here.
 """
 
 from __future__ import annotations
@@ -22,6 +26,20 @@ import textwrap
 _PG = ("import os, torch, torch.distributed as dist\n"
        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('socket')"
        ".create_server(('127.0.0.1', 0)).getsockname()[1]))\n")
+
+# E3's offloading step, as the question set's answer quotes it (run whole: exec'd as a file)
+_DEEPSPEED_BLOCK = """from deepspeed. import DeepSpeed
+
+# Offload optimizer states to CPU
+config = {
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu"}
+    }
+}
+
+model_engine = DeepSpeed.initialize(model=model, config=config)
+"""
 
 SNIPPETS = {
     "timeout": (
@@ -42,6 +60,20 @@ SNIPPETS = {
         "`from deepspeed. import DeepSpeed` imports DeepSpeed's offloading",
         "compile('from deepspeed. import DeepSpeed', '<the answer>', 'exec')\n"
         "print('it compiles')"),
+    "deepspeed_initialize": (
+        "`model_engine = DeepSpeed.initialize(model=model, config=config)` offloads the "
+        "optimizer state to CPU (its whole block, `from deepspeed. import DeepSpeed` first)",
+        "import importlib.util, torch\n"
+        "model = torch.nn.Linear(2, 2)  # the answer's `model`\n"
+        f"QUOTED = {_DEEPSPEED_BLOCK!r}\n"
+        "try:\n"
+        "    exec(compile(QUOTED, '<the answer>', 'exec'))\n"
+        "except SyntaxError as e:\n"
+        "    installed = importlib.util.find_spec('deepspeed') is not None\n"
+        "    raise SystemExit(f'SyntaxError: {e.msg} (<the answer>, line {e.lineno}): the block '\n"
+        "                     'stops before DeepSpeed.initialize runs; deepspeed installed here: '\n"
+        "                     f'{installed}')\n"
+        "print(type(model_engine).__name__)"),
     "launch": (
         "`python -m torch.distributed.launch --nproc_per_node=4 train.py` is the way to launch",
         "import subprocess, sys\n"

@@ -361,6 +361,77 @@ def fastest_within(rows: list[dict], budget: float) -> dict:
     return min((r for r in rows if r["peak"] <= budget), key=lambda r: r["step_s"])
 
 
+# -- shorter sequences: "activations ∝ seq_len" -------------------------------------------------
+ATTENTION = {"flash": "gpt", "unfused": "distlab.models.gpt:gpt_unfused_attention"}
+
+
+def seq_len_configs(base: RunConfig, lengths=(256, 64), ranks: int = 2, rows: int = 4) -> dict:
+    """{(attention, s): RunConfig}: one fp32 ddp step on `ranks` ranks of `rows` rows of s
+    tokens, for each row length and each attention: "flash" (this workbook's GPT: on CPU
+    scaled_dot_product_attention keeps a log-sum-exp per head and position) and "unfused" (the
+    same GPT whose attention makes and keeps its s×s scores, distlab.models.gpt, a model spec,
+    with the GPT's own Markov data named as its data)."""
+    cfg = base.replace(strategy="ddp", world_size=ranks, global_batch=rows, grad_accum=1,
+                       steps=1, precision="fp32", checkpointing="none", track_peak=False)
+    return {(kind, s): cfg.replace(model=model, seq_len=s,
+                                   data="" if model == "gpt" else "distlab.data.dataset:make_data")
+            for kind, model in ATTENTION.items() for s in lengths}
+
+
+def activations_by_length(runs: dict) -> dict:
+    """{(attention, s): bytes of activations a rank saved}: the largest over ranks and steps."""
+    return {k: max(e["memory"]["activations"] for e in r.history("step")) for k, r in runs.items()}
+
+
+def seq_len_scaling(acts: dict, cfgs: dict) -> dict:
+    """Per attention: the activation ratio between the longest and the shortest rows, and the
+    s² term read off two lengths. With A(s) = c1·s + c2·s², A/s = c1 + c2·s, so two lengths give
+    c2 = (A1/s1 − A2/s2) / (s1 − s2); the s² part at s1 is c2·s1². `expected_s2` is what the
+    unfused attention keeps per rank by count: per layer softmax's output, 4·a·b·s² bytes (b
+    rows per rank), and the causal mask, s² bytes."""
+    out = {}
+    for kind in dict.fromkeys(k for k, _ in acts):
+        s1, s2 = max(s for k, s in acts if k == kind), min(s for k, s in acts if k == kind)
+        a1, a2 = acts[(kind, s1)], acts[(kind, s2)]
+        c2 = (a1 / s1 - a2 / s2) / (s1 - s2)
+        c = cfgs[(kind, s1)]
+        out[kind] = {"s": (s1, s2), "bytes": (a1, a2), "ratio": a1 / a2,
+                     "s2_bytes": c2 * s1 ** 2, "s2_share": c2 * s1 ** 2 / a1,
+                     "expected_s2": c.n_layer * (4 * c.n_head * c.micro_batch + 1) * s1 ** 2}
+    return out
+
+
+def korthikanti_s2_share(cfg: RunConfig) -> float:
+    """Korthikanti et al. 2022's share of a layer's activations that grows with s²: 5as/h of
+    their sbh(34 + 5as/h) bytes (16-bit, with dropout; modelled)."""
+    k = 5 * cfg.n_head * cfg.seq_len / cfg.n_embd
+    return k / (34 + k)
+
+
+SEQ_LEN_TOL = 0.05  # the ratio within 5% of the length ratio: the token ids' s + 1 and the
+# loss's 4 bytes are well within it; an s² term of a few percent of the activations is not
+
+
+def seq_len_row(scaling: dict, k_share: float) -> dict:
+    """The claims row for the interview answer "activations ∝ seq_len: 4× shorter rows, 4×
+    less memory", from seq_len_scaling's measurements: it holds only if every attention's
+    activations followed the length within SEQ_LEN_TOL."""
+    from distlab.lab.common import claim
+    parts = []
+    for kind, m in scaling.items():
+        s1, s2 = m["s"]
+        parts.append(f"{kind} attention ×{m['ratio']:.2f} from s = {s2} to {s1} (its s² part "
+                     f"at {s1}: {m['s2_bytes']:,.0f} B, {m['s2_share']:.0%} of "
+                     f"{m['bytes'][0]:,} B)")
+    (s1, s2), = {m["s"] for m in scaling.values()}
+    return claim(
+        "activations ∝ seq_len: 4× shorter rows, 4× less activation memory (an interview "
+        "answer)", "the question sets' answer; Korthikanti et al. 2022 (the 5as/h term)",
+        f"measured per rank on 2 ranks, s × {s1 / s2:g}: " + "; ".join(parts)
+        + f". Korthikanti's 5as/h term is {k_share:.0%} of a layer at the longer s (modelled)",
+        all(abs(m["ratio"] / (s1 / s2) - 1) <= SEQ_LEN_TOL for m in scaling.values()))
+
+
 # -- clipping is not overflow protection ---------------------------------------------------------
 def clipping_after_overflow(scale: float = 2.0**24, max_norm: float = 1.0, seed: int = 0) -> dict:
     """Backward of scale·loss through an fp16 Linear, then clip_grad_norm_ as a training loop

@@ -70,6 +70,26 @@ def _causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def unfused_causal_attention(q, k, v):
+    """Causal attention written out, as kernels without flash attention run it: the s×s scores
+    are made, and backward keeps softmax's output (4·a·s²·b bytes in fp32) and the causal mask
+    (s² bytes). Korthikanti et al. 2022 count these as their 5as/h term; on CPU
+    F.scaled_dot_product_attention keeps only a log-sum-exp per head and position instead."""
+    T = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def gpt_unfused_attention(cfg) -> "GPT":
+    """The run's GPT with unfused_causal_attention in every block: a model spec,
+    RunConfig(model="distlab.models.gpt:gpt_unfused_attention")."""
+    model = GPT(GPTConfig.from_run(cfg))
+    for block in model.blocks:
+        block.attn.attend = unfused_causal_attention
+    return model
+
+
 class MLP(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()

@@ -779,7 +779,8 @@ say(f"per-parameter padding: {lf['per_param']['padding']:,} entries against the 
 # ## 8. What the textbook says, what this run measured
 #
 # Every number in the right-hand column comes from this notebook's runs, or, where it
-# says so, from the estimator with the bytes-per-parameter named.
+# says so, from the estimator with the bytes-per-parameter named. Rows on an interview
+# answer's own numbers (70B, 80 GB) are basis "arithmetic": no run here can change them.
 
 # %%
 # FSDP code quoted by the interview answers, run as quoted in fresh processes
@@ -837,13 +838,13 @@ rows = [
     claim("70B on 64 GPUs: 280 GB per GPU without ZeRO, ~4 GB with ZeRO-3", "interview answer",
           f"{fmt_gb(claim_dp)} and {claim_z3 / GB:.2f} GB imply 4 bytes per parameter (no "
           f"optimizer state); training with Adam: {fmt_gb(adam_dp)} and {fmt_gb(adam_z3)}",
-          abs(adam_z3 / GB - 4) < 1, basis="modelled"),
+          abs(adam_z3 / GB - 4) < 1, basis="arithmetic"),
     claim("an 80 GB GPU trains up to 10B parameters under DDP; FSDP is for > 10B",
           "interview answer",
           f"with Adam (16 B/param, model states alone) DDP fits at most {ddp_limit / 1e9:.1f}B; "
           f"10B needs {fmt_gb(ddp_10b)} per GPU under DDP, {fmt_gb(fsdp4_10b)} under FSDP over 4 "
           f"(the answer's 80 and 20 GB count 8 B/param)",
-          ddp_limit >= PSI_10B, basis="modelled"),
+          ddp_limit >= PSI_10B, basis="arithmetic"),
     claim("60 GB model on 8× A100 80 GB: DDP 65K tokens per step, FSDP 229K",
           "interview answer",
           f"assumptions of section 6 (Ψ = {psi_q5 / 1e9:.2f}B, L = {L}, h = {H}, s = {S}): "

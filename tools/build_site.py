@@ -106,6 +106,15 @@ def _relink(text: str) -> str:
     return text.replace("](../README.md)", "](index.html)")
 
 
+def executed_at(nb) -> str | None:
+    """When the notebook's first cell ran (nbclient's cell metadata), as 'YYYY-MM-DD HH:MM UTC';
+    None for a copy that holds no execution times."""
+    times = [c.get("metadata", {}).get("execution", {}).get("iopub.execute_input")
+             for c in nb.cells if c.cell_type == "code"]
+    times = sorted(t for t in times if t)
+    return times[0][:16].replace("T", " ") + " UTC" if times else None
+
+
 def notebook_page(path: Path, executed: bool) -> tuple[str, int]:
     nb = nbformat.read(path, as_version=4)
     figures = prepare(nb)
@@ -113,6 +122,12 @@ def notebook_page(path: Path, executed: bool) -> tuple[str, int]:
         nb.cells.insert(0, nbformat.v4.new_markdown_cell(
             "*Not executed for this site: the cells are shown without their outputs. Run "
             "`tools/claims_report.py --executed` and build the site again to see them.*"))
+    else:  # one story: say which run this page shows (the claims page says which it shows)
+        when = executed_at(nb)
+        nb.cells.insert(0, nbformat.v4.new_markdown_cell(
+            f"*This page shows the run of {when or 'an unrecorded time'}: its figures and its "
+            "claims table are that run's. The site's claims page is the full-mode report's, "
+            "whose date and commit it names; timings differ between runs.*"))
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = _relink(cell.source)
@@ -178,7 +193,11 @@ def build(executed_dir: Path | None, out: Path, workbook: Path = REPO / "workboo
     claims = REPO / "reports" / "claims-full.md"
     claims_link = ""
     if claims.exists():
-        (out / "claims.html").write_text(_page("Claims, full mode", _markdown(
+        note = ("<p class='site-note'><i>This is the committed full-mode report, not the run "
+                "each notebook page shows (each page names its own); its header gives its date "
+                "and commit. Where a page's timing row and this report disagree, they are two "
+                "runs of a shared machine.</i></p>")
+        (out / "claims.html").write_text(_page("Claims, full mode", note + _markdown(
             _relink(claims.read_text()))), encoding="utf-8")
         claims_link = ("<li><a href='claims.html'>every claim with its figure and verdict "
                        "(the latest full-mode report)</a></li>")

@@ -51,6 +51,12 @@ def _links(page) -> list[str]:
 def test_the_site_reads_offline_with_figures_drawn_and_links_resolving(site):
     out, pages = site
     assert pages[NOTEBOOK] >= 2  # its plotly figures, turned into drawable divs
+    # one story: the executed page names its run, the claims page says it is the report's
+    import re
+    html_text = (out / f"{NOTEBOOK}.html").read_text()
+    assert re.search(r"This page shows the run of \d{4}-\d\d-\d\d \d\d:\d\d UTC", html_text)
+    if (out / "claims.html").exists():
+        assert "not the run each notebook page shows" in (out / "claims.html").read_text()
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page()

@@ -49,6 +49,9 @@ class LinkFit:
     def predict(self, link_mbit: float) -> float:
         return self.t0 + self.counted / link_mbit
 
+# legends under the plot: on its right, 17's long trace names took about 60% of the width
+LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.18, x=0, xanchor="left")
+
 
 def link_sweep(cfg, links, warmup: int = 2, done=()) -> list[LinkRow]:
     """Train cfg (nodes >= 2) once per link speed; each run ends before the next starts.
@@ -102,7 +105,7 @@ def link_figure(rows: list[LinkRow], fit: LinkFit) -> go.Figure:
                     customdata=[r.link_bytes / r.grad_bytes for r in rows],
                     hovertemplate="%{x} Mbit/s: %{y:.1f} ms<br>each link sent %{customdata:.2f}"
                                   "x the gradients per step<extra></extra>")
-    fig.update_layout(template="plotly_white", height=420, width=760,
+    fig.update_layout(template="plotly_white", legend=LEGEND_BELOW, height=420, width=760,
                       title="DDP over two nodes: the step against the link's speed",
                       xaxis=dict(title="link speed (Mbit/s, log)", type="log"),
                       yaxis=dict(title="step time (ms, log)", type="log"))
@@ -188,7 +191,7 @@ def race_figure(rows: list[RaceRow], link_mbit: float, target: float | None = No
         fig.add_scatter(x=r.seconds, y=r.losses, mode="lines+markers", marker=dict(size=4),
                         name=f"{r.name}: {r.link_bytes / r.grad_bytes:.3f}x gradients per step",
                         hovertemplate="%{x:.1f} s: loss %{y:.3f}<extra>" + r.name + "</extra>")
-    fig.update_layout(template="plotly_white", height=440, width=820,
+    fig.update_layout(template="plotly_white", legend=LEGEND_BELOW, height=440, width=820,
                       title=f"Training over a {link_mbit:g} Mbit/s link: loss against time "
                             "(measured)",
                       xaxis=dict(title="wall-clock seconds since the first step"),
@@ -236,7 +239,7 @@ def hsdp_figure(ways: dict) -> go.Figure:
     fig.add_scatter(x=formula, y=[ways[n]["formula"] / 2**20 for n in formula], mode="markers",
                     marker=dict(symbol="line-ew-open", size=40, line=dict(width=3)),
                     name="modelled: g · 2(n−1)/n · shard bytes")
-    fig.update_layout(template="plotly_white", height=400, width=760,
+    fig.update_layout(template="plotly_white", legend=LEGEND_BELOW, height=400, width=760,
                       title="What crosses the slow link per step: HSDP against sharding over "
                             "every rank",
                       yaxis=dict(title="MiB per step"))
@@ -270,7 +273,7 @@ def node_fault_figure(r) -> go.Figure:
                     name="steps lost with the node (run again after the resume)")
     fig.add_vline(x=r.killed_after_step + 0.5, line_dash="dot",
                   annotation_text=f"node 1 killed; resumed from step {r.resumed_from}")
-    fig.update_layout(template="plotly_white", height=380, width=760,
+    fig.update_layout(template="plotly_white", legend=LEGEND_BELOW, height=380, width=760,
                       title="A node dies mid-run: the elastic restart resumes from the last "
                             "checkpoint", xaxis_title="step", yaxis_title="loss")
     return fig
@@ -419,7 +422,7 @@ def placement_figure(rows: list[PlacementRow], title: str = "Where each kind of 
         fig.add_scatter(x=names, y=[1e3 * r.planner_s for r in rows], mode="markers",
                         marker=dict(symbol="diamond-open", size=12, line=dict(width=2)),
                         name="planner (distlab.theory.plan): inside + its comm across − inside")
-    fig.update_layout(template="plotly_white", barmode="group", height=400, width=760,
+    fig.update_layout(template="plotly_white", legend=LEGEND_BELOW, barmode="group", height=400, width=760,
                       title=title, yaxis=dict(title="ms per step"))
     return fig
 
@@ -468,7 +471,7 @@ def two_tier_figure(rows: list[AllReduceRow], mib: float, link_mbit: float) -> g
     fig.add_scatter(x=[r.name for r in model], y=[r.modelled_s for r in model], mode="markers",
                     marker=dict(symbol="line-ew-open", size=40, line=dict(width=3)),
                     name="modelled: link bytes / rate (+ the fast tier)")
-    fig.update_layout(template="plotly_white", height=400, width=760,
+    fig.update_layout(template="plotly_white", legend=LEGEND_BELOW, height=400, width=760,
                       title=f"All-reduce of {mib:g} MiB across a {link_mbit:g} Mbit/s link",
                       yaxis=dict(title="seconds"))
     return fig

@@ -49,6 +49,7 @@ class LinkFit:
     def predict(self, link_mbit: float) -> float:
         return self.t0 + self.counted / link_mbit
 
+
 # legends under the plot: on its right, 17's long trace names took about 60% of the width
 LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.18, x=0, xanchor="left")
 

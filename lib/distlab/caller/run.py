@@ -485,7 +485,7 @@ class Run:
         `progress`: print a live progress line while waiting (default: SHOW_PROGRESS)."""
         show = progress if progress is not None else (
             SHOW_PROGRESS and threading.current_thread() is threading.main_thread())
-        out, t0 = ProgressOut() if show else None, time.time()
+        out, t0 = PROGRESS_OUT() if show else None, time.time()
         try:
             while not self._finished.wait(PROGRESS_EVERY_S if show else timeout):
                 if timeout is not None and time.time() - t0 >= timeout:
@@ -670,32 +670,18 @@ def _by_config(steps: list[dict], config_steps: list[int] | None) -> list[list[d
     return parts
 
 
-def _in_notebook() -> bool:
-    """True inside a Jupyter kernel (where a display can be updated in place)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
-
 
 class ProgressOut:
-    """Where wait()'s progress line goes. In a notebook: one output, updated in place, so the
-    saved notebook holds only its final state ("done: 435 steps in 47.1 s, 2,530 tokens/s");
-    in a terminal: one line rewritten with a carriage return, padded over the longer one
-    before it."""
+    """Where wait()'s progress line goes: one terminal line rewritten with a carriage return,
+    padded over the longer one before it. In a notebook distlab.lab swaps in one that updates
+    a single output in place (this layer does not import IPython)."""
 
     def __init__(self):
-        self.notebook, self.handle, self.width = _in_notebook(), None, 0
+        self.width = 0
 
     def show(self, line: str, final: bool = False) -> None:
-        if self.notebook:
-            from IPython.display import display
-            if self.handle is None:
-                self.handle = display({"text/plain": line}, raw=True, display_id=True)
-            else:
-                self.handle.update({"text/plain": line}, raw=True)
-            return
         pad, self.width = max(self.width - len(line), 0), max(self.width, len(line))
         print("\r" + line + " " * pad, end="\n" if final else "", flush=True)
+
+
+PROGRESS_OUT = ProgressOut  # what wait() makes for its line (distlab.lab's in a notebook)

@@ -276,6 +276,21 @@ def uncited_findings(page: str, rows: set) -> list[str]:
             in sorted(rows) if held != "yes" and (nb, claim, figure, held) not in quoted]
 
 
+def arithmetic_cited(page: str, report: dict) -> list[str]:
+    """Entries' report lines that quote a row with basis "arithmetic": constants and
+    identities are shown for reading, never cited as evidence for an answer."""
+    arithmetic = {(r["notebook"], r["claim"]) for nb in report["notebooks"] for r in nb["rows"]
+                  if r.get("basis") == "arithmetic"}
+    return [f"{i}: cites the arithmetic row {q[0]} — {q[1]}" for i, e in
+            parse_entries(page).items() for v in e["report"]
+            if (q := quoted_row(v)) is not None and (q[0], q[1]) in arithmetic]
+
+
+def test_no_entry_cites_arithmetic_as_evidence(page, report):
+    problems = arithmetic_cited(page, report)
+    assert not problems, "\n".join(problems)
+
+
 def test_every_row_that_does_not_hold_is_cited_or_a_finding(page, report):
     """A row that reads no is evidence against someone's answer or against a rule of ours: the
     index quotes it under the question it bears on, or in its findings section."""
@@ -339,6 +354,11 @@ def test_checkers_catch_broken_lines(report):
     assert uncited_findings("", {row}), "an uncited row that reads no passed"
     assert uncited_findings(said, {row}) == []
     assert uncited_findings("", {row[:3] + ("yes",)}) == []  # rows that hold need no citation
+    fake = {"notebooks": [{"rows": [{"notebook": "01_collectives", "claim": "a rule",
+                                     "figure": "a figure", "holds": False,
+                                     "basis": "arithmetic"}]}]}
+    entry = "- **A1** — a question\n  - report: " + said[2:]
+    assert arithmetic_cited(entry, fake), "an entry citing an arithmetic row passed"
 
     broken = "\n".join([
         "- **A1** — a question",

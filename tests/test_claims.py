@@ -38,25 +38,40 @@ def test_buffer_broadcast_row_follows_the_measurement():
 
 
 def _strag(allreduce, ps_sync, backup):
-    row = lambda u: {"update_s": u, "dropped": 3}  # noqa: E731
+    # each layout's times between updates: five repeats around the given seconds
+    def row(u):
+        return {"update_samples_s": [u * f for f in (0.97, 0.99, 1, 1.01, 1.03)], "dropped": 3}
     return {"allreduce": row(allreduce), "ps-sync": row(ps_sync),
             "ps-sync + 1 backup": row(backup)}
 
 
-def test_straggler_row_follows_the_measurement_and_its_yardstick():
+def test_straggler_row_is_timed_over_the_updates():
     waits = _strag(0.21, 0.22, 0.01)
-    assert straggler_claim(waits, noise_s=0.01, delay_s=0.2)["holds"] is True
+    row = straggler_claim(waits, delay_s=0.2)
+    assert row["holds"] is True and row["basis"] == "timed"
     # the backup run waited too: no
-    assert straggler_claim(_strag(0.21, 0.22, 0.2), 0.01, 0.2)["holds"] is False
-    # a delay that does not dwarf the no-delay run's time between updates cannot be judged
-    noisy = straggler_claim(waits, noise_s=0.05, delay_s=0.2)
-    assert noisy["holds"] is False and "too close to judge" in noisy["figure"]
+    assert straggler_claim(_strag(0.21, 0.22, 0.2), 0.2)["holds"] is False
+    # the synchronous updates straddle 0.9 × the delay: undecided
+    assert straggler_claim(_strag(0.18, 0.22, 0.01), 0.2)["holds"] is None
+    # two updates per layout are too few to decide
+    few = {k: {**r, "update_samples_s": r["update_samples_s"][:2]} for k, r in waits.items()}
+    assert straggler_claim(few, 0.2)["holds"] is None
+    # the run without the delay is shown beside them
+    shown = straggler_claim(waits, 0.2, {"update_samples_s": [0.01, 0.011, 0.012]})
+    assert "allreduce without the delay" in shown["figure"]
 
 
-def test_dp_vs_ddp_row_is_the_measured_ratio():
-    fast, slow = dp_vs_ddp_claim(0.02, 0.01, 4, 2), dp_vs_ddp_claim(0.01, 0.02, 4, 2)
-    assert fast["holds"] is True and "2.00×" in fast["figure"]
+def test_dp_vs_ddp_row_is_timed_over_the_steps():
+    def steps(s):  # seven per-step samples around s seconds
+        return [s * f for f in (0.95, 0.98, 0.99, 1, 1.01, 1.02, 1.1)]
+    fast = dp_vs_ddp_claim(steps(0.02), steps(0.01), 4, 2)
+    slow = dp_vs_ddp_claim(steps(0.01), steps(0.02), 4, 2)
+    tied = dp_vs_ddp_claim(steps(0.0101), steps(0.01), 4, 2)
+    assert fast["holds"] is True and "2.00×" in fast["figure"] and fast["basis"] == "timed"
     assert slow["holds"] is False and "0.50×" in slow["figure"]
+    assert tied["holds"] is None  # the middle halves overlap: undecided on this machine
+    assert dp_vs_ddp_claim(steps(0.02)[:2], steps(0.01)[:2], 4, 2)["holds"] is None
+    assert "min / median / max of 7 repeats" in fast["figure"]
 
 
 def test_a_claims_table_as_a_cells_last_line_shows_only_the_table(monkeypatch):

@@ -68,7 +68,8 @@ from distlab import RunConfig, RunError, lab, launch
 from distlab.comm import ring_allreduce_bytes
 from distlab.lab import stragglers
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
-from distlab.lab.timed import below, timed_claim
+from distlab.lab.time_to_train import step_samples
+from distlab.lab.timed import below, fmt_spread, timed_claim
 from distlab.lab.data_parallel import (
     bucket_plan,
     bucket_timeline,
@@ -679,24 +680,17 @@ grouped_bars({"time between updates": {k: r["update_s"] * 1e3 for k, r in strag.
              f"one worker {DELAY_S} s slow per step (medians)", "ms").show()
 
 # %% [markdown]
-# The ordering is asserted only where the injected delay dwarfs the noise. The yardstick
-# comes from a run without the delay (the `allreduce` layout with no straggler): how much
-# its time between updates varies (the largest less the smallest, after the first) must be
-# under a fifth of `DELAY_S`, or the comparison says nothing and the cell says so instead.
+# The ordering reads a clock on this shared machine, so nothing here asserts it: the claims
+# table reads it over the updates (timed: each layout's times between updates, the first left
+# out), and it reads "undecided on this machine" where their middle halves overlap its bounds.
+# Beside them, the same `allreduce` layout run without the delay shows how much the time between
+# updates varies with no straggler at all.
 
 # %%
-noise = stragglers.summarize(fixes["allreduce, no delay"])["update_spread_s"]
-delay_dwarfs_noise = DELAY_S > 5 * noise
-print(f"spread of the times between updates without the delay: {noise * 1e3:.0f} ms; injected "
-      f"delay "
-      f"{DELAY_S * 1e3:.0f} ms: "
-      f"{'asserting the ordering' if delay_dwarfs_noise else 'too close to assert'}")
-if delay_dwarfs_noise:
-    for k in ("allreduce", "ps-sync"):  # synchronous updates wait for the straggler ...
-        assert strag[k]["update_s"] >= 0.9 * DELAY_S, k
-    # ... the backup worker's update does not
-    assert strag["ps-sync + 1 backup"]["update_s"] < 0.5 * strag["ps-sync"]["update_s"]
-    assert strag["ps-async"]["worker_step_s"] < 0.5 * DELAY_S  # async workers never wait
+no_delay = stragglers.summarize(fixes["allreduce, no delay"])
+for k, r in [*strag.items(), ("allreduce, no delay", no_delay)]:
+    print(f"{k}: between updates {fmt_spread(r['update_samples_s'])} "
+          f"(min / median / max of {len(r['update_samples_s'])})")
 b = strag["ps-sync + 1 backup"]
 assert b["dropped"] == STRAGGLER_STEPS and b["used_per_update"] == [2]  # b·steps dropped
 
@@ -813,18 +807,23 @@ panel
 # (the source names it): the all-reduce's bytes are booked by `distlab.comm` with the
 # ring's count, per call. The rows that must hold on any machine are asserted; the ones
 # that depend on timing or on this small model (the straggler ordering, the rules'
-# ranking, DP vs DDP, the interview answer's lr rule) are shown, not asserted.
+# ranking, DP vs DDP, the interview answer's lr rule) are shown, not asserted. The "timed"
+# rows (the GIL, the straggler, DP vs DDP) read a clock on this shared machine, so they
+# depend on it and on its load: another process on the cores slows whichever run it lands
+# on. Each is read over repeats (one per step or update), shows min / median / max, and reads
+# "undecided on this machine" when the middle halves of the repeats overlap the claim's bound
+# (`distlab.lab.timed`).
 
 # %%
 early = all(e["ddp"]["buckets"][0]["start"] < e["ddp"]["backward"][1]
             for e in ddp.history("step"))
 fixed = all(r[2] == r[1] for r in fix_rows)  # steps trained = the sampler's batches, per rank
 server_sent, worker_sent = ps_measured["server (rank 0)"][0], ps_measured["worker 1"][0]
-ddp_step = statistics.median(e["step_s"] for e in ddp.history("step") if e["step"] > 0)
 booked = sorted(set(ar_bytes["ddp"]["booked"] + ar_bytes["ddp-torch"]["booked"]))
-straggler_row = straggler_claim(strag, noise, DELAY_S)
+straggler_row = straggler_claim(strag, DELAY_S, no_delay)
 lin_rule, lin_vs_sqrt, seed_lr = lr_rule_claims(curves)
-dp_ddp_row = dp_vs_ddp_claim(dp["step_s"], ddp_step, n, os.cpu_count())
+dp_ddp_row = dp_vs_ddp_claim(step_samples(dp_run, skip=1), step_samples(ddp, skip=1), n,
+                             os.cpu_count())
 # the interview answer's fix for the uneven-input hang, run as quoted in a fresh process
 # each quoted snippet runs in a fresh Python process (seconds of CPU); CI's quick run leaves
 # them to the test suite (tests/test_interview_code.py runs every one)
@@ -866,7 +865,9 @@ rows = [
           "Li et al. 2020",
           f"{len(plan)} buckets, {plan[0]['tensors'][0]} first, {plan[-1]['tensors'][-1]} last; "
           f"first all-reduce issued before backward ended in {'every' if early else 'not every'}"
-          f" step; overlap median {overlap:.0%} on {WORLD} ranks sharing {os.cpu_count()} cores",
+          f" step; overlap {fmt_spread(overlaps, 100, '%', 2)} (min / median / max of "
+          f"{len(overlaps)} rank-steps on {WORLD} ranks sharing {os.cpu_count()} cores: a "
+          "clock, shown, not part of the verdict, which reads the order of events)",
           early and plan[0]["tensors"][0] == "head.weight"),
     claim("DDP trains exactly like one process on the global batch", "Li et al. 2020",
           f"max per-step loss difference: ddp {ddp_loss_diff['ddp']:.1e}, ddp-torch "
@@ -904,7 +905,8 @@ rows = [
     lin_rule, lin_vs_sqrt, seed_lr, dp_ddp_row,
 ] + code_rows
 claims_table(rows)
-# timing or this model decides these; the interview's code reads no where it does not run
-shown = (straggler_row, lin_rule, lin_vs_sqrt, seed_lr, dp_ddp_row, *code_rows)
-assert all(r["holds"] for r in rows if r not in shown), [r["claim"] for r in rows
-                                                         if not r["holds"]]
+# a clock (the timed rows) or this model decides these; the interview's code reads no where it
+# does not run
+shown = (lin_rule, lin_vs_sqrt, seed_lr, *code_rows)
+asserted = [r for r in rows if r not in shown and r["basis"] != "timed"]
+assert all(r["holds"] for r in asserted), [r["claim"] for r in asserted if not r["holds"]]

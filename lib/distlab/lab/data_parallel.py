@@ -425,41 +425,45 @@ def buffer_broadcast_claim(on: dict, off: dict) -> dict:
         on["max_spread"] == 0.0 and off["max_spread"] > 0.0)
 
 
-def straggler_claim(strag: dict, noise_s: float, delay_s: float) -> dict:
+def straggler_claim(strag: dict, delay_s: float, no_delay: dict | None = None) -> dict:
     """A synchronous update waits for the slowest worker, a backup worker's does not (Chen et
-    al. 2016). `strag`: stragglers.summarize rows by layout; `noise_s`: how much the time
-    between updates varies in the same layout run without the delay (max - min), the
-    yardstick the delay must dwarf."""
-    from distlab.lab.common import claim
+    al. 2016), timed over the updates. `strag`: stragglers.summarize rows by layout, each with
+    its `update_samples_s` (the times between updates, the first left out); `no_delay`: the
+    same for the allreduce layout run without the delay, shown beside them. Yes when the
+    synchronous layouts' updates take at least 0.9 × the delay and the backup's take under half
+    of ps-sync's; undecided where the middle halves of the updates overlap those bounds."""
+    from distlab.lab.timed import all_of, below, timed_claim, within
     sync, backup = strag["ps-sync"], strag["ps-sync + 1 backup"]
-    dwarfs = delay_s > 5 * noise_s
-    waits = all(strag[k]["update_s"] >= 0.9 * delay_s for k in ("allreduce", "ps-sync"))
-    spared = backup["update_s"] < 0.5 * sync["update_s"]
-    judged = ("" if dwarfs else f"; the delay is under 5× the {noise_s * 1e3:.0f} ms spread "
-              "of the times between updates without it, too close to judge")
-    return claim(
+    samples = {k: strag[k]["update_samples_s"] for k in ("allreduce", "ps-sync",
+                                                         "ps-sync + 1 backup")}
+    waits = [within(samples[k], lo=0.9 * delay_s) for k in ("allreduce", "ps-sync")]
+    spared = below(backup["update_samples_s"], sync["update_samples_s"], 0.5)
+    sides = {f"{k}: between updates": v for k, v in samples.items()}
+    if no_delay is not None:
+        sides["allreduce without the delay"] = no_delay["update_samples_s"]
+    return timed_claim(
         "a synchronous step waits for the slowest worker; backup workers do not",
-        "Chen et al. 2016",
-        f"one worker +{delay_s * 1e3:.0f} ms/step (without it the time between updates varies "
-        f"by {noise_s * 1e3:.0f} ms): between updates ps-sync {sync['update_s'] * 1e3:.0f} ms, allreduce "
-        f"{strag['allreduce']['update_s'] * 1e3:.0f} ms, with 1 backup "
-        f"{backup['update_s'] * 1e3:.0f} ms ({backup['dropped']} late gradients dropped)"
-        + judged,
-        dwarfs and waits and spared)
+        "Chen et al. 2016", all_of(*waits, spared), sides, interleaved_=False, digits=2,
+        note=f"one worker +{delay_s * 1e3:.0f} ms/step; yes needs the synchronous layouts' "
+             f"updates ≥ {0.9 * delay_s * 1e3:.0f} ms and the backup's under half of "
+             f"ps-sync's ({backup['dropped']} late gradients dropped)")
 
 
-def dp_vs_ddp_claim(dp_step_s: float, ddp_step_s: float, replicas: int, cores: int) -> dict:
-    """The interview answer's DDP-over-DP speed-up, set beside this machine's measured ratio."""
-    from distlab.lab.common import claim
-    ratio = dp_step_s / ddp_step_s
-    return claim(
+def dp_vs_ddp_claim(dp_step_s: list[float], ddp_step_s: list[float], replicas: int,
+                    cores: int) -> dict:
+    """The interview answer's DDP-over-DP speed-up, timed over this machine's steps: one sample
+    per step of each run (ddp's the slowest rank's). The two runs are separate launches, taken
+    one after the other, not interleaved."""
+    from distlab.lab.timed import below, timed_claim
+    ratio = statistics.median(dp_step_s) / statistics.median(ddp_step_s)
+    return timed_claim(
         "DDP is faster than DP (a common figure: 1.8× on 4 V100s, ResNet-50)",
-        "torch.nn.DataParallel docs recommend DDP",
-        f"this run: dp {dp_step_s * 1e3:.1f} ms/step, ddp {ddp_step_s * 1e3:.1f} ms/step = "
-        f"{ratio:.2f}× ({replicas} replicas, tiny GPT, {cores} CPU cores). The 1.8× is not "
-        "reproducible here: no GPUs, no ResNet-50, and DP's cost there (copies between GPUs, "
-        "one GIL driving 4 devices) is not this machine's",
-        ratio > 1.0)
+        "torch.nn.DataParallel docs recommend DDP", below(ddp_step_s, dp_step_s),
+        {"dp": dp_step_s, "ddp": ddp_step_s}, interleaved_=False, digits=3,
+        note=f"per step; medians dp / ddp = {ratio:.2f}× ({replicas} replicas, tiny GPT, "
+             f"{cores} CPU cores; separate launches, not interleaved). The 1.8× is not "
+             "reproducible here: no GPUs, no ResNet-50, and DP's cost there (copies between "
+             "GPUs, one GIL driving 4 devices) is not this machine's")
 
 
 def lr_rule_claims(curves: list[dict]) -> list[dict]:

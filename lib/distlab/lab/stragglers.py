@@ -16,7 +16,8 @@ the model (for ps-async an update applies one worker's gradient, and since every
 cfg.steps steps, the fast workers finish early and the straggler's slow updates fill the end of
 the run: read its `worker_step_s`), `worker_step_s` the median step time of the workers that are
 not the straggler, `straggler_step_s` the straggler's, plus gradients used per update, gradients
-dropped and the staleness the server recorded.
+dropped and the staleness the server recorded; `update_samples_s` keeps every time between
+updates after the first, the repeats a timed claim reads (distlab.lab.timed).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def summarize_events(events: list[dict], cfg: RunConfig) -> dict:
     # straggler's delay must stand out from
     later = intervals[1:]
     row["update_spread_s"] = max(later) - min(later) if len(later) >= 2 else None
+    row["update_samples_s"] = later  # one per update after the first: a timed row's repeats
     fast = [e["step_s"] for e in workers if e["rank"] != straggler]
     slow = [e["step_s"] for e in workers if e["rank"] == straggler]
     row["worker_step_s"] = med(fast) if fast else None

@@ -27,6 +27,10 @@ NAMES = {"grid": "grid", "random": "random", "tpe": "TPE (Bayesian)", "gp": "GP 
 FROM_TRIAL = 3  # the y axis starts at every method's best after this many trials
 
 
+SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x")
+DASHES = ("solid", "dash", "dot", "dashdot")
+
+
 def best_so_far_figure(studies: dict[str, optuna.Study], target: float) -> go.Figure:
     """Best held-out loss after each trial, per method, and the target loss line. The y axis
     spans what the methods reach from their FROM_TRIAL-th trial on: a first trial far above
@@ -36,8 +40,14 @@ def best_so_far_figure(studies: dict[str, optuna.Study], target: float) -> go.Fi
     for i, (m, study) in enumerate(studies.items()):
         y = [v if math.isfinite(v) else None for v in best_so_far(study)]
         later += [v for v in y[FROM_TRIAL - 1:] if v is not None]
-        fig.add_scatter(x=list(range(1, len(y) + 1)), y=y, mode="lines+markers",
-                        name=NAMES.get(m, m), line=dict(color=RUN_COLORS[i], shape="hv"))
+        # methods that found the same best trial draw the same steps: a dash and a marker
+        # of their own, and a small offset, keep each one visible under the others
+        off = (i - (len(studies) - 1) / 2) * 0.08
+        fig.add_scatter(x=[k + 1 + off for k in range(len(y))], y=y, mode="lines+markers",
+                        name=NAMES.get(m, m), marker=dict(symbol=SYMBOLS[i % len(SYMBOLS)],
+                                                          size=7),
+                        line=dict(color=RUN_COLORS[i], shape="hv",
+                                  dash=DASHES[i % len(DASHES)]))
     fig.add_hline(y=target, line_dash="dash", line_color="#555",
                   annotation_text=f"target {target:.3f}", annotation_position="top right")
     pad = 0.08 * (max(later) - min(later) or abs(target) * 0.05 or 1.0)
@@ -93,7 +103,9 @@ def random_vs_grid_figure(result: dict) -> go.Figure:
 
 def pruning_figure(studies: dict[str, optuna.Study]) -> go.Figure:
     """The live loss each trial reported, per pruner: trials that ran to the end as lines, pruned
-    ones ending in a cross where their run was stopped; the unpruned runs in grey behind."""
+    ones ending in a cross where the pruner decided, then dotted to the rows the run really
+    read before its stop arrived (the steps saved count those: with 8 ms steps a run can
+    finish before the stop reaches it); the unpruned runs in grey behind."""
     pruned = {k: v for k, v in studies.items() if k != "unpruned"}
     fig = make_subplots(rows=1, cols=len(pruned), subplot_titles=list(pruned),
                         shared_yaxes=True)
@@ -113,11 +125,23 @@ def pruning_figure(studies: dict[str, optuna.Study]) -> go.Figure:
                                         + ["x" if stopped else "circle"],
                                         size=[4] * (len(x) - 1) + [10 if stopped else 4]),
                             row=1, col=col)
-    fig.update_xaxes(title_text="training rows seen")
+            ran = measured(t).get("rows_run", 0)
+            if stopped and ran > x[-1]:  # the stop reached the run later: its steps ran on
+                fig.add_scatter(x=[x[-1], ran], y=[y[-1], y[-1]], mode="lines",
+                                name="ran on until the stop reached it", legendgroup="ran on",
+                                showlegend=not _ran_on_shown(fig),
+                                line=dict(color=RUN_COLORS[1], width=1, dash="dot"),
+                                row=1, col=col)
+    fig.update_xaxes(title_text="training rows seen (dotted: rows a pruned run read after "
+                     "the pruner's decision, before its stop arrived)")
     fig.update_yaxes(title_text="live loss (mean over the window)", row=1, col=1)
     fig.update_layout(title="Early stopping: what each pruner let run (grey: every trial "
                       "unpruned)", height=380, template="plotly_white", legend=LEGEND)
     return fig
+
+
+def _ran_on_shown(fig) -> bool:
+    return any(tr.legendgroup == "ran on" and tr.showlegend for tr in fig.data)
 
 
 def _first(study, pruned: bool) -> int | None:
@@ -133,9 +157,12 @@ def pareto_figure(studies: dict[str, optuna.Study]) -> go.Figure:
     for i, (m, study) in enumerate(studies.items()):
         ts = completed(study)
         everything += points(study)
+        # one symbol per method, drawn smaller each time: a candidate two methods both found
+        # shows both markers, one inside the other, not the last one's alone
         fig.add_scatter(x=[t.values[1] for t in ts], y=[t.values[0] for t in ts],
                         mode="markers", name=NAMES.get(m, m),
-                        marker=dict(color=RUN_COLORS[i], size=8),
+                        marker=dict(color=RUN_COLORS[i], size=max(13 - 4 * i, 5),
+                                    symbol=SYMBOLS[i % len(SYMBOLS)]),
                         text=[_arch(t.params) for t in ts], hovertemplate="%{text}")
     front = sorted({everything[i] for i in pareto_front(everything)}, key=lambda p: p[1])
     fig.add_scatter(x=[p[1] for p in front], y=[p[0] for p in front], mode="lines+markers",

@@ -43,7 +43,7 @@ import os
 # CI sets WORKBOOK_QUICK=1: few steps and few bubble measurements, about a minute.
 QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
 STEPS = 8 if QUICK else 30                 # equivalence runs
-BUBBLE_STEPS = 3 if QUICK else 4           # bubble runs (the first step is dropped)
+BUBBLE_STEPS = 3 if QUICK else 5           # bubble runs (the first step is dropped)
 CURVE_M = (1, 2, 4) if QUICK else (1, 2, 4, 8)  # micro-batch counts of the bubble curve
 # Sleep per forward and per backward in the bubble runs: tests/test_pipeline.py's 0.2 s.
 # At 0.03 s interleaved measured ~0.05 above its formula (benchmarks/pipeline_bubble.py):
@@ -64,10 +64,13 @@ from distlab.lab.pipeline_parallel import (
     PipelineExplorer,
     blocks_held,
     bubble_curve,
+    bubble_curve_claim,
     bubble_rows,
     gantt,
     ideal_gantt,
+    interleaving_claim,
     modules_held,
+    naive_bubble_claim,
     p2p_per_step,
     schedule_rows,
     step_pipelines,
@@ -185,7 +188,9 @@ for sc in ("naive", "gpipe", "1f1b", "interleaved"):
 # two conventions (`FORMULA_CONVENTION`): GPipe's (p−1)/(m+p−1) is idle / **total** time
 # (Huang et al. 2019); Megatron's interleaved (p−1)/(v·m) is idle / **ideal** time m·(tf+tb)
 # (Narayanan et al. 2021). They are one number in two units: b_total = b_ideal / (1 + b_ideal).
-# The table gives both; the measured column is compared with the total-time one.
+# The table gives both; the measured column is compared with the total-time one. A bubble is
+# read from a clock, so nothing here asserts it: the claims table reads it over every rank's
+# steps (timed).
 
 # %%
 brows = bubble_rows({k: r for k, r in runs.items() if k.startswith("bubble")})
@@ -193,8 +198,6 @@ table(["run", "p", "m", "v", "measured (of total)", "formula, of total", "formul
        "paper's convention"],
       [[r["run"], r["p"], r["m"], r["v"], f"{r['measured']:.3f}", f"{r['total']:.3f}",
         f"{r['ideal']:.3f}", FORMULA_CONVENTION[r["schedule"]]] for r in brows])
-for r in brows:
-    assert abs(r["measured"] - r["total"]) <= BUBBLE_TOL, r
 by_run = {r["run"]: r for r in brows}
 
 # %% [markdown]
@@ -204,8 +207,7 @@ by_run = {r["run"]: r for r in brows}
 # %%
 curve = [by_run[f"bubble gpipe m={m}"] for m in CURVE_M]
 bubble_curve(curve, f"GPipe, p={P}: measured bubble vs micro-batches").show()
-measured_curve = [r["measured"] for r in curve]
-assert all(a > b for a, b in zip(measured_curve, measured_curve[1:]))  # falls with m
+say("medians: " + ", ".join(f"m={r['m']}: {r['measured']:.3f}" for r in curve))
 
 # %% [markdown]
 # **Interleaving divides the bubble by v** — in the ideal-time convention: idle / busy.
@@ -218,7 +220,6 @@ il_ratio = to_ideal(f1["measured"]) / to_ideal(il["measured"])
 say(f"idle / busy: 1f1b {to_ideal(f1['measured']):.3f} (formula {f1['ideal']:.3f}), "
     f"interleaved v={V} {to_ideal(il['measured']):.3f} (formula {il['ideal']:.3f}): "
     f"{il_ratio:.2f}x smaller (v = {V})")
-assert il_ratio > 1.5  # v = 2; the 0.05 bubble tolerance allows ~1.6x-2.6x here
 naive = by_run["bubble naive"]
 print(f"naive: measured {naive['measured']:.3f}, (p-1)/p = {(P - 1) / P:.3f}")
 
@@ -306,37 +307,29 @@ explorer = PipelineExplorer(DELAYED, microbatches=(1, 2, 4, 8), virtual_stages=(
 res = explorer.run(schedule="interleaved", microbatches=M, virtual_stages=V)
 assert {bar.y[0] for bar in explorer.fig.data} == {f"rank {r}" for r in range(P)}
 assert all(p["peak_in_flight"] >= 1 for p in res["pipelines"])
-assert abs(res["measured"] - res["total"]) <= BUBBLE_TOL
 explorer
 
 # %% [markdown]
 # ## What the textbook says, what this run measured
 #
 # Every figure comes from this run's variables, every verdict is computed from them (a row
-# can read **no**), and every row is asserted: each one rests on a check made above.
+# can read **no**), and every row but the timed ones is asserted: each rests on a check made
+# above. The three "timed" rows (the bubbles) read a clock, so they depend on this machine
+# and its load (a send or receive another process delays lengthens the idle it is drawn in):
+# each is read over every rank's steps, shows min / median / max, and reads "undecided on this
+# machine" when the middle halves of the repeats overlap its bound (`distlab.lab.timed`).
 
 # %%
 il_blocks = blocks_held(runs["interleaved"].states[0])
 rows = [
-    claim("more micro-batches shrink the bubble: (p−1)/(m+p−1) of total time",
-          "Huang et al. 2019 (GPipe)",
-          f"GPipe p={P}: " + ", ".join(f"m={r['m']}: {r['measured']:.3f} (formula "
-                                       f"{r['total']:.3f})" for r in curve),
-          all(a > b for a, b in zip(measured_curve, measured_curve[1:]))
-          and all(abs(r["measured"] - r["total"]) <= BUBBLE_TOL for r in curve)),
+    bubble_curve_claim(curve, BUBBLE_TOL),
     claim("1F1B caps in-flight activations at p", "Narayanan et al. 2019 (PipeDream); 2021",
           f"m={M}, rank 0: in flight gpipe {g[0]['peak_in_flight']}, 1f1b "
           f"{f[0]['peak_in_flight']}; peak stash {fmt_bytes(g[0]['peak_stash_bytes'])} vs "
           f"{fmt_bytes(f[0]['peak_stash_bytes'])} = {mem_ratio:.2f}x (m/p = {M / P:g})",
           f[0]["peak_in_flight"] == P < g[0]["peak_in_flight"] == M),
-    claim("interleaving divides the bubble by v: (p−1)/(v·m) of ideal time",
-          "Narayanan et al. 2021",
-          f"p={P}, m={M}: idle/busy 1f1b {to_ideal(f1['measured']):.3f}, interleaved v={V} "
-          f"{to_ideal(il['measured']):.3f}: {il_ratio:.2f}x smaller (bubble tolerance "
-          f"{BUBBLE_TOL:g} allows ~1.6x–2.6x)", il_ratio > 1.5),
-    claim("naive pipeline: (p−1)/p idle", "Huang et al. 2019",
-          f"p={P}, m={M}: measured {naive['measured']:.3f}, (p−1)/p = {(P - 1) / P:.3f}",
-          abs(naive["measured"] - (P - 1) / P) <= BUBBLE_TOL),
+    interleaving_claim(f1, il, V),
+    naive_bubble_claim(naive, BUBBLE_TOL),
     claim("a pipeline computes what one process computes", "Huang et al. 2019",
           f"after {STEPS} SGD steps, worst parameter diff over {len(eq)} runs "
           f"{max(p for p, _ in eq.values()):.1e} (tolerance {TOL:g}), loss "
@@ -360,4 +353,5 @@ interview_rows = [
           il_blocks == list(range(il_blocks[0], il_blocks[-1] + 1))),
 ]
 claims_table(rows + interview_rows)
-assert all(r["holds"] for r in rows), [r["claim"] for r in rows if not r["holds"]]
+asserted = [r for r in rows if r["basis"] != "timed"]
+assert all(r["holds"] for r in asserted), [r["claim"] for r in asserted if not r["holds"]]

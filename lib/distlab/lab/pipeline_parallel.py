@@ -39,11 +39,22 @@ def step_pipelines(run: Run, step: int = -1) -> list[dict]:
     return [by_rank[r] for r in sorted(by_rank)]
 
 
+def bubble_samples(run: Run, skip: int = 1) -> list[float]:
+    """e["pipeline"]["bubble"] (1 - busy / step time) of every rank's steps, the first `skip`
+    steps dropped (warm-up): read from a clock, the repeats a timed claim reads
+    (distlab.lab.timed)."""
+    return [e["pipeline"]["bubble"] for e in run.history("step") if e["step"] >= skip]
+
+
 def measured_bubble(run: Run, skip: int = 1) -> float:
-    """Median of e["pipeline"]["bubble"] (1 - busy / step time, per rank) over every rank's
-    steps, the first `skip` steps dropped (warm-up)."""
-    vals = [e["pipeline"]["bubble"] for e in run.history("step") if e["step"] >= skip]
-    return statistics.median(vals)
+    """Median of bubble_samples: over every rank's steps, the first `skip` dropped."""
+    return statistics.median(bubble_samples(run, skip))
+
+
+def idle_over_busy(bubbles: list[float]) -> list[float]:
+    """Bubbles as fractions of total time, b, turned into idle / busy = b / (1 − b): the
+    ideal-time convention of Megatron's (p−1)/(v·m)."""
+    return [b / (1 - b) for b in bubbles]
 
 
 def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
@@ -54,9 +65,53 @@ def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
         v = c.virtual_stages if c.schedule == "interleaved" else 1
         rows.append({"run": label, "schedule": c.schedule, "p": c.pp, "m": c.microbatches, "v": v,
                      "measured": measured_bubble(run, skip),
+                     "samples": bubble_samples(run, skip),
                      "total": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="total"),
                      "ideal": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="ideal")})
     return rows
+
+
+# -- the claims table's timed rows: bubbles over every rank's steps ------------------------------
+def bubble_curve_claim(curve: list[dict], tol: float) -> dict:
+    """GPipe's bubble falls with m and matches (p−1)/(m+p−1) within `tol`: each m's bubbles
+    below the previous m's and within the formula ± tol (bubble_rows' rows, m ascending)."""
+    from distlab.lab.timed import all_of, below, timed_claim, within
+    falls = [below(b["samples"], a["samples"]) for a, b in zip(curve, curve[1:])]
+    fits = [within(r["samples"], r["total"] - tol, r["total"] + tol) for r in curve]
+    return timed_claim(
+        "more micro-batches shrink the bubble: (p−1)/(m+p−1) of total time",
+        "Huang et al. 2019 (GPipe)", all_of(*falls, *fits),
+        {f"m={r['m']}": r["samples"] for r in curve}, scale=1, unit="", interleaved_=False,
+        note=f"GPipe p={curve[0]['p']}, every rank's step; formula "
+             + ", ".join(f"m={r['m']}: {r['total']:.3f}" for r in curve) + f" (± {tol:g})")
+
+
+def interleaving_claim(f1: dict, il: dict, v: int, factor: float = 1.5) -> dict:
+    """Interleaving divides idle / busy by v: yes when interleaved's idle / busy lies wholly
+    under 1F1B's divided by `factor` (1.5 for v = 2: the bubble tolerance allows ~1.6x-2.6x)."""
+    from distlab.lab.timed import below, timed_claim
+    a, b = idle_over_busy(f1["samples"]), idle_over_busy(il["samples"])
+    ratio = statistics.median(a) / statistics.median(b)
+    return timed_claim(
+        "interleaving divides the bubble by v: (p−1)/(v·m) of ideal time",
+        "Narayanan et al. 2021", below(b, a, 1 / factor),
+        {"idle/busy 1f1b": a, f"interleaved v={v}": b}, scale=1, unit="",
+        interleaved_=False,
+        note=f"p={f1['p']}, m={f1['m']}, every rank's step; medians {ratio:.2f}x smaller "
+             f"(formula {f1['ideal']:.3f} vs {il['ideal']:.3f}); yes needs more than "
+             f"{factor:g}x")
+
+
+def naive_bubble_claim(naive: dict, tol: float) -> dict:
+    """The naive pipeline idles (p−1)/p of the time: yes when its bubbles lie within ± tol."""
+    from distlab.lab.timed import timed_claim, within
+    p = naive["p"]
+    return timed_claim(
+        "naive pipeline: (p−1)/p idle", "Huang et al. 2019",
+        within(naive["samples"], (p - 1) / p - tol, (p - 1) / p + tol),
+        {"measured bubble": naive["samples"]}, scale=1, unit="", interleaved_=False,
+        note=f"p={p}, m={naive['m']}, every rank's step; (p−1)/p = {(p - 1) / p:.3f} "
+             f"(± {tol:g})")
 
 
 def modules_held(state: dict) -> list[str]:

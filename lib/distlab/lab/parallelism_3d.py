@@ -428,3 +428,24 @@ def mesh_ranks(rank, world, device, log, dims, cfg_dicts=()):
         from distlab.rank.train import train_with_state
         out["runs"] = train_with_state(rank, world, device, log, list(cfg_dicts))
     return out
+
+
+# -- the claims table's timed row: the planner's order over the repeats -------------------------
+def planner_order_claim(pc: dict, tie: float = 0.05) -> dict:
+    """The planner's ranking, timed (distlab.studies.plan_check.planned_vs_measured's result):
+    for every pair the planner predicts more than `tie` apart, the faster-predicted layout's
+    repeats (each its median step, repeats alternating between layouts) must lie below the
+    other's (distlab.lab.timed.below). Yes when every such pair is kept, no when one is
+    reversed, else undecided (overlapping repeats, fewer than 3, or no pair to test)."""
+    from distlab.lab.timed import all_of, below, timed_claim
+    rows = pc["rows"]
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]
+             if b["predicted_s"] > a["predicted_s"] * (1 + tie)]
+    holds = all_of(*(below(a["spread_s"], b["spread_s"]) for a, b in pairs)) if pairs else None
+    return timed_claim(
+        "the planner's ranking holds on the machine it was calibrated on",
+        "distlab.studies.plan_check (its top layouts trained, repeats alternating)", holds,
+        {f"#{r['rank']} {r['layout']}": r["spread_s"] for r in rows}, interleaved_=True,
+        note="each repeat a median step; predicted "
+             + ", ".join(f"{r['predicted_s'] * 1e3:.0f}" for r in rows)
+             + f" ms; {len(pairs)} pair(s) predicted more than {tie:.0%} apart, tested")

@@ -71,6 +71,7 @@ from distlab.lab.lora_finetuning import (
     last_step_wire,
     memory_figure,
     merge_check,
+    merge_latency_claim,
     model_of,
     preset_shapes,
     start_eval,
@@ -369,7 +370,8 @@ if wire_seen:  # the all-reduce follows the ring on gloo: the wire is the formul
 # W' = W + (α/r)·B·A is an ordinary weight. Folded in, the adapted model *is* a plain
 # model: no extra matmuls, no extra latency (Hu et al. 2021, Section 4.1). Below: the best
 # LoRA run's final weights, forward of 16 rows unmerged, merged, and as a plain GPT loaded
-# with the merged state dict (median of repeated forwards, one thread). Outputs agree to
+# with the merged state dict (median of repeated forwards, one thread; merged and plain take
+# turns, so load on this shared machine falls on both alike). Outputs agree to
 # float32 rounding (1e-5: (W + sBA)x and Wx + s·B(Ax) associate the same sums
 # differently; tests/test_lora.py).
 
@@ -408,7 +410,11 @@ assert got["task1"] < start1
 # formula r·(d_in + d_out), which section 1 checked against the modules' own counts), and
 # every verdict is computed from them: a row reads **no** when the run disagrees. The rows
 # that rest on counts and bytes are asserted; the ones that rest on how well this tiny
-# model learns, or on timing, are shown.
+# model learns, or on timing, are shown. The "timed" row (merged vs plain latency) reads a
+# clock, so it depends on this machine and its load (another process on the cores slows
+# whichever forward it lands on): it is read over the interleaved pairs' ratios, shows min /
+# median / max, and reads "undecided on this machine" when their middle half straddles its
+# bound (`distlab.lab.timed`).
 
 # %%
 qv4 = share[("qv", 8)]  # by formula, 32 layers x 4096 wide
@@ -479,12 +485,7 @@ claim_rows = [
           + (f"; on the wire {fmt_bytes(on_wire['sgd lora'])} vs "
              f"{fmt_bytes(on_wire['sgd full'])} ({wire_ratio:.1%})" if wire_seen else ""),
           (wire_ratio if wire_seen else ratio) < 0.1),
-    claim("a merged adapter adds no inference latency (merged within 25% of a plain GPT)",
-          "Hu et al. 2021 §4.1",
-          f"median forward: merged {m['merged_s'] * 1e3:.2f} ms, plain {m['plain_s'] * 1e3:.2f} "
-          f"ms, unmerged {m['unmerged_s'] * 1e3:.2f} ms; outputs within "
-          f"{m['max_diff_merged']:.0e} (the same computation: a timing above 25% is noise "
-          "on this shared machine)", m["merged_s"] <= 1.25 * m["plain_s"]),
+    merge_latency_claim(m),
 ]
 claims_table(claim_rows)
 asserted = [claim_rows[i] for i in (0, 3, 12)]  # count, memory, bytes: not learning, timing

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -270,20 +269,12 @@ def tradeoff_figure(points: dict[str, dict], title: str) -> go.Figure:
 
 
 # -- merged inference ---------------------------------------------------------------------------
-def _median_forward_s(model, x, repeats: int) -> float:
-    with torch.no_grad():
-        model(x)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model(x)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def merge_check(cfg: RunConfig, state: dict, x: torch.Tensor, repeats: int = 50) -> dict:
-    """Load a LoRA run's final state into its model; compare outputs and median forward time
-    unmerged, merged, and of a plain model (no adapters) loaded with merged_state_dict."""
+    """Load a LoRA run's final state into its model; compare outputs and forward times
+    unmerged, merged, and of a plain model (no adapters) loaded with merged_state_dict. Merged
+    and plain are timed interleaved (distlab.lab.timed.interleaved), so load falls on both
+    alike; "*_samples" hold every repeat's seconds, "*_s" their medians."""
+    from distlab.lab.timed import interleaved, repeat
     torch.set_num_threads(1)  # the ranks' setting: one thread, so times compare like for like
     model = model_of(cfg)
     model.load_state_dict(state)
@@ -291,17 +282,32 @@ def merge_check(cfg: RunConfig, state: dict, x: torch.Tensor, repeats: int = 50)
     plain.load_state_dict(merged_state_dict(model))
     with torch.no_grad():
         unmerged_out = model(x)
-    t_unmerged = _median_forward_s(model, x, repeats)
-    merge_lora(model)
-    with torch.no_grad():
+        t_unmerged = repeat(lambda: model(x), repeats)
+        merge_lora(model)
         merged_out = model(x)
         plain_out = plain(x)
-    t_merged = _median_forward_s(model, x, repeats)
-    t_plain = _median_forward_s(plain, x, repeats)
+        t_merged, t_plain = interleaved(lambda: model(x), lambda: plain(x), repeats)
     unmerge_lora(model)
+    med = statistics.median
     return {"max_diff_merged": (merged_out - unmerged_out).abs().max().item(),
             "max_diff_plain": (plain_out - unmerged_out).abs().max().item(),
-            "unmerged_s": t_unmerged, "merged_s": t_merged, "plain_s": t_plain}
+            "unmerged_samples": t_unmerged, "merged_samples": t_merged, "plain_samples": t_plain,
+            "unmerged_s": med(t_unmerged), "merged_s": med(t_merged), "plain_s": med(t_plain)}
+
+
+def merge_latency_claim(m: dict, bound: float = 1.25) -> dict:
+    """"A merged adapter adds no inference latency": merge_check's interleaved pairs, merged /
+    plain per pair, must lie under `bound` (distlab.lab.timed.within); undecided where their
+    middle half straddles it."""
+    from distlab.lab.timed import ratios, timed_claim, within
+    r = ratios(m["merged_samples"], m["plain_samples"])
+    return timed_claim(
+        f"a merged adapter adds no inference latency (merged within {bound - 1:.0%} of a "
+        "plain GPT)", "Hu et al. 2021 §4.1", within(r, hi=bound),
+        {"forward, merged / plain": r}, scale=1, unit="×", interleaved_=True,
+        note=f"each interleaved pair's ratio; medians merged {m['merged_s'] * 1e3:.2f} ms, "
+             f"plain {m['plain_s'] * 1e3:.2f} ms, unmerged {m['unmerged_s'] * 1e3:.2f} ms; "
+             f"outputs within {m['max_diff_merged']:.0e}")
 
 
 # -- the widget ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ QUICK = os.environ.get("WORKBOOK_QUICK", "0") == "1"
 STEPS = 8 if QUICK else 40                  # steps of every run
 EVERY = 3 if QUICK else 10                  # checkpoint_every
 KILL_STEP = 7 if QUICK else 35              # drill 1: rank 1 dies at the start of this step
+KILL_REPEATS = 1 if QUICK else 4            # drill 1: SIGKILL drills timed (3 short extra ones)
 SAVE_FAULT_STEP = 5 if QUICK else 19        # drill 2: the save after this step is torn
 DELAY_S = 0.15 if QUICK else 0.1            # drill 3: sleep per step (time to preempt)
 RESHARD = ("zero3",) if QUICK else ("zero3", "fsdp-torch")  # saved by 4 ranks, resumed by 2
@@ -67,6 +68,8 @@ from distlab.lab.checkpoints_and_faults import (
     attempt_rows,
     attempts,
     checkpoint_errors,
+    dead_rank_claim,
+    detect_seconds,
     contents_rows,
     drill_figure,
     failed_run,
@@ -74,6 +77,7 @@ from distlab.lab.checkpoints_and_faults import (
     final_checkpoint,
     final_checkpoint_diff,
     flip_byte,
+    kill_drill,
     max_abs_diff,
     overhead_row,
     reshard_row,
@@ -169,12 +173,16 @@ assert abs(shard_share - 0.5) < 0.05               # zero3: each rank its half
 # launches the same config from the latest complete checkpoint.
 
 # %%
-first, err = failed_run(BASE.replace(fault="kill", fault_rank=1, fault_step=KILL_STEP))
+first, err, reported = kill_drill(BASE, rank=1, step=KILL_STEP)
 print(f"RunError: rank {err.rank}, step {err.step}: {err.message}")
-detect_s = first.ended - first.history("fault")[0]["time"]
-print(f"the caller knew {detect_s:.2f} s after the kill; ranks alive: {alive(first.pids)}")
-assert err.rank == 1 and err.step == KILL_STEP and "SIGKILL" in err.message
-assert detect_s < 10 and not alive(first.pids)
+detect_s = [detect_seconds(first)]
+for _ in range(KILL_REPEATS - 1):  # short extra drills: how long reporting takes is a clock
+    extra, _, ok = kill_drill(BASE.replace(steps=3), rank=1, step=1)
+    detect_s.append(detect_seconds(extra))
+    reported = reported and ok
+print(f"the caller knew {', '.join(f'{s:.2f}' for s in detect_s)} s after the kill; ranks "
+      f"alive: {alive(first.pids)}")
+assert reported  # the rank and step named, no process left (how fast: the claims table)
 
 again = resume(first).wait(timeout=300)
 start = again.history("resume")[0]["steps_done"]
@@ -366,7 +374,7 @@ the previous checkpoint verified and resumable (max |diff| = {torn_diff}).
 
 **A rank dies or hangs: how does the job find out?** *(usual answer: set a timeout in
 `init_process_group`)* — A dead process is seen at once: its exit code (SIGKILL) reached
-the caller {detect_s:.2f} s after the kill, naming rank {err.rank} and step {err.step};
+the caller {detect_s[0]:.2f} s after the kill, naming rank {err.rank} and step {err.step};
 its peer, blocked in an all-reduce, got "connection reset" and was ended; no process was
 left. A *hung* rank (alive, never joining) is found only by the collective timeout
 (`RunConfig.timeout_s`, {BASE.timeout_s:g} s here; torch's default is 30 minutes for gloo, 10
@@ -377,7 +385,12 @@ for NCCL).
 # ## What the textbook says, what this run measured
 #
 # Every figure is built from this run's variables and every verdict is computed from them:
-# a row reads **no** where the run disagrees, and each one is asserted.
+# a row reads **no** where the run disagrees, and each one but the timed one is asserted. The
+# "timed" row (how soon a dead rank is reported) reads a clock, so it depends on this machine
+# and its load (the monitor polls; a busy machine wakes it late): it is read over the SIGKILL
+# drills, shows min / median / max, and reads "undecided on this machine" when their middle
+# half straddles its bound or, as in quick mode's single drill, there are fewer than 3
+# (`distlab.lab.timed`).
 
 # %%
 # the launcher an interview answer quotes, run in a fresh process
@@ -408,9 +421,7 @@ rows = [
     claim("write then rename: a crash mid-save keeps the previous checkpoint", "POSIX rename(2)",
           f"killed with {half:,} of {whole:,} B of state.pt written: the previous checkpoint "
           f"verified and resumed exactly", torn_diff == 0.0),
-    claim("a dead rank is reported, not hung on", "distlab.caller.launch; tests/test_process_safety.py",
-          f"rank {err.rank}, step {err.step}, {detect_s:.2f} s after SIGKILL; no process left",
-          detect_s < 10),
+    dead_rank_claim(reported, detect_s),
     claim("a preemption notice is time to save", "cloud spot-instance notices (AWS 2 min)",
           f"SIGTERM to exit {notice_s:.2f} s, checkpoint saved, status {job.status!r}",
           job.status == "preempted"),
@@ -421,5 +432,5 @@ rows = [
 ] + code_rows
 claims_table(rows)
 # this run's measurements must hold; the quoted launcher reads no while PyTorch deprecates it
-assert all(r["holds"] for r in rows if r not in code_rows), [r["claim"] for r in rows
-                                                             if not r["holds"]]
+asserted = [r for r in rows if r not in code_rows and r["basis"] != "timed"]
+assert all(r["holds"] for r in asserted), [r["claim"] for r in asserted if not r["holds"]]

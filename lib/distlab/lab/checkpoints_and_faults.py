@@ -102,6 +102,34 @@ def wait_for_steps(run: Run, n: int, timeout_s: float = 120.0) -> Run:
     return run
 
 
+def detect_seconds(run: Run) -> float:
+    """Seconds from a killed rank's `fault` event to the run's end (the caller's RunError)."""
+    return run.ended - run.history("fault")[0]["time"]
+
+
+def kill_drill(cfg: RunConfig, rank: int, step: int) -> tuple[Run, RunError, bool]:
+    """One SIGKILL drill (fault="kill" of `rank` at the start of `step`): the run, its
+    RunError, and whether it was reported as it should be (that rank, that step, SIGKILL) with
+    no process left."""
+    run, err = failed_run(cfg.replace(fault="kill", fault_rank=rank, fault_step=step))
+    ok = err.rank == rank and err.step == step and "SIGKILL" in err.message
+    return run, err, ok and not alive(run.pids)
+
+
+def dead_rank_claim(reported: bool, detect_s: list[float], bound_s: float = 10.0) -> dict:
+    """"A dead rank is reported, not hung on", timed: every drill reported (`reported`), and
+    the seconds from the kill to the caller's RunError under `bound_s` over the drills
+    (distlab.lab.timed.within; one drill leaves it undecided)."""
+    from distlab.lab.timed import all_of, timed_claim, within
+    return timed_claim(
+        "a dead rank is reported, not hung on", "distlab.caller.launch; "
+        "tests/test_process_safety.py", all_of(reported, within(detect_s, hi=bound_s)),
+        {"SIGKILL to the caller's RunError": detect_s}, scale=1, unit="s", digits=2,
+        interleaved_=False,
+        note=f"every drill named the rank and the step and left no process: {reported}; "
+             f"yes needs under {bound_s:g} s")
+
+
 def alive(pids) -> list[int]:
     """The pids still running (a zombie counts as gone only once reaped: it counts as alive)."""
     return [p for p in pids if psutil.pid_exists(p)

@@ -66,6 +66,21 @@ def rows(x, rank, world):
     return x[rank * n:(rank + 1) * n]
 
 
+def train_steps(name, model, opt, rank, world, steps, zero_every=1):
+    """`steps` steps on this rank's rows, the lr halved before the 4th; the loss in fp32;
+    zero_grad() after every `zero_every`-th step (else the gradients accumulate, torch's
+    semantics)."""
+    for step in range(steps):
+        x, y = (rows(t, rank, world) for t in batch(name, step))
+        loss_of(name, model(x).float(), y).backward()
+        if step == 3:
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
+        opt.step()
+        if (step + 1) % zero_every == 0:
+            opt.zero_grad()
+
+
 def max_diff(a: dict, b: dict) -> float:
     """Largest |a - b| over two state dicts with the same keys (in float64)."""
     assert a.keys() == b.keys()

@@ -39,7 +39,7 @@ the gather, reducing in another dtype) would show.
 
 import pytest
 import torch
-from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows
+from api_models import Mixed, RootParams, Tied, batch, loss_of, max_diff, rows, train_steps
 from torch import nn
 
 import distlab
@@ -99,18 +99,8 @@ def make(name, seed=0):
 
 
 def train(name, model, opt, rank, world, steps=STEPS, zero_every=1):
-    """`steps` steps on this rank's rows, the lr halved before the 4th; the loss in fp32;
-    zero_grad() after every `zero_every`-th step (else the gradients accumulate, torch's
-    semantics)."""
-    for step in range(steps):
-        x, y = (rows(t, rank, world) for t in batch(name, step))
-        loss_of(name, model(x).float(), y).backward()
-        if step == 3:
-            for g in opt.param_groups:
-                g["lr"] *= 0.5
-        opt.step()
-        if (step + 1) % zero_every == 0:
-            opt.zero_grad()
+    """api_models.train_steps, then the full state (see there)."""
+    train_steps(name, model, opt, rank, world, steps, zero_every)
     return full_state(model)
 
 

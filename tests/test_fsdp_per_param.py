@@ -47,7 +47,7 @@ import math
 
 import pytest
 import torch
-from api_models import Mixed, Tied, batch, loss_of, max_diff, rows
+from api_models import Mixed, Tied, batch, loss_of, max_diff, rows, train_steps
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -112,15 +112,8 @@ def make(name, frozen=()):
 
 
 def train(name, model, opt, rank, world):
-    """STEPS steps on this rank's rows, the lr halved before the 4th; the loss in fp32."""
-    for step in range(STEPS):
-        x, y = (rows(t, rank, world) for t in batch(name, step))
-        loss_of(name, model(x).float(), y).backward()
-        if step == 3:
-            for g in opt.param_groups:
-                g["lr"] *= 0.5
-        opt.step()
-        opt.zero_grad()
+    """STEPS steps on this rank's rows (api_models.train_steps)."""
+    train_steps(name, model, opt, rank, world, STEPS)
 
 
 def optimizer(model, opt_name):

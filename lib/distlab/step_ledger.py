@@ -248,8 +248,7 @@ def _wait_published(work, what: str) -> None:
     try:
         work.wait()
     finally:
-        what = _blocked.pop("what", None)
-        if _blocked.pop("published", False):
+        if _blocked.get("published"):
             mark("")  # the watcher said this rank was waiting: it is not any more
         _blocked.clear()
 

@@ -95,16 +95,9 @@ class ExpertZeRO:
 
     def state_bytes(self) -> dict:
         """Bytes of the experts' parameters, gradients and optimizer state on this rank."""
-        from distlab.parallel.zero.stages import _storage_bytes
-        units = self.units
-        params = _storage_bytes([u.full for u in units])
-        if self.stage == 3:
-            params += _storage_bytes([u.shard for u in units])
-        grads = _storage_bytes([u.grad_full for u in units]
-                               + ([u.grad_shard for u in units] if self.stage >= 2 else []))
-        optim = _storage_bytes([v for o in self.optimizers for s in o.state.values()
-                                for v in s.values() if torch.is_tensor(v)])
-        return {"params": params, "grads": grads, "optim": optim}
+        from distlab.parallel.zero.stages import units_bytes
+        state = {k: v for o in self.optimizers for k, v in o.state.items()}
+        return units_bytes(self.units, self.stage, state)
 
     def step_info(self) -> dict:
         """What the step event records: the stage, the group's size and each unit's entries

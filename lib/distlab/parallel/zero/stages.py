@@ -125,6 +125,21 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
+def units_bytes(units, stage: int, optimizer_state: dict, extra_state=()) -> dict:
+    """Bytes a rank holds for ZeRO units, from the tensors themselves (views of one buffer
+    count once): params, the flat buffers (and zero3's shards); grads, the flat gradient
+    buffers (and zero2/3's gradient shards); optim, the optimizer's state tensors (and
+    `extra_state`, e.g. offloaded CPU masters)."""
+    params = _storage_bytes([u.full for u in units])
+    if stage == 3:
+        params += _storage_bytes([u.shard for u in units])
+    grads = _storage_bytes([u.grad_full for u in units]
+                           + ([u.grad_shard for u in units] if stage >= 2 else []))
+    state = [v for s in optimizer_state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"params": params, "grads": grads,
+            "optim": _storage_bytes(state + list(extra_state))}
+
+
 def units_of(cfg, model):
     """zero3's units: RunConfig.fsdp_units (names), else the model's own declaration (an
     `fsdp_units` attribute: what fully_shard's units takes, as tp_plan declares a TP plan),
@@ -249,16 +264,12 @@ class ZeRO(Strategy):
         still gathered; grads: zero1 the flat gradient buffers, zero2/3 the gradient shards plus
         any flat gradient still alive; optim: the optimizer's state tensors (and, offloaded on
         CUDA, the CPU master shards), under "optim_offloaded" when cfg.offload."""
-        params = _storage_bytes([u.full for u in self.units] + self.frozen)
-        if self.stage == 3:
-            params += _storage_bytes([u.shard for u in self.units])
-        grads = _storage_bytes([u.grad_full for u in self.units]
-                               + ([u.grad_shard for u in self.units] if self.stage >= 2 else []))
-        grads += _storage_bytes([p.grad for p in self.frozen])
-        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        if self.offload_to_cpu:
-            state += [u.master for u in self.units]
-        optim = _storage_bytes(state)
+        held = units_bytes(self.units, self.stage, optimizer.state,
+                           extra_state=[u.master for u in self.units] if self.offload_to_cpu
+                           else [])
+        params = held["params"] + _storage_bytes(self.frozen)
+        grads = held["grads"] + _storage_bytes([p.grad for p in self.frozen])
+        optim = held["optim"]
         if self.cfg.offload:
             return {"params": params, "grads": grads, "optim": 0, "optim_offloaded": optim}
         return {"params": params, "grads": grads, "optim": optim}

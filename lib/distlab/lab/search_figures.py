@@ -53,7 +53,8 @@ def best_so_far_figure(studies: dict[str, optuna.Study], target: float) -> go.Fi
     pad = 0.08 * (max(later) - min(later) or abs(target) * 0.05 or 1.0)
     fig.update_yaxes(range=[min(later) - pad, max(later) + pad])
     fig.update_layout(title=f"Best loss so far against trials spent (y from trial {FROM_TRIAL})",
-                      xaxis_title="trials", yaxis_title="best held-out loss (nats)", height=360,
+                      xaxis=dict(title="trials", dtick=1),  # whole trials (the offsets are
+                      yaxis_title="best held-out loss (nats)", height=360,  # only to separate)
                       template="plotly_white", legend=LEGEND)
     return fig
 
@@ -132,8 +133,7 @@ def pruning_figure(studies: dict[str, optuna.Study]) -> go.Figure:
                                 showlegend=not _ran_on_shown(fig),
                                 line=dict(color=RUN_COLORS[1], width=1, dash="dot"),
                                 row=1, col=col)
-    fig.update_xaxes(title_text="training rows seen (dotted: rows a pruned run read after "
-                     "the pruner's decision, before its stop arrived)")
+    fig.update_xaxes(title_text="training rows seen")  # the legend says what dotted means
     fig.update_yaxes(title_text="live loss (mean over the window)", row=1, col=1)
     fig.update_layout(title="Early stopping: what each pruner let run (grey: every trial "
                       "unpruned)", height=380, template="plotly_white", legend=LEGEND)

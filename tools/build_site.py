@@ -14,7 +14,10 @@ for what is here a dozen pages and an index.
 What this adds to nbconvert's pages: plotly figures (saved by the notebooks as
 application/vnd.plotly.v1+json, which nbconvert does not draw) become plotly divs drawn by
 the plotly.js that the installed plotly package ships, copied once into the site; a widget (an
-explorer or the control panel needs a kernel) becomes a note saying so. A notebook with no
+explorer or the control panel needs a kernel) becomes a note saying so, above the static
+picture of its figure that its output carries (distlab.lab.live.LiveBox). The saved widget
+state is left out: no page draws a widget, and it was most of a page's weight (02 and 17 were
+11 MB, nearly all of it plotly's widget bundle). A notebook with no
 executed copy is shown from its source, marked as not executed, so every link of the index
 resolves. Links between pages (the interview index points at notebook sections, the reference
 pages at each other) are rewritten from the .ipynb and .md files to the pages; a reference
@@ -41,7 +44,8 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("<p class='site-note'><i>An interactive widget stands here (an explorer or the "
                "control panel): it needs a running kernel. Open this notebook in JupyterLab to "
-               "use it.</i></p>")
+               "use it. Below, where it drew one, its figure as the notebook's run left it."
+               "</i></p>")
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
          "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px}"
          ".site-note{color:#555}")
@@ -68,11 +72,15 @@ def prepare(nb: nbformat.NotebookNode) -> int:
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             data = out.get("data", {})
-            if PLOTLY_MIME in data:
+            if PLOTLY_MIME in data and WIDGET_MIME not in data:
                 out["data"] = {"text/html": _plotly_html(data[PLOTLY_MIME], figures)}
                 figures += 1
             elif WIDGET_MIME in data:
-                out["data"] = {"text/html": WIDGET_NOTE}
+                picture = data.get(PLOTLY_MIME)
+                out["data"] = {"text/html": WIDGET_NOTE + (
+                    _plotly_html(picture, figures) if picture is not None else "")}
+                figures += picture is not None
+    nb.metadata.pop("widgets", None)  # the widgets' saved state: no page draws a widget
     return figures
 
 

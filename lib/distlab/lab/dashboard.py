@@ -7,6 +7,10 @@ Why it is built this way:
 * One plotly `FigureWidget` per dashboard, with subplots. Each FigureWidget sends plotly's whole
   JavaScript bundle (~5 MB) to the browser when it is created, so three figures per dashboard
   would cost three times that.
+* The figure becomes a FigureWidget when the first run is watched: until then (a control
+  panel nobody has pressed Run on) it is a static plotly output, and a saved notebook does not
+  carry plotly's 5.1 MB widget bundle for an empty chart. When `watch()`'s cell ends with its
+  runs over, a static copy takes the live figure's place and the widgets close (live.retire).
 * A daemon thread polls the watched runs (at most `POLL_S` apart) and redraws inside
   `batch_update()`, so a cell that blocks in `run.wait()` still sees the figures move: widget
   messages from a thread reach the browser while the cell runs.
@@ -26,8 +30,9 @@ from plotly.subplots import make_subplots
 from distlab.caller.run import Run
 from distlab.lab.common import (MEMORY_CATEGORIES, MEMORY_COLORS, RUN_COLORS, byte_unit,
                                 clear_hint, has_hint, md_escape, show_hint)
-from distlab.lab.live import (LIVE_NOTE, _error_html, describe, keep_for_reload, loss_curve,
-                              run_label, step_events, wire_sent)
+from distlab.lab.live import (LIVE_NOTE, FigureView, LiveBox, _error_html, describe,
+                              keep_for_reload, loss_curve, retire, run_label, static_bundle,
+                              step_events, wire_sent)
 from distlab.step_event import bytes_sent, comm, memory
 
 # At most four redraws a second: each redraw sends every trace's data to the browser again
@@ -58,27 +63,38 @@ class LiveDashboard:
         self.error: BaseException | None = None
         self._lock = threading.RLock()  # one redraw at a time, and `runs` stays consistent
         self._thread: threading.Thread | None = None
-        self._loss_traces: dict[int, object] = {}  # id(run) -> its loss trace
-        self._floor_traces: dict[float, object] = {}  # loss floor -> its dashed line
+        # by index in fig.data: the figure object changes when it goes live or static
+        self._loss_traces: dict[int, int] = {}  # id(run) -> its loss trace
+        self._floor_traces: dict[float, int] = {}  # loss floor -> its dashed line
         self._names: dict[int, str] = {}  # id(run) -> a label given to watch()
-        self.fig = _make_figure()
+        self.fig = _make_figure()  # static until a run is watched (_go_live)
+        self._view: FigureView | None = FigureView(self.fig)  # None while live
         self.outlives_cell = False  # the run outlasts its cell: the status says so (LIVE_NOTE)
+        self.retired = False  # its cell ended and left a static copy: its widgets are closed
+        self._handle = None  # watch()'s display, which a static copy replaces at cell end
+        self._hooked = False  # a cell-end check is registered (_at_cell_end)
         self.status = W.HTML()
-        self.widget = W.VBox([self.fig, self.status])
+        self.widget = LiveBox([self._view.widget, self.status], "the live dashboard",
+                              figure=lambda: self.fig)
         self.widget.add_class("distlab-dashboard")  # lets a browser test find this figure
         for run in runs or ():
             self.watch(run)
 
     def watch(self, run: Run, label: str | None = None) -> Run:
         """Add a run; `label` names it in the legend and status (default: run_label)."""
+        if self.retired:
+            raise ValueError("this dashboard's cell has ended and left a static copy in its "
+                             "place: watch the run on a new dashboard (lab.watch(run))")
         with self._lock:
+            self._go_live()
             if run not in self.runs:
                 self.runs.append(run)
                 if label is not None:
                     self._names[id(run)] = label
-                self._loss_traces[id(run)] = self.fig.add_scatter(
+                self.fig.add_scatter(
                     x=[], y=[], mode="lines", name=self._label(run, len(self.runs)),
-                    line=_run_line(len(self.runs) - 1), row=1, col=1).data[-1]
+                    line=_run_line(len(self.runs) - 1), row=1, col=1)
+                self._loss_traces[id(run)] = len(self.fig.data) - 1
                 units = {loss_axis_title(r.cfg) for r in self.runs}
                 self.fig.update_yaxes(title_text=units.pop() if len(units) == 1 else "loss",
                                       row=1, col=1)
@@ -90,6 +106,80 @@ class LiveDashboard:
         if start:
             self._thread.start()
         return run
+
+    def _go_live(self):
+        """(Under the lock.) The static figure becomes a FigureWidget in the same place: the
+        runs are drawn on it live from now on, until a cell ends with them over."""
+        if self._view is None:
+            return
+        self.fig = go.FigureWidget(self.fig)
+        old, self._view = self._view, None
+        self.widget.children = (self.fig, *self.widget.children[1:])
+        old.widget.close()
+        self._check_at_cell_end()
+
+    def _go_static(self):
+        """(Under the lock.) The live figure, its runs over, becomes a static view again and
+        its FigureWidget retires (live.retire): what a saved notebook keeps of it is the
+        figure, not plotly's 5.1 MB widget bundle. The next run watched goes live again."""
+        if self._view is not None:
+            return
+        live, self.fig = self.fig, go.Figure(self.fig)
+        self._view = FigureView(self.fig)
+        self.widget.children = (self._view.widget, *self.widget.children[1:])
+        retire(live)
+
+    def _check_at_cell_end(self):
+        """After the cell now running (IPython's post_run_cell, on the kernel's main thread,
+        while the cell's messages still count as its own: nbclient records them): with every
+        run over, the figure goes static (watch()'s display: a static copy in its place).
+        Runs still going are checked again at the next cell's end. A click's run, between
+        cells, stays live until then."""
+        from IPython import get_ipython
+        shell = get_ipython()
+        if shell is None or self._hooked:
+            return
+        self._hooked = True
+
+        def at_cell_end(_result=None):
+            shell.events.unregister("post_run_cell", at_cell_end)
+            self._hooked = False
+            self._at_cell_end()
+        shell.events.register("post_run_cell", at_cell_end)
+
+    def _at_cell_end(self):
+        if self.retired:
+            return
+        if not self.runs or not all(r.done for r in self.runs):
+            if self._handle is not None:  # watch()'s run outlasts its cell: the status says so
+                self.outlives_cell = True
+                self.refresh()
+            with self._lock:
+                if self._view is None:
+                    self._check_at_cell_end()
+            return
+        thread = self._thread
+        if thread is not None:  # its last redraw: let it finish, then draw once more here
+            thread.join(timeout=5 * self.poll_s + 5)
+        self.refresh()
+        if self._handle is not None:
+            self._leave_static_copy()
+        else:
+            with self._lock:
+                self._go_static()
+
+    def _leave_static_copy(self):
+        """watch()'s display, its runs over: a static copy in the live figure's place (the last
+        redraw as a plain plotly figure, which JupyterLab draws again from the saved notebook,
+        with its HTML copy for nbconvert) and the status lines as Markdown; then the widgets
+        close (live.retire), since nothing shows them any more. A live FigureWidget lives in
+        the kernel: after a reload or a kernel restart it comes back as "Error displaying
+        widget: model not found"."""
+        self._handle.update(static_bundle(self.fig), raw=True)
+        if not self.outlives_cell:  # a later cell's end: its output is not this run's place
+            display(Markdown("  \n".join(self.status_lines())))
+        self.retired = True
+        retire(self.widget)
 
     # -- polling (the only code that runs outside the kernel's main thread) -----------------
     def _poll(self):
@@ -130,6 +220,8 @@ class LiveDashboard:
                 LIVE_NOTE if self.outlives_cell else "")
             for fn in list(self.listeners):  # under the lock: one thread sets widgets at a time
                 fn()
+            if self._view is not None:  # not live yet (no run watched): the static view
+                self._view.show()
 
     def status_lines(self) -> list[str]:
         """The status as Markdown lines: each run's label in bold, then where it stands."""
@@ -149,7 +241,7 @@ class LiveDashboard:
         with self.fig.batch_update():
             for run in self.runs:
                 steps, losses = loss_curve(run)
-                trace = self._loss_traces[id(run)]
+                trace = self.fig.data[self._loss_traces[id(run)]]
                 trace.x, trace.y = steps, losses
                 floor = run.info("loss_floor")
                 if floor is not None:
@@ -161,13 +253,14 @@ class LiveDashboard:
     def _floor_trace(self, floor: float):
         """The dashed line of a loss floor (one per distinct dataset among the runs)."""
         if floor not in self._floor_traces:
-            self._floor_traces[floor] = self.fig.add_scatter(
+            self.fig.add_scatter(
                 x=[], y=[], mode="lines", line=dict(dash="dash", color=FLOOR_COLOR, width=1.5),
                 name=f"loss floor {floor:.3f} (best achievable)",
                 hovertemplate=("loss floor %{y:.4f}: the best achievable loss, the entropy of "
                                "the data<extra></extra>"),
-                row=1, col=1).data[-1]
-        return self._floor_traces[floor]
+                row=1, col=1)
+            self._floor_traces[floor] = len(self.fig.data) - 1
+        return self.fig.data[self._floor_traces[floor]]
 
     def _draw_ranks(self, run: Run, label: str):
         """Memory by category and bytes sent, per rank, at the latest step all ranks finished."""
@@ -229,7 +322,7 @@ class LiveDashboard:
         return f"LiveDashboard({len(self.runs)} runs)"
 
 
-def _make_figure() -> go.FigureWidget:
+def _make_figure() -> go.Figure:
     """Three charts, one above the other, each with its legend beside it (plotly's several
     legends): the loss of every run on top, memory and bytes per rank of the latest run
     underneath. Side by side, the lower two would share one legend column at the right, the
@@ -239,7 +332,6 @@ def _make_figure() -> go.FigureWidget:
         subplot_titles=("loss per step (mean over ranks)",
                         "memory per rank: bytes by category (the step's peak: track_peak)",
                         "bytes sent per rank in one step"))
-    fig = go.FigureWidget(fig)
     for (key, name), color in zip(MEMORY_CATEGORIES, MEMORY_COLORS):
         fig.add_bar(x=[], y=[], name=name, legend="legend2", marker_color=color,
                     offsetgroup="held", row=2, col=1)
@@ -315,15 +407,6 @@ def _bytes_title(run: Run, label: str, where: str, events: list[dict], blind: st
     return where + unseen
 
 
-def _plotly_bundle(fig: go.Figure) -> dict:
-    """fig as a mime bundle, to update a display in place. display(fig) would not do: a
-    plotly figure displays itself (_ipython_display_), as a new output, whatever display_id
-    it is given. The notebook's renderers make the bundle; plotly's own mimetype if none is
-    set (outside Jupyter)."""
-    return fig._repr_mimebundle_() or {"application/vnd.plotly.v1+json": fig.to_plotly_json(),
-                                       "text/plain": f"<{len(fig.data)} traces>"}
-
-
 # -- showing a run from a cell -------------------------------------------------------------------
 def dashboard_for(*runs: Run) -> LiveDashboard:
     """A dashboard watching these runs; display its `.widget` yourself."""
@@ -338,34 +421,7 @@ def watch(*runs: Run, dashboard: LiveDashboard | None = None) -> LiveDashboard:
     dash = dashboard or LiveDashboard()
     for run in runs:
         dash.watch(run)
-    handle = display(dash.widget, display_id=True)
-    _leave_static_copy(dash, handle)
+    # the widget's bundle, raw: a LiveBox displays itself with a note (no display id), and
+    # this display is the one the static copy replaces at the cell's end
+    dash._handle = display(dash.widget._repr_mimebundle_(), raw=True, display_id=True)
     return dash
-
-
-def _leave_static_copy(dash: LiveDashboard, handle):
-    """When the cell that showed the dashboard ends with its runs over (`run.wait()` in the
-    same cell), put a static copy in the live figure's place: the last redraw as a plain plotly
-    figure (the notebook's plotly output, which JupyterLab draws again from the saved notebook)
-    and the status lines as Markdown. A live FigureWidget lives in the kernel: after a reload
-    or a kernel restart it comes back as "Error displaying widget: model not found". A run
-    still going when the cell ends keeps the live figure (the status says so)."""
-    from IPython import get_ipython
-    shell = get_ipython()
-    if shell is None or handle is None:  # not in IPython: nothing to keep
-        return
-
-    def at_cell_end(_result=None):
-        shell.events.unregister("post_run_cell", at_cell_end)
-        if not dash.runs or not all(r.done for r in dash.runs):
-            dash.outlives_cell = True
-            dash.refresh()
-            return
-        thread = dash._thread
-        if thread is not None:  # its last redraw: let it finish, then draw once more here
-            thread.join(timeout=5 * dash.poll_s + 5)
-        dash.refresh()
-        handle.update(_plotly_bundle(go.Figure(dash.fig)), raw=True)
-        display(Markdown("  \n".join(dash.status_lines())))
-
-    shell.events.register("post_run_cell", at_cell_end)

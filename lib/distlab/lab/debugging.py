@@ -28,6 +28,7 @@ from distlab.debug.diagnose import (
     matches_reference,
 )
 from distlab.lab.common import RUN_COLORS, has_hint, html_table
+from distlab.lab.live import LiveBox
 from distlab.lab.panel import Explorer, LiveDashboard
 from distlab.lab.runs import launch_together
 from distlab.caller.launch import launch
@@ -347,8 +348,9 @@ class DebugExplorer(Explorer):
         self._reported: Run | None = None
         self._labels: dict[int, str] = {}
         self._lines_drawn = False  # ln V and the unigram entropy: with the first step drawn
-        self.widget = W.VBox([W.HBox([self.drill, self.button, self.stop_button]), self.status,
-                              self.report, self.dashboard.widget])
+        self.widget = LiveBox([W.HBox([self.drill, self.button, self.stop_button]),
+                               self.status, self.report, self.dashboard.widget],
+                              "DebugExplorer (an explorer)", figure=lambda: self.dashboard.fig)
 
     def config(self) -> RunConfig:
         d = DRILLS.get(self.drill.value)

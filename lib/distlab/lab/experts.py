@@ -150,11 +150,12 @@ class ExpertsExplorer(Explorer):
                              description="capacity factor", style=style)
         self.aux = W.Dropdown(options=[("on (0.01)", 0.01), ("off", 0.0)], value=0.01,
                               description="balance loss", style=style)
-        self.fig = go.FigureWidget()
+        self.fig = go.Figure()
         self.fig.update_layout(height=330, template="plotly_white", legend=LEGEND)
         self.last: dict | None = None
-        self.widget = W.VBox([W.HBox([self.top_k, self.cf, self.aux, self.button,
-                                      self.stop_button]), self.status, self.fig])
+        self.widget = self._box([W.HBox([self.top_k, self.cf, self.aux, self.button,
+                                         self.stop_button]), self.status,
+                                 self._view_of(self.fig)])
 
     def _clear(self):
         super()._clear()

@@ -12,8 +12,8 @@ import time
 import ipywidgets as W
 
 from distlab.caller.run import Run
-from distlab.lab.live import (_error_html, _stop_in_background, keep_for_reload, show_live,
-                              status_text)
+from distlab.lab.live import (FigureView, LiveBox, _error_html, _stop_in_background,
+                              keep_for_reload, show_live, status_text)
 
 
 class ExplorerBusy(RuntimeError):
@@ -32,6 +32,10 @@ class Explorer:
       run_ranks; after launch(), call `self._started(run)`), wait, draw the result (the one
       place the figure is drawn), say it with `self._say(html)`, return the result.
     * `_clear()`: the stale result goes at once (its figure emptied, its numbers blanked).
+
+    Its figure is a plain `go.Figure` in `self.fig`, shown by `self._view_of(self.fig)` (a
+    static plotly output, redrawn when the work ends or is cleared: live.FigureView), and its
+    outer box `self._box(children)` (a LiveBox: without a kernel, the figure's picture).
 
     `run(**values)` does the work and returns its result, blocking: what a notebook cell calls,
     so nbval exercises it. A click on Run clears the stale result at once, does the same work
@@ -59,6 +63,7 @@ class Explorer:
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
                                     disabled=True)
         self.status = W.HTML()
+        self.view: FigureView | None = None  # how self.fig is shown (_view_of)
         self.live: Run | None = None  # the run going now (set by _started)
         self.error: BaseException | None = None  # what the last click's work raised
         self._status_lock = threading.RLock()
@@ -82,6 +87,23 @@ class Explorer:
         """The stale result goes; a subclass empties its figure too (and calls this)."""
         self._say("starting: the previous result is cleared")
 
+    # -- how a subclass lays itself out ---------------------------------------------------------
+    def _view_of(self, fig) -> W.Widget:
+        """The widget that shows `fig` (self.fig) as a static plotly output; show_figure()
+        redraws it (the base does when the work ends and after _clear)."""
+        self.view = FigureView(fig)
+        return self.view.widget
+
+    def _box(self, children) -> LiveBox:
+        """The explorer's outer box: without a kernel it leaves its figure's picture."""
+        return LiveBox(children, f"{type(self).__name__} (an explorer)",
+                       figure=lambda: self.view.fig if self.view is not None else None)
+
+    def show_figure(self):
+        """Show the figure as it is now (from any thread; nothing is sent if unchanged)."""
+        if self.view is not None:
+            self.view.show()
+
     # -- running -------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
@@ -93,6 +115,7 @@ class Explorer:
         Raises ExplorerBusy while another run is going, and whatever the work raised."""
         self._claim()
         self._clear()
+        self.show_figure()
         return self._guarded(values)
 
     def start(self, **values) -> threading.Thread:
@@ -100,6 +123,7 @@ class Explorer:
         the thread at once. Raises ExplorerBusy while another run is going."""
         self._claim()
         self._clear()
+        self.show_figure()
         self._worker = threading.Thread(target=self._background, args=(values,), daemon=True,
                                         name=f"distlab-{type(self).__name__}")
         self._worker.start()
@@ -182,6 +206,7 @@ class Explorer:
                 self._busy = False
                 self.stop_button.disabled = True
             self._launched.set()
+            self.show_figure()  # the figure the work drew (or left cleared)
             for fig in (getattr(self, "fig", None),
                         getattr(getattr(self, "dashboard", None), "fig", None)):
                 keep_for_reload(fig)  # the figure a reload draws: this run's

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import copy
 import html
+import json
 import os
 import re
 import threading
 import time
+import uuid
 
+import ipywidgets as W
 import plotly.graph_objects as go
+import plotly.io as pio
 from IPython.display import Markdown, display
+from plotly.io._base_renderers import MimetypeRenderer
 
 from distlab.caller.run import Run
 
@@ -134,14 +139,146 @@ def live_note() -> Markdown:
     """The same note as a static output, shown under a live widget: it survives a reload
     that turns the widget into "Error displaying widget: model not found"."""
     return Markdown("<small style='color:#666'>Live widget: after a reload or a kernel "
-                    "restart, run this cell again to bring it back.</small>")
+                    "restart, run this cell again to bring it back. A page made from the saved "
+                    "notebook (nbconvert) draws it only online: its widget manager comes from a "
+                    "CDN.</small>")
 
 
 def show_live(widget):
-    """Display a widget that stays live (a panel, an explorer) and the note under it."""
-    display(widget, live_note())
+    """Display a widget that stays live (a panel, an explorer) and the note under it (a
+    LiveBox says it itself)."""
+    if isinstance(widget, LiveBox):
+        display(widget)
+    else:
+        display(widget, live_note())
 
 
 def _error_html(what: str, e: BaseException) -> str:
     return (f"<span style='color:#c00'><b>{html.escape(what)}</b>: "
             f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
+
+
+# -- what a page without a kernel shows ----------------------------------------------------------
+# A notebook's saved outputs are read without a kernel too: by JupyterLab before the cells run
+# (an untrusted notebook draws only "safe" outputs, and a widget is not one: it showed as
+# "VBox(children=(HBox(...") and by `jupyter nbconvert --to html`, which draws neither a widget
+# whose state is not saved nor plotly's own output type. So every figure also carries an HTML
+# copy, and every live widget a static picture of its figure (issue 43).
+PAGE_NOTE = ("This plotly figure needs plotly.js, which this page loads from cdn.plot.ly: "
+             "offline, or where a page runs no scripts, it is not drawn. Open the notebook in "
+             "JupyterLab, or read the workbook's site (tools/build_site.py), which carries "
+             "plotly.js with it.")
+WIDGET_NOTE = ("a live widget: in JupyterLab with a kernel, run this cell to use it. What "
+               "follows is a static picture of its figure as the cell left it.")
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+# A FigureWidget's model carries plotly's whole widget bundle (`_esm`, 5.1 MB); a model whose
+# view has been replaced by a static copy keeps this instead, so a saved notebook does not.
+NO_VIEW_ESM = "export default { render() {} };  // distlab: no view left (a static copy)"
+
+
+def page_html(fig, note: str = PAGE_NOTE) -> str:
+    """A figure as HTML for a page without JupyterLab: the figure drawn by plotly.js from its
+    CDN when the page can load it, the note (why it is missing) left in its place when not."""
+    div = f"distlab-{uuid.uuid4().hex[:12]}"
+    drawn = pio.to_html(fig, include_plotlyjs="cdn", full_html=False, div_id=div,
+                        validate=False, default_width="100%",
+                        post_script=f"var n = document.getElementById('{div}-why'); "
+                                    "if (n) { n.remove(); }")
+    why = f"<p id='{div}-why' style='color:#666'><small><i>{html.escape(note)}</i></small></p>"
+    return why + drawn
+
+
+class _PageRenderer(MimetypeRenderer):
+    """plotly's renderer for the HTML copy beside its own output type (page_html)."""
+
+    def to_mimebundle(self, fig_dict):
+        return {"text/html": page_html(fig_dict)}
+
+
+def use_page_copies() -> None:
+    """In a kernel, figures carry an HTML copy beside plotly's output type: JupyterLab draws
+    plotly's (its renderer ranks first), nbconvert and GitHub the copy. Only where plotly chose
+    its plain kernel default: an environment's own choice (PLOTLY_RENDERER, VS Code, Colab)
+    stands."""
+    pio.renderers["distlab_page"] = _PageRenderer()
+    if pio.renderers.default == "plotly_mimetype":
+        pio.renderers.default = "plotly_mimetype+distlab_page"
+
+
+def static_bundle(fig) -> dict:
+    """A figure as a display's data: plotly's output type (JupyterLab draws it, trusted or
+    not), its HTML copy (page_html) and a line of text."""
+    fig = fig if isinstance(fig, dict) else go.Figure(fig).to_plotly_json()
+    return {PLOTLY_MIME: _plain(fig), "text/html": page_html(fig),
+            "text/plain": f"<plotly figure: {len(fig.get('data', []))} traces>"}
+
+
+def _plain(fig: dict) -> dict:
+    """A figure's JSON with numpy arrays as lists (what a notebook's JSON can hold)."""
+    return json.loads(pio.to_json(fig, validate=False))
+
+
+class FigureView:
+    """A figure shown in a widget as a static plotly output (an Output widget), for a figure
+    redrawn when its work ends, not streamed: an explorer's. A FigureWidget would add plotly's
+    5.1 MB widget bundle to every saved notebook that shows one; a static output is the
+    figure's own size, and is what JupyterLab draws anyway. `show()` after each redraw."""
+
+    def __init__(self, fig: go.Figure):
+        self.fig = fig
+        self.widget = W.Output()
+        self._shown = None
+        self.show()
+
+    def show(self) -> None:
+        """Put the figure as it is now in the view (from any thread: it only sets a widget's
+        value); nothing is sent when it has not changed since the last call."""
+        data = static_bundle(self.fig)
+        key = json.dumps(data[PLOTLY_MIME], sort_keys=True)
+        if key != self._shown:
+            self._shown = key
+            self.widget.outputs = ({"output_type": "display_data", "data": data,
+                                    "metadata": {}},)
+
+
+class LiveBox(W.VBox):
+    """A live widget's outer box that leaves a picture where no kernel is: besides the widget,
+    its display carries a static copy of its figure (plotly's output type, which an untrusted
+    JupyterLab draws, and HTML for nbconvert) and a line of text instead of the VBox repr.
+    `figure` returns the figure as it is now (None: nothing to picture); `what` names it."""
+
+    def __init__(self, children, what: str, figure=None, **kwargs):
+        super().__init__(children, **kwargs)
+        self._what, self._figure = what, figure
+
+    def _repr_mimebundle_(self, **kwargs):
+        data = super()._repr_mimebundle_(**kwargs)
+        fig = self._figure() if self._figure is not None else None
+        note = f"{self._what}: {WIDGET_NOTE}"
+        data["text/plain"] = note
+        data["text/html"] = (f"<p style='color:#666'><i>{html.escape(note)}</i></p>"
+                             + (page_html(fig) if fig is not None else ""))
+        if fig is not None:
+            data[PLOTLY_MIME] = _plain(go.Figure(fig).to_plotly_json())
+        return data
+
+    def _ipython_display_(self):
+        """The widget and the note under it (live_note), however it is shown: `panel`, or
+        `explorer.widget` as a cell's last line."""
+        display(self._repr_mimebundle_(), raw=True)
+        display(live_note())
+
+
+def retire(widget) -> None:
+    """Close a widget whose view a static copy replaced, and its children: it lives on in the
+    kernel and in a saved notebook's widget state otherwise. A FigureWidget first drops plotly's
+    5.1 MB bundle (NO_VIEW_ESM): nbclient records the state a model was last sent and keeps it
+    after the model closes."""
+    for child in getattr(widget, "children", ()):
+        retire(child)
+    if isinstance(widget, go.FigureWidget):
+        widget._esm = NO_VIEW_ESM
+    widget.close()
+
+
+use_page_copies()

@@ -120,11 +120,12 @@ class LongContextExplorer(Explorer):
         self.length = W.Dropdown(options=list(lengths), value=lengths[0],
                                  description="sequence length", style=style)
         self.repeats = repeats
-        self.fig = go.FigureWidget()
+        self.fig = go.Figure()
         self.fig.update_layout(height=330, template="plotly_white", legend=LEGEND)
         self.last: list[dict] | None = None
-        self.widget = W.VBox([W.HBox([self.world, self.length, self.button, self.stop_button]),
-                              self.status, self.fig])
+        self.widget = self._box([W.HBox([self.world, self.length, self.button,
+                                          self.stop_button]),
+                                 self.status, self._view_of(self.fig)])
 
     def _clear(self):
         super()._clear()

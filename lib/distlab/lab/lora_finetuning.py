@@ -328,14 +328,14 @@ class LoRAExplorer(Explorer):
                                   description="targets")
         self.lr = W.Dropdown(options=list(lrs), value=ft.lr if ft.lr in lrs else lrs[0],
                              description="lr")
-        self.fig = go.FigureWidget()
+        self.fig = go.Figure()
         self.fig.update_layout(height=340, template="plotly_white", margin=dict(t=30),
                                xaxis_title="fine-tuning step",
                                yaxis_title="held-out loss (nats)")
         self.last: dict | None = None
-        self.widget = W.VBox([W.HBox([self.rank, self.targets, self.lr, self.button,
-                                      self.stop_button]),
-                              self.status, self.fig])
+        self.widget = self._box([W.HBox([self.rank, self.targets, self.lr, self.button,
+                                         self.stop_button]),
+                                 self.status, self._view_of(self.fig)])
 
     def config(self) -> RunConfig:
         return self.ft.replace(lora_rank=self.rank.value, lora_targets=self.targets.value,

@@ -42,7 +42,7 @@ from distlab.lab.dashboard import (BOOKED_COLOR, EMPTY_HINT, FLOOR_COLOR, LINK_C
                                    PEAK_COLOR, PEAK_NAME, POLL_S, WIRE_COLOR, LiveDashboard,
                                    dashboard_for, loss_axis_title, watch)
 from distlab.lab.explorer import Explorer, ExplorerBusy
-from distlab.lab.live import (LIVE_NOTE, _error_html, _stop_in_background, describe,
+from distlab.lab.live import (LIVE_NOTE, LiveBox, _error_html, _stop_in_background, describe,
                               keep_for_reload, live_note, loss_curve, run_label, show_live,
                               status_text, step_events, wire_sent)
 from distlab.step_event import bytes_sent
@@ -125,9 +125,10 @@ class ControlPanel:
         self.stop_button.on_click(self._on_stop_click)
         self.dashboard.listeners.append(self._show_progress)
         self._sync(None)
-        self.widget = W.VBox([
+        self.widget = LiveBox([
             self.controls, W.HBox([self.run_button, self.stop_button, self.progress]),
-            self.status, self.details, self.dashboard.widget])
+            self.status, self.details, self.dashboard.widget], "the control panel",
+            figure=lambda: self.dashboard.fig)
         self.widget.add_class("distlab-panel")
 
     def add_knob(self, name: str, widget: W.Widget, _own: bool = False):

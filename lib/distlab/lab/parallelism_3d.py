@@ -343,7 +343,7 @@ class MeshExplorer(Explorer):
         self.table = W.HTML()
         # the heatmap's colour bar sits in the gap between the subplots, clear of the loss
         # plot's tick labels and axis title
-        self.fig = go.FigureWidget(make_subplots(
+        self.fig = go.Figure(make_subplots(
             rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.24,
             subplot_titles=("bytes sent per step, sender → receiver", "loss")))
         self.fig.update_layout(height=460, template="plotly_white", margin=dict(t=60, b=90),
@@ -355,9 +355,9 @@ class MeshExplorer(Explorer):
             w.observe(lambda _c: self._refresh_layouts(), names="value")
         self._refresh_layouts()
         self.last: dict | None = None
-        self.widget = W.VBox([W.HBox([self.world, self.layout, self.microbatches,
-                                      self.schedule, self.button, self.stop_button]),
-                              self.status, self.table, self.fig])
+        self.widget = self._box([W.HBox([self.world, self.layout, self.microbatches,
+                                         self.schedule, self.button, self.stop_button]),
+                                 self.status, self.table, self._view_of(self.fig)])
 
     def _refresh_layouts(self):
         opts = valid_layouts(self.base, self.world.value, self.microbatches.value,

@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 
 from distlab.config import RunConfig
 from distlab.lab.common import html_table
+from distlab.lab.live import FigureView, LiveBox, show_live
 from distlab.parallel.parallelize import CARRIES, layout, mesh_string, order_of, sizes
 from distlab.theory.mesh_bytes import mesh_bytes
 
@@ -77,11 +78,13 @@ class MeshND:
                                               layout=W.Layout(width="150px"))
         self.status = W.HTML()
         self.groups = W.HTML()
-        self.fig = go.FigureWidget(mesh_figure(self.config()))
+        self.fig = mesh_figure(self.config())
+        self.view = FigureView(self.fig)  # static: redrawn per knob change, not streamed
         for w in self.knobs.values():
             w.observe(lambda _change: self.redraw(), names="value")
-        self.widget = W.VBox([W.HBox(list(self.knobs.values())), self.status, self.fig,
-                              self.groups])
+        self.widget = LiveBox([W.HBox(list(self.knobs.values())), self.status,
+                               self.view.widget, self.groups], "the mesh explorer",
+                              figure=lambda: self.fig)
         self.redraw()
 
     def config(self, **changes) -> RunConfig:
@@ -101,12 +104,12 @@ class MeshND:
         with self.fig.batch_update():
             self.fig.data[0].update(new.data[0])
             self.fig.layout.title = new.layout.title
+        self.view.show()
         self.groups.value = html_table(["group kind", "groups", "members", "carries"],
                                        group_rows(cfg))
 
     def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget)
+        show_live(self.widget)
 
 
 def dimension_rows(cfg: RunConfig, run) -> list[dict]:

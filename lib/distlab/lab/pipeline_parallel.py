@@ -282,12 +282,12 @@ class PipelineExplorer(Explorer):
         self.virtual_note = W.HTML()  # why the virtual stages are disabled, when they are
         self.schedule.observe(lambda _change: self._offer_virtual(), names="value")
         self._offer_virtual()
-        self.fig = go.FigureWidget()
+        self.fig = go.Figure()
         self.fig.update_layout(height=270, template="plotly_white", legend=LEGEND)
         self.last: dict | None = None
-        self.widget = W.VBox([W.HBox([self.schedule, self.microbatches, self.virtual,
-                                      self.button, self.stop_button]), self.virtual_note,
-                              self.status, self.fig])
+        self.widget = self._box([W.HBox([self.schedule, self.microbatches, self.virtual,
+                                         self.button, self.stop_button]), self.virtual_note,
+                                 self.status, self._view_of(self.fig)])
 
     def _offer_virtual(self):
         """Virtual stages only under the interleaved schedule: disabled (at 1) otherwise."""

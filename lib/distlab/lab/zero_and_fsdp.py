@@ -446,7 +446,7 @@ class MemoryExplorer(lab.Explorer):
         self.offload = W.Checkbox(value=False, description="offload", indent=False)
         self.status.value = "ready: pick a strategy and press Run"
         self.note = W.HTML()
-        self.fig = go.FigureWidget()
+        self.fig = go.Figure()
         for key, name in ALL_CATEGORIES:
             self.fig.add_bar(x=[], y=[], name=name, marker_color=COLORS[key],
                              marker_pattern_shape="/" if key.endswith("_offloaded") else "")
@@ -455,9 +455,9 @@ class MemoryExplorer(lab.Explorer):
         common.show_hint(self.fig, "press Run: each rank's memory by category, measured, "
                                    "appears here beside the estimate")
         self.scale, self.unit = common.byte_unit()  # the y axis's unit, set again at each draw
-        self.widget = W.VBox([W.HBox([self.strategy, self.world_size, self.offload,
-                                      self.button, self.stop_button]), self.status, self.note,
-                              self.fig])
+        self.widget = self._box([W.HBox([self.strategy, self.world_size, self.offload,
+                                         self.button, self.stop_button]), self.status, self.note,
+                                 self._view_of(self.fig)])
         self.widget.add_class("distlab-zero-explorer")
         self.strategy.observe(self._on_strategy, names="value")
         self._on_strategy({"new": self.strategy.value})
@@ -544,6 +544,7 @@ class MemoryExplorer(lab.Explorer):
             step = f"step {run.steps_done() - 1}" if measured else "no step yet"
             self.fig.layout.title.text = f"{label}: memory per rank by category, {step}"
         self.measured = measured
+        self.show_figure()  # each step as it comes (sent only when the figure changed)
 
     # -- knobs ---------------------------------------------------------------------------------
     def _on_strategy(self, change):

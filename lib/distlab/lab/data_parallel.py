@@ -8,7 +8,10 @@ Nothing here runs inside a rank or changes how anything trains; it reads what th
 
 from __future__ import annotations
 
+import re
 import statistics
+import warnings
+from contextlib import contextmanager
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -88,33 +91,61 @@ def dp_bottleneck_figure(run: Run, summary: dict) -> go.Figure:
     return fig
 
 
+def done_when_issued(event: dict, span_fraction: float = 1 / 400) -> list[int]:
+    """The buckets of a step event's `ddp` timeline whose all-reduce was already done when the
+    call that issued it returned (in flight, issued → done, under `span_fraction` of the
+    timeline's span: under 2 px of an 800 px axis). gloo reduces in its own thread, and the
+    issuing call can take milliseconds (measured: 2-16 ms with 4 ranks on 2 shared cores, in
+    02's full mode, the all-reduce then done 0.02 ms after it returned); such an all-reduce
+    ran somewhere between the bucket's ready and issued times, and has no bar of its own."""
+    t = event["ddp"]
+    span = max([t["backward"][1]] + [b["done"] for b in t["buckets"]])
+    return [b["index"] for b in t["buckets"] if b["done"] - b["start"] < span * span_fraction]
+
+
 def bucket_timeline(event: dict, title: str = "") -> go.Figure:
     """Gantt chart of one DDP step on one rank (a step event's `ddp` timeline): the backward
-    pass, and each bucket's all-reduce from issue to completion, with the moment its last
-    gradient arrived (ready) marked. Times in ms from the start of backward."""
+    pass, and per bucket: the moment its last gradient arrived (ready), the span to the moment
+    the call that issued its all-reduce returned (its turn, then the call), the all-reduce from
+    issue to completion, and a marker where it was done, so a bucket whose all-reduce was done
+    before its issuing call returned (done_when_issued: no bar of its own) still shows it,
+    named in the subtitle. Times in ms from the start of backward."""
     t = event["ddp"]
-    rows = [("backward", t["backward"][0], t["backward"][1], None, None)]
-    for b in t["buckets"]:
-        rows.append((f"bucket {b['index']} ({b['params']} tensors, {fmt_bytes(b['bytes'])})",
-                     b["start"], b["done"], b["ready"], b["bytes"]))
-    labels = [r[0] for r in rows]
+    buckets = t["buckets"]
+    labels = ["backward"] + [f"bucket {b['index']} ({b['params']} tensors, "
+                             f"{fmt_bytes(b['bytes'])})" for b in buckets]
     fig = go.Figure()
-    fig.add_bar(y=labels[:1], x=[(rows[0][2] - rows[0][1]) * 1e3], base=[rows[0][1] * 1e3],
-                orientation="h", name="backward (computing gradients)", marker_color="#adb5bd",
+    fig.add_bar(y=labels[:1], x=[(t["backward"][1] - t["backward"][0]) * 1e3],
+                base=[t["backward"][0] * 1e3], orientation="h",
+                name="backward (computing gradients)", marker_color="#adb5bd",
                 hovertemplate="backward: %{base:.2f} to %{x:.2f} ms long<extra></extra>")
-    fig.add_bar(y=labels[1:], x=[(r[2] - r[1]) * 1e3 for r in rows[1:]],
-                base=[r[1] * 1e3 for r in rows[1:]], orientation="h",
-                name="all-reduce in flight (issued → done)", marker_color=COLORS[0],
-                hovertemplate="issued at %{base:.2f} ms, took %{x:.2f} ms<extra></extra>")
-    fig.add_scatter(y=labels[1:], x=[r[3] * 1e3 for r in rows[1:]], mode="markers",
+    fig.add_scatter(y=labels[1:], x=[b["ready"] * 1e3 for b in buckets], mode="markers",
                     marker=dict(symbol="line-ns-open", size=16, color=COLORS[1],
                                 line=dict(width=3)),
                     name="bucket ready (its last gradient arrived)")
+    fig.add_bar(y=labels[1:], x=[(b["start"] - b["ready"]) * 1e3 for b in buckets],
+                base=[b["ready"] * 1e3 for b in buckets], orientation="h",
+                name="ready → issued (its turn, then the call that issues it)",
+                marker_color="#a5c8f0",
+                hovertemplate="ready at %{base:.2f} ms, issued %{x:.2f} ms later<extra></extra>")
+    fig.add_bar(y=labels[1:], x=[(b["done"] - b["start"]) * 1e3 for b in buckets],
+                base=[b["start"] * 1e3 for b in buckets], orientation="h",
+                name="all-reduce in flight (issued → done)", marker_color=COLORS[0],
+                hovertemplate="issued at %{base:.2f} ms, took %{x:.3f} ms<extra></extra>")
+    fig.add_scatter(y=labels[1:], x=[b["done"] * 1e3 for b in buckets], mode="markers",
+                    marker=dict(symbol="diamond", size=8, color="#0b2545"),
+                    name="all-reduce done", hovertemplate="done at %{x:.2f} ms<extra></extra>")
     end = t["backward"][1] * 1e3
     fig.add_vline(x=end, line_dash="dash", line_color="#555",
-                  annotation_text="backward ends", annotation_position="bottom right")
-    fig.update_layout(title=title or f"DDP step {event['step']}, rank {event['rank']}: "
-                      f"overlap {t['overlap']:.0%}", height=160 + 28 * len(rows),
+                  annotation_text="backward ends", annotation_position="top right")
+    quick = done_when_issued(event)
+    note = ("" if not quick else
+            f"<br><sup>bucket{'s' if len(quick) > 1 else ''} {', '.join(map(str, quick))}: "
+            "all-reduce already done when the call that issued it returned (no dark bar); it "
+            "ran within the light span</sup>")
+    fig.update_layout(title=(title or f"DDP step {event['step']}, rank {event['rank']}: "
+                             f"overlap {t['overlap']:.0%}") + note,
+                      height=180 + 28 * len(labels), margin=dict(t=90 if quick else 70),
                       xaxis_title="ms from the start of backward", template="plotly_white",
                       barmode="overlay", legend=dict(orientation="h", y=-0.25))
     fig.update_yaxes(autorange="reversed")
@@ -203,28 +234,95 @@ def ps_ring_figure(measured: dict[str, tuple[float, float]], P: float, N: int,
     return fig
 
 
+RULE_TITLES = {"none": "none: lr", "linear": "linear: k·lr", "sqrt": "square root: √k·lr",
+               "inverse": "inverse: lr/k"}
+
+
 def scaling_figure(curves: list[dict]) -> go.Figure:
-    """Loss against step (left) and against samples seen (right) for each run of
-    distlab.lab.scaling.scaling_experiment: one colour per (batch, rule), dotted with warm-up."""
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
-                        subplot_titles=("loss vs step", "loss vs samples seen"))
-    keys = sorted({(c["batch"], c["rule"]) for c in curves})
-    for c in curves:
-        color = COLORS[keys.index((c["batch"], c["rule"])) % len(COLORS)]
-        line = dict(color=color, dash="dot" if c["warmup_steps"] else "solid", width=1.8)
-        for col, x in ((1, c["step"]), (2, c["samples"])):
-            fig.add_scatter(x=x, y=c["loss"], mode="lines", name=c["label"], line=line,
-                            legendgroup=c["label"], showlegend=col == 1, row=1, col=col)
+    """distlab.lab.scaling.scaling_experiment's curves, one column per lr rule: loss against
+    step (top row) and against samples seen (bottom row). In each panel one colour per batch
+    size (the same in every panel), solid without warm-up, dotted with it; the base batch,
+    which every rule runs at the base lr, is drawn in every column as the reference. So a
+    panel holds 2 lines per batch size (6 for 3 batches), its colours not repeating."""
+    base = min(c["batch"] for c in curves)
+    rules = [r for r in ("none", "linear", "sqrt", "inverse") if any(c["rule"] == r for c in curves)]
+    rules += sorted({c["rule"] for c in curves} - set(rules))
+    batches = sorted({c["batch"] for c in curves})
+    warmups = sorted({c["warmup_steps"] for c in curves})
+
+    def lrs(rule):  # the peak lr of each batch under this rule
+        return ", ".join(f"{c['lr']:.3g}" for b in batches for c in curves
+                         if c["batch"] == b and c["warmup_steps"] == warmups[0]
+                         and (c["rule"] == rule or (b == base and c["rule"] == "none")))
+
+    fig = make_subplots(rows=2, cols=len(rules), shared_yaxes=True, horizontal_spacing=0.03,
+                        vertical_spacing=0.16,
+                        subplot_titles=[f"{RULE_TITLES.get(r, r)}<br><sup>B = {', '.join(map(str, batches))}: "
+                                        f"lr {lrs(r)}</sup>"
+                                        for r in rules] + [""] * len(rules))
+    for col, rule in enumerate(rules, start=1):
+        mine = [c for c in curves if c["rule"] == rule
+                or (c["batch"] == base and c["rule"] == "none")]
+        for c in sorted(mine, key=lambda c: (c["batch"], c["warmup_steps"])):
+            color = COLORS[batches.index(c["batch"]) % len(COLORS)]
+            name = f"B={c['batch']}" + (f", warm-up {c['warmup_steps']} steps"
+                                        if c["warmup_steps"] else ", no warm-up")
+            line = dict(color=color, dash="dot" if c["warmup_steps"] else "solid", width=1.8)
+            for row, x in ((1, c["step"]), (2, c["samples"])):
+                fig.add_scatter(x=x, y=c["loss"], mode="lines", name=name, line=line,
+                                legendgroup=name, showlegend=col == 1 and row == 1,
+                                hovertemplate=f"{c['label']}<br>loss %{{y:.3f}}<extra></extra>",
+                                row=row, col=col)
     top = 1.3 * max(c["loss_at_start"] for c in curves)
     floor = min(c["loss_floor"] for c in curves)
-    fig.update_yaxes(range=[floor - 0.2, top], title_text="loss (nats)", row=1, col=1)
-    fig.update_yaxes(range=[floor - 0.2, top], row=1, col=2)
-    fig.update_xaxes(title_text="step", row=1, col=1)
-    fig.update_xaxes(title_text="samples", type="log", row=1, col=2)
-    fig.update_layout(height=500, template="plotly_white", legend=dict(font=dict(size=10)),
-                      title="tiny GPT, SGD: batch sizes × lr rules (solid: no warm-up, dotted: "
-                            "warm-up); diverged runs leave the plot", margin=dict(t=90))
+    fig.update_yaxes(range=[floor - 0.2, top])
+    fig.update_yaxes(title_text="loss (nats)", col=1)
+    fig.update_xaxes(title_text="step", row=1)
+    fig.update_xaxes(title_text="samples", type="log", dtick=1, row=2)
+    fig.update_layout(height=640, template="plotly_white",
+                      legend=dict(orientation="h", y=-0.12, yanchor="top", font=dict(size=11)),
+                      title="tiny GPT, SGD: one column per lr rule (k = batch / "
+                            f"{base}); loss vs step (top), vs samples (bottom); diverged runs "
+                            "leave the plot", margin=dict(t=110, b=40))
     return fig
+
+
+# The note a Run adds when a loss went NaN or inf (distlab.caller.run, _note_non_finite_loss),
+# as far as its first colon after the counts: what an on-purpose divergence is said with.
+NON_FINITE_NOTE = re.compile(r"the loss was (?:nan|inf|-inf) at step \d+ on rank \d+ "
+                             r"\(\d+ step events in all\)(?:: RunConfig\(detect_nan=True\)[^;]*)?")
+
+
+@contextmanager
+def expected_divergence():
+    """Around a launch that diverges on purpose (02's largest lr without warm-up): the
+    RuntimeWarning the Run gives when a loss went NaN or inf is caught, and its note (the
+    first such step, without the run's folder or the library's line) is appended to the list
+    this yields, for the cell to say; any other warning, and any other problem the same
+    warning names, is warned again as it came. Nothing outside the block is silenced.
+
+        with expected_divergence() as noted:
+            curves = scaling_experiment(...)
+        say(...noted...)
+    """
+    noted: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield noted
+    for w in caught:
+        text = str(w.message)
+        found = NON_FINITE_NOTE.search(text) if issubclass(w.category, RuntimeWarning) else None
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        noted.append(found.group(0).split(": RunConfig(")[0])
+        rest = text[:found.start()] + text[found.end():]
+        head, _, tail = rest.partition(": ")  # "run <folder>: <problems joined by '; '>"
+        others = [p for p in tail.split("; ") if p.strip()] if head.startswith("run ") else \
+            [rest] if rest.strip() else []
+        if others:
+            warnings.warn_explicit(f"{head}: " + "; ".join(others), w.category, w.filename,
+                                   w.lineno)
 
 
 # -- strategy dp: read its run's events, and measure the threads' (GIL's) cost -----------------

@@ -378,3 +378,30 @@ def test_checkers_catch_broken_lines(report):
     assert len(check_entry("A2", entries["A2"])) == 2, "a bad evidence kind and verdict passed"
     assert check_ids(entries), "a set with 2 of 20 entries passed"
     assert all(check_forbidden(f"see {s}x") for s in FORBIDDEN)
+
+
+def test_index_quotes_follow_a_regenerated_report():
+    """tools/index_quotes.py: a quoted row whose figure, verdict and notebook moved is rewritten
+    from the new report and its verdict change listed; a claim gone from it is left and named."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    import index_quotes
+    page = ("  - report: 17_multi_node — claim: `a` — figure: `old 1` — held: yes\n"
+            "  - report: 17_multi_node — claim: `` b `x` `` — figure: `old 2` — held: no\n"
+            "- 03_memory — claim: `gone` — figure: `f` — held: no\n")
+    report = {"notebooks": [{"rows": [
+        {"notebook": "18_across_nodes", "claim": "a", "figure": "new 1", "holds": None,
+         "basis": "timed"},
+        {"notebook": "17_multi_node", "claim": "b `x`", "figure": "new `2`", "holds": False,
+         "basis": "measured"}]}]}
+    new, changed, left = index_quotes.refresh(page, report)
+    lines = new.splitlines()
+    assert lines[0] == ("  - report: 18_across_nodes — claim: `a` — figure: `new 1` — held: "
+                        "undecided on this machine")
+    assert lines[1] == ("  - report: 17_multi_node — claim: `` b `x` `` — figure: `` new `2` `` — "
+                        "held: no")
+    assert lines[2] == page.splitlines()[2]
+    assert changed == ["18_across_nodes — a: yes -> undecided on this machine"]
+    assert left == ["03_memory — gone: not in the report"]
+    for line in lines[:2]:  # what it writes is what the page's checker reads
+        assert quoted_row(line.split("report: ", 1)[1]) is not None

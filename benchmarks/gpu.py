@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/gpu.py --device cpu --tiny      # the code path, on a CPU
 
 One process, no launch: the library's GPT, AdamW and autocast (distlab.rank.train), trained on
-random tokens made on the device, first in fp32 then in bf16 autocast, one model at a time
-(distlab.studies.gpu.time_training). The model fills the GPU: the largest GPT of width 2048 (16
+random tokens made on the device, in fp32 with TF32 off, fp32 with TF32 on, then bf16
+autocast, one model at a time (distlab.studies.gpu.amp_timings). The model fills the GPU: the largest GPT of width 2048 (16
 heads, 1024-token rows, vocabulary 32768) whose fp32 estimate (distlab.theory.estimate: model
 states and activations) fits in 55% of the free memory torch.cuda.mem_get_info() reports
 (distlab.studies.gpu.pick_gpt); the flags override it.
@@ -83,7 +83,7 @@ def main() -> int:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     psi = gpt_params_of(cfg)
-    tf32 = (f"; TF32 matmuls {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}"
+    tf32 = ("; TF32 off for the fp32 and bf16 rows, on for the fp32 TF32 row"
             if device.type == "cuda" else "")
     print(f"{name}, torch {torch.__version__}{tf32}")
     print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.n_head} heads, "
@@ -93,13 +93,13 @@ def main() -> int:
     print(f"model FLOPs per token 6N + 12·L·h·s = {F.train_flops_per_token(cfg):.3e} "
           f"(N = {F.matmul_params(cfg):,} multiplying parameters)")
 
-    rows = {}
-    for precision in ("fp32", "bf16"):
-        rows[precision] = G.time_training(cfg.replace(precision=precision), device,
-                                          steps=args.steps, warmup=args.warmup)
+    # fp32 with TF32 off (the targets' baseline), fp32 with TF32 on, bf16 autocast
+    timed = G.amp_timings(cfg, device, steps=args.steps, warmup=args.warmup)
+    rows = {"fp32": timed["fp32, TF32 off"], "fp32 TF32": timed["fp32, TF32 on"],
+            "bf16": timed["bf16 autocast"]}
 
     print(f"\n{'precision':9} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>7} "
-          f"{'peak GiB':>9}  loss")
+          f"{'peak GiB':>9}  loss   step ms min / max")
     sources = set()
     for precision, r in rows.items():
         u, source = G.mfu(r, device)
@@ -107,11 +107,14 @@ def main() -> int:
         peak = f"{r['peak_bytes'] / GiB:9.2f}" if r["peak_bytes"] is not None else f"{'n/a':>9}"
         print(f"{precision:9} {r['step_s'] * 1e3:9.1f} {r['tokens_per_s']:11,.0f} "
               f"{r['flops_per_s'] / 1e12:8.2f} {f'{u:.1%}' if u is not None else 'n/a':>7} "
-              f"{peak}  {r['loss']:.3f}")
+              f"{peak}  {r['loss']:.3f}  {min(r['step_samples']) * 1e3:.1f} / "
+              f"{max(r['step_samples']) * 1e3:.1f}")
     for source in sorted(sources):
         print(f"MFU peak: {source}")
 
     speedup = rows["fp32"]["step_s"] / rows["bf16"]["step_s"]
+    print(f"bf16 / fp32 with TF32 on: {rows['fp32 TF32']['step_s'] / rows['bf16']['step_s']:.2f}x"
+          " (the targets below are against TF32 off)")
     bf16_mfu, _ = G.mfu(rows["bf16"], device)
     if device.type != "cuda":
         print(f"\nbf16 / fp32 speed-up {speedup:.2f}x on the CPU (no target: the targets are "

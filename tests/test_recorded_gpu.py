@@ -21,3 +21,41 @@ def test_the_recorded_figure_is_read_from_the_newest_results_file(tmp_path):
 
 def test_no_record_says_none(tmp_path):
     assert recorded_gpu_speedup(str(tmp_path)) is None
+
+
+def test_amp_rows_without_a_gpu_read_not_measured_here_with_the_record_beside():
+    from distlab.lab.memory_and_precision import AMP_CLAIM, amp_rows
+    rec = recorded_gpu_speedup()
+    off, on = amp_rows(None, rec)
+    assert (off["claim"], on["claim"]) == (AMP_CLAIM.format("off"), AMP_CLAIM.format("on"))
+    assert off["basis"] == on["basis"] == "not measured here" and off["holds"] is None
+    assert f"{rec['speedup']}×" in off["figure"] and rec["file"] in off["figure"]
+    assert "no figure recorded" in on["figure"]  # benchmarks/gpu.py's record is TF32 off
+
+
+def test_amp_rows_on_timings_decide_from_each_steps_ratio():
+    """The GPU path of 03's AMP rows, fed timings: 2.5x holds, 1.2x does not, and a spread
+    across the 2x edge is undecided (no clock read here)."""
+    from distlab.lab.memory_and_precision import amp_rows
+    bf16 = [1.0, 1.01, 0.99, 1.0, 1.02]
+    def t(ratio, wobble=0.01):
+        return {"step_samples": [ratio * b * (1 + (-1) ** i * wobble) for i, b in enumerate(bf16)]}
+    rows = amp_rows({"fp32, TF32 off": t(2.5), "fp32, TF32 on": t(1.2),
+                     "bf16 autocast": {"step_samples": bf16}}, None)
+    assert [r["holds"] for r in rows] == [True, False]
+    rows = amp_rows({"fp32, TF32 off": t(2.0, 0.2), "fp32, TF32 on": t(3.0, 0.2),
+                     "bf16 autocast": {"step_samples": bf16}}, None)
+    assert [r["holds"] for r in rows] == [None, None]
+
+
+def test_amp_timings_restores_tf32_and_times_every_step_on_the_cpu():
+    import torch
+
+    from distlab import RunConfig
+    from distlab.studies.gpu import AMP_SETTINGS, amp_timings
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    cfg = RunConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16, global_batch=2, vocab_size=64)
+    timings = amp_timings(cfg, "cpu", steps=3, warmup=1)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    assert list(timings) == list(AMP_SETTINGS)
+    assert all(len(r["step_samples"]) == 3 for r in timings.values())

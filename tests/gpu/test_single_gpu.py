@@ -165,3 +165,25 @@ def test_zero_offload_moves_optimizer_state_to_host(cuda_runs):
     worst = max(_rel(a, b) for a, b in zip(cuda_runs["zero2 offload"]["losses"],
                                            cuda_runs["zero2"]["losses"]))
     assert worst <= 1e-3, worst  # AdamW on the CPU against AdamW on the GPU
+
+
+def test_amp_timings_time_each_tf32_setting_and_restore_it():
+    """03's two "AMP is 2-3x faster" rows: fp32 with TF32 off and on, bf16 autocast, each step
+    timed; TF32's switches are back as they were after. The speed-up itself is a figure (the
+    notebook's timed rows and benchmarks/gpu.py print it), not asserted."""
+    from distlab.lab.memory_and_precision import AMP_CLAIM, amp_rows
+    from distlab.studies.gpu import AMP_SETTINGS, amp_timings
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    cfg = RunConfig(n_layer=2, n_embd=256, n_head=4, seq_len=128, global_batch=8,
+                    vocab_size=1024)
+    timings = amp_timings(cfg, "cuda", steps=4, warmup=1)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    assert set(timings) == set(AMP_SETTINGS)
+    for name, r in timings.items():
+        assert len(r["step_samples"]) == 4 and all(s > 0 for s in r["step_samples"]), name
+        assert r["precision"] == AMP_SETTINGS[name][0]
+    rows = amp_rows(timings, None)
+    assert [r["claim"] for r in rows] == [AMP_CLAIM.format("off"), AMP_CLAIM.format("on")]
+    assert all(r["basis"] == "timed" for r in rows)
+    for r in rows:
+        print(r["claim"], "->", r["figure"], r["holds"])

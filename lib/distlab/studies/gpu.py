@@ -5,6 +5,7 @@ Nothing here is run without CUDA except on request (`device="cpu"`, to exercise 
 every figure these functions return comes from the machine they ran on.
 
     time_training(cfg, device, ...)   step times, tokens/s, FLOP/s, torch's peak CUDA bytes
+    amp_timings(cfg, device, ...)     fp32 with TF32 off and on, and bf16 autocast, in turn
     pick_gpt(free_bytes)              a GPT that fills most of a GPU's free memory
     probe_collectives(backend)        two ranks on one GPU: which collectives work
 
@@ -13,6 +14,7 @@ The FLOPs per token and the datasheet peaks are distlab.theory.flops's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue as queue_mod
@@ -73,7 +75,36 @@ def time_training(cfg, device, steps: int = 10, warmup: int = 3) -> dict:
     flops = train_flops_per_token(cfg) * tokens / step_s
     return {"precision": cfg.precision, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "flops_per_s": flops, "peak_bytes": peak, "tokens_per_step": tokens,
-            "loss": final_loss, "steps": steps}
+            "loss": final_loss, "steps": steps, "step_samples": times}
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool):
+    """TF32 for fp32 matmuls and convolutions on or off inside the block (torch's two
+    switches), restored after. TF32 keeps fp32's range with a 10-bit mantissa, so "fp32" on an
+    Ampere-or-later GPU means two speeds; the AMP speed-up depends on which."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+# the three ways amp_timings times: name -> (precision, TF32 on)
+AMP_SETTINGS = {"fp32, TF32 off": ("fp32", False), "fp32, TF32 on": ("fp32", True),
+                "bf16 autocast": ("bf16", False)}
+
+
+def amp_timings(cfg, device, steps: int = 8, warmup: int = 2) -> dict:
+    """time_training for each of AMP_SETTINGS in turn (same model, seed and tokens), TF32 set
+    for each and restored after: {name: result}."""
+    out = {}
+    for name, (precision, on) in AMP_SETTINGS.items():
+        with tf32(on):
+            out[name] = time_training(cfg.replace(precision=precision), device, steps=steps,
+                                      warmup=warmup)
+    return out
 
 
 def mfu(result: dict, device) -> tuple[float | None, str]:

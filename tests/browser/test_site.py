@@ -1,9 +1,10 @@
 """The workbook as a static site (tools/build_site.py), opened from disk in Chromium with every
 request that is not a file refused: one notebook executed in quick mode (14_long_context:
 plotly figures and an explorer widget), the others from their sources. The figures draw
-(plotly.js from the site itself), the widget is a note, no page asks the network for anything,
-and every link of the index, the interview index and the reference pages (docs/) reaches a
-page (and its anchor)."""
+(plotly.js from the site itself), the widget is a note above its figure's picture, the page
+keeps no widget state (issue 43: it was most of a page's weight), no page asks the network
+for anything, and every link of the index, the interview index and the reference pages
+(docs/) reaches a page (and its anchor)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def test_the_site_reads_offline_with_figures_drawn_and_links_resolving(site):
     import re
     html_text = (out / f"{NOTEBOOK}.html").read_text()
     assert re.search(r"This page shows the run of \d{4}-\d\d-\d\d \d\d:\d\d UTC", html_text)
+    assert "widget-state+json" not in html_text  # no page draws a widget: its state is weight
     if (out / "claims.html").exists():
         assert "not the run each notebook page shows" in (out / "claims.html").read_text()
     with sync_api.sync_playwright() as p:

@@ -5,8 +5,8 @@ undecided when they do or when there are too few repeats.
 """
 
 from distlab.lab.common import claims_markdown
-from distlab.lab.timed import (MIN_REPEATS, below, interleaved, ratios, spread, timed_claim,
-                               within)
+from distlab.lab.timed import (MIN_REPEATS, below, in_order, interleaved, ratios, spread,
+                               timed_claim, within)
 
 FAST = [1.0, 1.1, 1.05, 0.98, 1.02, 1.07, 1.01]
 SLOW = [2.0, 2.1, 1.95, 2.2, 2.05, 1.99, 2.03]
@@ -30,6 +30,17 @@ def test_a_factor_scales_the_other_side():
     # 'A within 1.5x of B': A below 1.5 B
     assert below(SLOW, FAST, factor=2.5) is True
     assert below(SLOW, FAST, factor=1.5) is False
+
+
+def test_an_order_holds_only_when_every_neighbour_pair_is_decided():
+    sides = {"fast": FAST, "near": NEAR, "slow": SLOW}
+    assert in_order(sides, ["fast", "slow"]) is True
+    assert in_order(sides, ["slow", "fast"]) is False
+    # fast and near overlap: the order fast < near < slow is not decided, nor is its reverse
+    # of the first pair; a pair decided the wrong way round makes it no
+    assert in_order(sides, ["fast", "near", "slow"]) is None
+    assert in_order(sides, ["near", "fast", "slow"]) is None
+    assert in_order(sides, ["fast", "slow", "near"]) is False
 
 
 def test_too_few_repeats_never_decide():

@@ -36,7 +36,9 @@
 # `15_experts` (mixture of experts and expert parallelism). `16_exercises` has you write a ring
 # all-reduce, a DDP bucket hook, a ZeRO-1 step, Megatron's linears and the 1F1B schedule
 # yourself, each checked on real ranks. `17_multi_node` runs DDP on simulated nodes joined by a
-# slow link, one torchrun agent per node, and measures what the link does to the step.
+# slow link, one torchrun agent per node, and measures what the link does to the step;
+# `18_across_nodes` asks, over the same nodes, what to shard and where to place each kind of
+# parallelism, and kills a node mid-run.
 # The [interview index](../docs/interview_index.md) lists the interview questions the workbook
 # answers, each with the section that answers it and what its runs measured.
 

@@ -37,12 +37,11 @@
 #    against the two-tier model (full mode);
 # 4. fewer bytes over the link: top-k compression, PowerSGD, local SGD and DiLoCo against DDP,
 #    as loss against time (full mode);
-# 5. HSDP: shard inside a node, replicate across, against sharding over every rank (full mode);
-# 6. where each kind of parallelism sits: DP, TP and PP inside a node against across the link,
-#    measured beside the α-β model's ranking (full mode);
-# 7. a node dies mid-run and a replacement joins: torchrun's elastic restart (full mode);
-# 8. the closing table: what the textbook says, what this run measured;
-# 9. a control panel with the nodes and the link as knobs, to try other layouts.
+# 5. the closing table: what the textbook says, what this run measured;
+# 6. a control panel with the nodes and the link as knobs, to try other layouts.
+#
+# [18 · Across nodes](18_across_nodes.ipynb) goes on over the same simulated nodes: HSDP,
+# where each kind of parallelism sits, and a node that dies mid-run.
 
 # %% tags=["parameters"]
 import os
@@ -57,22 +56,17 @@ STEPS = 8 if QUICK else 30  # section 1's run
 WORLD = 2 if QUICK else 4
 LINK = 100.0  # Mbit/s, section 1
 # Section 2: link speeds (Mbit/s) and steps per run
-LINKS = (100, 400) if QUICK else (25, 50, 100, 200, 400)
+LINKS = (100, 400) if QUICK else (25, 100, 400)
 SWEEP_STEPS = 6 if QUICK else 10
 WARMUP = 2
-# Sections 3 to 7 start clusters of their own (each agent and rank imports torch: seconds of
+# Sections 3 and 4 start clusters of their own (each agent and rank imports torch: seconds of
 # CPU apiece), so CI's quick run leaves them out; the test suite runs their code
-# (tests/test_hierarchical.py, test_diloco.py, test_hsdp.py, test_cluster.py).
-# Section 3: the size of the all-reduce the algorithms race (MiB)
-ALLREDUCE_MIB = 16.0
+# (tests/test_hierarchical.py, test_diloco.py, test_cluster.py).
+# Section 3: the size of the all-reduce the algorithms race (MiB), and how many times each
+# runs (the algorithms take turns in every repeat)
+ALLREDUCE_MIB, ALLREDUCE_REPEATS = 8.0, 6
 # Section 4: the ways raced against section 1's DDP run (same model, batches, link and steps)
 RACE = ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8")
-# Section 5: steps per way of sharding (the first two warm-up; the figures are medians)
-HSDP_STEPS = 8
-# Section 6: steps per layout and placement (the first two warm-up; the figures are medians)
-PLACE_STEPS = 10
-# Section 7: steps, a checkpoint every CKPT_EVERY, node 1 killed once step KILL_AFTER is logged
-FAULT_STEPS, CKPT_EVERY, KILL_AFTER = 24, 5, 12
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same
 # four gradients may round differently in fp32's last bit across nodes; tests measure < 1e-5
 LOSS_TOL = 1e-5
@@ -81,12 +75,11 @@ LOSS_TOL = 1e-5
 from distlab import RunConfig, lab, launch
 from distlab.caller import cluster
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
-from distlab.lab.multi_node import (fit_link, hsdp_figure, hsdp_study, link_figure, link_sweep,
-                                    node_fault_figure, node_fault_study, placement_figure,
-                                    order_study, placement_study, race_figure,
-                                    race_target, ranking,
-                                    reach_time, slow_link_race, slow_link_ways, two_tier_figure,
-                                    two_tier_study)
+from distlab.lab.multi_node import (fit_link, link_figure, link_sweep, race_figure,
+                                    race_target, reach_samples, reach_time, slope_ratios,
+                                    slow_link_race, slow_link_ways, transfer_shares,
+                                    two_tier_figure, two_tier_study)
+from distlab.lab.timed import all_of, below, ratios, timed_claim, within
 
 WHY = cluster.available()  # None: simulated nodes can be made here
 say("simulated nodes: available (root, iproute2)" if WHY is None else
@@ -175,9 +168,10 @@ if WHY is None:
 
 # %%
 if WHY is None and not QUICK:
-    algos = two_tier_study(nodes=2, ranks=2, link_mbit=LINK, mib=ALLREDUCE_MIB)
+    algos = two_tier_study(nodes=2, ranks=2, link_mbit=LINK, mib=ALLREDUCE_MIB,
+                           repeats=ALLREDUCE_REPEATS)
     two_tier_figure(algos, ALLREDUCE_MIB, LINK).show()
-    table(["algorithm", "seconds (median of 3)", "node 0's link per all-reduce", "formula",
+    table(["algorithm", f"seconds (median of {ALLREDUCE_REPEATS})", "node 0's link per all-reduce", "formula",
            "modelled (s)", "measured / modelled"],
           [[r.name, f"{r.seconds:.3f}", "—" if r.link_bytes is None else fmt_bytes(r.link_bytes),
             "—" if r.formula_bytes is None else fmt_bytes(r.formula_bytes),
@@ -231,143 +225,28 @@ if WHY is None and not QUICK:
 # momentum, and here the optimizer is AdamW, which rescales every entry by its own history
 # (1/√v), a setting its error feedback was not shown in; local SGD and DiLoCo let the replicas
 # drift apart for H steps and pay once for the whole model.
-#
-# ## 5. HSDP: shard inside a node, replicate across
-#
-# Sharding the model over every rank (ZeRO-3, FSDP) puts its all-gathers and reduce-scatters
-# on the slow link: each step crosses it with the parameters twice (forward and backward) and
-# the gradients once. **HSDP** (hybrid sharding; Zhao et al. 2023, PyTorch FSDP, §3.2.2)
-# shards inside each node and keeps a replica per node: the gathers stay on the node's fast
-# tier, and only the gradient shards are all-reduced across nodes. A node's g ranks each send
-# 2(n−1)/n of their shard, so the node sends **g · 2(n−1)/n · (its shard's bytes)** per step:
-# the whole gradient once at n = 2.
-#
-# Four ways train the same GPT with SGD on the same batches, on 2 nodes × 2 ranks over the
-# same 100 Mbit/s link: our `fully_shard` over a node's ranks plus `replicate_gradients`
-# across nodes, FSDP2's `fully_shard` on a 2-D device mesh (`RunConfig(strategy="fsdp-torch",
-# shard_ranks=2)` is the same in the training loop), and both sharding over all four ranks.
-# Each step's bytes come from node 0's link counters read by its rank between barriers;
-# **payload** is the frames less their headers (66 bytes a packet: Ethernet, IPv4, TCP with
-# timestamps).
-
-# %%
-if WHY is None and not QUICK:
-    hsdp = hsdp_study(nodes=2, ranks=2, link_mbit=LINK, steps=HSDP_STEPS)
-    hsdp_figure(hsdp).show()
-    table(["way", "step (ms)", "link frames per step", "payload per step", "formula",
-           "payload / formula"],
-          [[name, f"{1e3 * r['seconds']:.0f}", fmt_bytes(r["frames"]), fmt_bytes(r["payload"]),
-            "—" if r["formula"] is None else fmt_bytes(r["formula"]),
-            "—" if r["formula"] is None else f"{r['payload'] / r['formula']:.4f}"]
-           for name, r in hsdp.items()])
-    hsdp_losses = [r["losses"] for r in hsdp.values()]
-    hsdp_diff = max(abs(a - b) for run in hsdp_losses for a, b in zip(run, hsdp_losses[0]))
-    say(f"largest loss difference between the four ways over {HSDP_STEPS} steps: "
-        f"{hsdp_diff:.1e} (the same SGD steps, summed in other orders)")
-
-# %% [markdown]
-# ## 6. Where each kind of parallelism sits
-#
-# The usual layout rule is "tensor parallelism inside a node, pipeline and data parallelism
-# across nodes" (Narayanan et al. 2021, Megatron-LM, §3.3: TP's all-reduces sit on every layer's
-# critical path; PP sends one activation per micro-batch). Here the same three 2-rank layouts
-# of `3d` run twice: both ranks in one node, then one rank on each node with the 100 Mbit/s
-# link between them. Everything rank 0 sends then crosses the link, and
-# `distlab.theory.comm_bytes.predicted_bytes` counts it per step: ZeRO-1's reduce-scatter and
-# all-gather of the gradients and parameters (gloo's reduce-scatter writes twice the ring's
-# bytes, measured in 01), TP's 4 all-reduces of the residual stream per layer, PP's activations
-# (B·T·h·4 bytes a step, whatever the micro-batches). The **modelled** step across the link is
-# the measured step inside a node plus those bytes at the link's rate. The **planner**
-# (`distlab.theory.plan`, the one 07 uses for GPU clusters) gets this machine's two
-# tiers: the link's rate between nodes and, inside a node, the rate of section 3's all-reduce
-# within a node; its estimate is the step inside plus what its communication terms say the
-# link adds (its ring formulas in fp32; its pipeline term counts the m + p − 1 slots of the
-# critical path). Both rankings of the layouts are checked against the measured one. The layouts'
-# compute differs (TP splits each layer, DP the batch), so what tells where each belongs is the
-# time the link **adds** to its step, not the ratio.
-
-# %%
-if WHY is None and not QUICK:
-    # the planner's fast tier: section 3's all-reduce inside a node (2 ranks: S each way)
-    node_Bps = ALLREDUCE_MIB * 2**20 / by_algo["within a node"].seconds
-    places = placement_study(RunConfig(strategy="ddp", world_size=2, steps=PLACE_STEPS),
-                             LINK, warmup=WARMUP, node_Bps=node_Bps)
-    placement_figure(places).show()
-    table(["layout, 2 ranks", "inside a node (ms)", "across the link (ms)", "added (ms)",
-           "link bytes per step", "formula", "modelled across (ms)", "measured / modelled",
-           "planner across (ms)"],
-          [[r.name, f"{1e3 * r.inside_s:.0f}", f"{1e3 * r.across_s:.0f}", f"{1e3 * r.added_s:.0f}",
-            fmt_bytes(r.link_bytes), fmt_bytes(r.formula_bytes), f"{1e3 * r.predicted_s:.0f}",
-            f"{r.across_s / r.predicted_s:.2f}", f"{1e3 * r.planner_s:.0f}"] for r in places])
-    measured_order = ranking({r.name: r.across_s for r in places})
-    modelled_order = ranking({r.name: r.predicted_s for r in places})
-    planner_order = ranking({r.name: r.planner_s for r in places})
-    say(f"fastest to slowest across the link, measured: {' < '.join(measured_order)}; "
-        f"modelled: {' < '.join(modelled_order)}; planner: {' < '.join(planner_order)}")
-
-# %% [markdown]
-# **The same degrees, the other order.** Above, each layout had both its ranks inside a node or
-# across. With two nodes of two ranks, `3d` at dp = tp = 2 has one group of each kind per rank,
-# and `RunConfig(mesh_order=...)` decides which crosses the link: Megatron-LM's order
-# (`"tp-dp-pp"`, tp fastest) puts each tp group inside a node and each dp group across it;
-# `"dp-tp-pp"` does the opposite. The compute is the same; the link carries ZeRO-1's gradient
-# and parameter traffic in the first and TP's per-layer all-reduces in the second. The
-# formula's bytes per node (`lab.multi_node.node_link_formula`: the two ranks' traffic over
-# groups that span the nodes) at the link's rate, added to the step inside one node, is the
-# **modelled** step.
-
-# %%
-if WHY is None and not QUICK:
-    orders = order_study(RunConfig(strategy="ddp", world_size=2, steps=PLACE_STEPS), LINK,
-                         warmup=WARMUP)
-    placement_figure(orders, title="dp = tp = 2 on 2 nodes × 2 ranks: which group crosses "
-                     "the link").show()
-    table(["layout, 2 nodes × 2 ranks, dp = tp = 2", "inside a node (ms)",
-           "across the link (ms)", "added (ms)", "link bytes per step", "formula",
-           "modelled across (ms)", "measured / modelled"],
-          [[r.name, f"{1e3 * r.inside_s:.0f}", f"{1e3 * r.across_s:.0f}",
-            f"{1e3 * r.added_s:.0f}", fmt_bytes(r.link_bytes), fmt_bytes(r.formula_bytes),
-            f"{1e3 * r.predicted_s:.0f}", f"{r.across_s / r.predicted_s:.2f}"] for r in orders])
-
-# %% [markdown]
-# ## 7. A node dies: the elastic restart
-#
-# On a cluster a machine fails mid-run. `torchrun --max-restarts 1 --nnodes 1:2` makes the job
-# elastic: when a rank fails, its node's agent restarts the node's ranks into a new rendezvous
-# round, which starts once at least the minimum of nodes (here 1 of 2) has joined and, within
-# its last call, up to the maximum. Here node 1 (its agent and its ranks) is SIGKILLed once
-# rank 0 has logged step 12, and a new agent starts on node 1 a second later, as a scheduler
-# replaces a machine. The surviving ranks fail in their next collective (gloo: "connection
-# closed by peer"), their agent restarts them, the replacement joins the round, and every rank
-# loads the newest checkpoint that verifies (`resume_from="auto"`; one every 5 steps) and
-# trains on. The steps since that checkpoint run twice. The same run, uninterrupted, is the
-# reference: the checkpoint holds the model, the optimizer and every rank's RNGs, and the
-# batch is a function of the step, so each loss should come out **bit for bit** the same.
-
-# %%
-if WHY is None and not QUICK:
-    fault = node_fault_study(RunConfig(strategy="ddp", world_size=4, nodes=2, link_mbit=LINK,
-                                       steps=FAULT_STEPS, checkpoint_every=CKPT_EVERY,
-                                       timeout_s=20), KILL_AFTER)
-    node_fault_figure(fault).show()
-    fault_diff = max(abs(fault.recovered[s] - fault.uninterrupted[s]) for s in fault.uninterrupted)
-    say(f"node 1 killed after step {fault.killed_after_step}; the restarted ranks resumed from "
-        f"{fault.resumed_from} steps done and logged their first step "
-        f"{fault.kill_to_resumed_s:.1f} s after the kill (1 s of it the replacement's delay); "
-        f"steps {fault.rerun[0]}–{fault.rerun[-1]} ran twice. Largest loss difference from the "
-        f"uninterrupted run over {FAULT_STEPS} steps: {fault_diff:.1e}. The runs took "
-        f"{fault.seconds[0]:.0f} s and {fault.seconds[1]:.0f} s; agents' exit codes "
-        f"{fault.exit_codes} (node 0, node 1 killed, its replacement); processes left: "
-        f"{len(fault.left)}")
 
 # %% [markdown]
 # ## What the textbook says, what this run measured
+#
+# Rows that read a clock have the basis **timed**: each is decided over repeats (each step after
+# the warm-up is one; in section 3 each all-reduce, the algorithms taking turns) and shows the
+# min / median / max. It reads yes or no only when the middle halves of the spreads decide it,
+# else "undecided on this machine". Load from other programs on this machine stretches some
+# steps and not others: the spreads widen and a verdict can turn undecided; a second run on a
+# quiet machine decides it again. The byte and loss rows do not depend on the load.
 
 # %%
 if WHY is None:
     per_link = [b / grads for b in crossing]
     ring = 2 * (WORLD - 1) / WORLD  # the ring's bytes per rank, in gradients (1.5 at N = 4)
-    shares = [fit.counted / r.link_mbit / r.step_s for r in rows]
+    # timed rows (distlab.lab.timed): each step after warm-up is a repeat, and a verdict is
+    # yes or no only when the middle halves of the spreads decide it
+    slope_q = slope_ratios(rows, fit)
+    share_q = {f"{r.link_mbit:g} Mbit/s": transfer_shares(r, fit) for r in rows}
+    # decided where the link is section 1's or slower; faster links are shown, not judged: the
+    # share falls as the link speeds up, and where it crosses 50% depends on the compute
+    judged = [q for r, q in zip(rows, share_q.values()) if r.link_mbit <= LINK]
     rows_claims = [
         claim("DDP across nodes computes what it computes on one machine",
               "Li et al. 2020 (PyTorch DDP)",
@@ -379,30 +258,38 @@ if WHY is None:
               f"gradient bytes per step ({ring:.2f}× by the ring's formula, TCP/IP headers on "
               "top; gloo picks its algorithm by message size)",
               all(abs(x / ring - 1) < 0.1 for x in per_link)),
-        claim("over a slow link the step is compute plus bits / rate (α-β, β the link)",
-              "Hockney 1994",
-              f"fitted slope / counted bits per step = {fit.ratio:.2f} over "
-              f"{', '.join(f'{r.link_mbit:g}' for r in rows)} Mbit/s; worst point "
-              f"{max(abs(r.step_s / fit.predict(r.link_mbit) - 1) for r in rows):.0%} off",
-              abs(fit.ratio - 1) < 0.15),
-        claim("across nodes the network is the bottleneck (an interview answer)",
-              "interview answer",
-              f"transfer share of the step {min(shares):.0%} to {max(shares):.0%} over "
-              f"{min(LINKS)}–{max(LINKS)} Mbit/s with a 0.82M-parameter model; it falls as the "
-              "link gets faster or the compute per byte grows",
-              min(shares) > 0.5),
+        timed_claim("over a slow link the step is compute plus bits / rate (α-β, β the link)",
+                    "Hockney 1994", within(slope_q, 0.85, 1.15),
+                    {"fitted slope / counted bits, one fit per step": slope_q}, scale=1, unit="",
+                    digits=3, interleaved_=False,
+                    note=f"over {', '.join(f'{r.link_mbit:g}' for r in rows)} Mbit/s (within "
+                         f"15%); the medians' fit {fit.ratio:.2f}, its worst point "
+                         f"{max(abs(r.step_s / fit.predict(r.link_mbit) - 1) for r in rows):.0%}"
+                         " off"),
+        timed_claim("across nodes the network is the bottleneck (an interview answer)",
+                    "interview answer", all_of(*(within(q, lo=0.5) for q in judged)),
+                    share_q, scale=100, unit="%", digits=2, interleaved_=False,
+                    note=f"the transfer's share of each step, judged over 50% at {LINK:g} Mbit/s "
+                         "and slower, with a 0.82M-parameter model; it falls as the link gets "
+                         "faster or the compute per byte grows"),
     ]
     by = {r.name: r for r in race} if not QUICK else {}
     if by:
         topk = by["ddp, top-k 1%"]
+        topk_q, ddp_q = reach_samples(topk, target, WARMUP), reach_samples(ddp_row, target, WARMUP)
+        compression = ("gradient compression (top-k sparsification) speeds up training over a "
+                       "slow network (an interview answer)", "Lin et al. 2018 (Deep Gradient "
+                       "Compression)")
+        note = (f"DDP's half-way loss {target:.3f}, reached by (steps it took) × (each step's "
+                f"seconds); measured at {reach['ddp']:.1f} s (DDP) and "
+                + ("never" if reach[topk.name] is None else f"{reach[topk.name]:.1f} s")
+                + f" (top-k); top-k sends {topk.link_bytes / ddp_row.link_bytes:.3f}× DDP's "
+                "bytes per step")
         rows_claims.append(
-            claim("gradient compression (top-k sparsification) speeds up training over a slow "
-                  "network (an interview answer)", "Lin et al. 2018 (Deep Gradient Compression)",
-                  f"top-k 1% reached DDP's half-way loss {target:.3f} at "
-                  + ("never" if reach[topk.name] is None else f"{reach[topk.name]:.1f} s")
-                  + f", DDP at {reach['ddp']:.1f} s; {topk.link_bytes / ddp_row.link_bytes:.3f}× "
-                  "DDP's bytes per step",
-                  reach[topk.name] is not None and reach[topk.name] < reach["ddp"]))
+            claim(*compression, f"top-k 1% never reached it; {note}", False, basis="timed")
+            if topk_q is None else
+            timed_claim(*compression, below(topk_q, ddp_q), {"top-k 1%": topk_q, "DDP": ddp_q},
+                        scale=1, unit="s", interleaved_=False, note=note))
     if "DiLoCo, H=8" in by:
         diloco = by["DiLoCo, H=8"]
         H = slow_link_ways(on_nodes.cfg)["DiLoCo, H=8"].sync_every
@@ -423,78 +310,25 @@ if WHY is None:
                   diloco.final_loss() <= 1.05 * ddp_row.final_loss()),
         ]
     if not QUICK:
-        hsdp_ratios = {k: r["payload"] / r["formula"] for k, r in hsdp.items() if r["formula"]}
-        full_shard = hsdp["FSDP2, over all ranks"]
-        rows_claims += [
-            claim("HSDP sends across nodes only the gradient shards' all-reduce: "
-                  "g · 2(n−1)/n · shard bytes per node and step",
-                  "Zhao et al. 2023 (PyTorch FSDP)",
-                  "payload / formula: "
-                  + ", ".join(f"{k} {v:.4f}" for k, v in hsdp_ratios.items()) + " (within 2%)",
-                  all(abs(v - 1) <= 0.02 for v in hsdp_ratios.values())),
-            claim("across a slow link, shard inside a node and replicate across (HSDP) rather "
-                  "than shard over every rank", "Zhao et al. 2023 (PyTorch FSDP)",
-                  f"FSDP2: HSDP's link payload "
-                  f"{hsdp['FSDP2, HSDP']['payload'] / full_shard['payload']:.2f}× and step "
-                  f"{hsdp['FSDP2, HSDP']['seconds'] / full_shard['seconds']:.2f}× "
-                  "sharding over all 4 ranks'",
-                  hsdp["FSDP2, HSDP"]["seconds"] < full_shard["seconds"]),
-        ]
-    if not QUICK:
-        flat_over = {k: by_algo["flat ring"].seconds / by_algo[k].seconds
+        # the algorithms take turns within each repeat: flat / hierarchical pairs one turn's
+        flat_over = {f"flat / {k}": ratios(by_algo["flat ring"].samples, by_algo[k].samples)
                      for k in ("hierarchical", "hierarchical, one flow")}
-        modelled = [r for r in algos if r.modelled_s is not None]
+        over_model = {r.name: [x / r.modelled_s for x in r.samples]
+                      for r in algos if r.modelled_s is not None}
         rows_claims += [
-            claim("across nodes a hierarchical all-reduce beats the flat ring by what the link "
-                  "bytes predict (1.5× at 2 nodes × 2 ranks; at least 1.3× asked)",
-                  "Patarasuk & Yuan 2009; the link's bytes by formula",
-                  f"{ALLREDUCE_MIB:g} MiB: " + ", ".join(f"{k} {v:.2f}× faster"
-                                                          for k, v in flat_over.items()),
-                  min(flat_over.values()) >= 1.3),
-            claim("every all-reduce across the link takes what the two-tier α-β model says, "
-                  "within 1.3×", "Hockney 1994; this notebook",
-                  ", ".join(f"{r.name} {r.seconds / r.modelled_s:.2f}×" for r in modelled),
-                  all(1 / 1.3 <= r.seconds / r.modelled_s <= 1.3 for r in modelled)),
+            timed_claim("across nodes a hierarchical all-reduce beats the flat ring by what the "
+                        "link bytes predict (1.5× at 2 nodes × 2 ranks; at least 1.3× asked)",
+                        "Patarasuk & Yuan 2009; the link's bytes by formula",
+                        all_of(*(within(q, lo=1.3) for q in flat_over.values())), flat_over,
+                        scale=1, unit="×", interleaved_=True,
+                        note=f"{ALLREDUCE_MIB:g} MiB, the flat ring's time over each "
+                             "hierarchical one's in the same repeat"),
+            timed_claim("every all-reduce across the link takes what the two-tier α-β model "
+                        "says, within 1.3×", "Hockney 1994; this notebook",
+                        all_of(*(within(q, 1 / 1.3, 1.3) for q in over_model.values())),
+                        over_model, scale=1, unit="×", interleaved_=True,
+                        note="measured / modelled, each repeat"),
         ]
-        added = {r.name: r.added_s for r in places}
-        worst_model = max(abs(r.across_s / r.predicted_s - 1) for r in places)
-        rows_claims += [
-            claim("tensor parallelism inside a node, pipeline and data parallelism across nodes "
-                  "(an interview answer)", "Narayanan et al. 2021 (Megatron-LM), §3.3",
-                  "2 ranks, one per node, against both in one node: the 100 Mbit/s link adds "
-                  + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in added.items())
-                  + " a step (holds when it adds most to TP and least to PP)",
-                  max(added, key=added.get) == "TP"
-                  and min(added, key=added.get).startswith("PP")),
-            claim("at the same degrees, put tensor parallelism inside a node and data "
-                  "parallelism across it rather than the reverse (an interview answer)",
-                  "Narayanan et al. 2021 (Megatron-LM), §3.3",
-                  "dp = tp = 2 on 2 nodes × 2 ranks, step across the link: "
-                  + ", ".join(f"{r.name} {1e3 * r.across_s:.0f} ms (link {fmt_bytes(r.link_bytes)}"
-                              f" a step, formula {fmt_bytes(r.formula_bytes)})" for r in orders),
-                  orders[0].across_s < orders[1].across_s),
-            claim("the α-β model, from the step inside a node and the bytes by formula, ranks "
-                  "the layouts across the link as they measure", "Hockney 1994; this notebook",
-                  f"measured {' < '.join(measured_order)}; modelled "
-                  f"{' < '.join(modelled_order)}; worst step {worst_model:.0%} off the model",
-                  measured_order == modelled_order),
-            claim("the planner, given this machine's two tiers, ranks the layouts across the "
-                  "link as they measure", "distlab.theory.plan (Narayanan et al. 2021's terms)",
-                  "the link adds, measured / by the planner: "
-                  + ", ".join(f"{r.name} {1e3 * r.added_s:.0f} / {1e3 * r.planner_added_s:.0f}"
-                              " ms" for r in places)
-                  + f"; planner's order {' < '.join(planner_order)}",
-                  measured_order == planner_order),
-        ]
-        rows_claims.append(claim(
-            "after a node fails, an elastic restart from the last checkpoint continues the run "
-            "exactly as if nothing had happened", "torchrun (torch.distributed.elastic)",
-            f"node 1 killed after step {fault.killed_after_step}, replaced, resumed from "
-            f"{fault.resumed_from} steps done: the {len(fault.recovered)} losses and the "
-            f"{len(fault.rerun)} re-run steps' first tries equal the uninterrupted run's bit "
-            f"for bit: {'yes' if fault.identical else 'no'} (largest difference "
-            f"{fault_diff:.1e}); processes left {len(fault.left)}",
-            fault.identical and not fault.left))
     if "ddp-torch, PowerSGD r=2" in by:
         power = by["ddp-torch, PowerSGD r=2"]
         rows_claims.append(claim(

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
 
 from distlab.caller.launch import launch
+from distlab.lab.timed import all_of, below, in_order, within
 
 
 @dataclass
@@ -33,6 +34,7 @@ class LinkRow:
     link_bytes: float  # bytes each node's link sent per step (mean over the nodes)
     grad_bytes: int  # the model's gradients (fp32): what one all-reduce reduces
     run_dir: str
+    steps: list[float] = field(default_factory=list)  # rank 0's step seconds after warm-up
 
 
 @dataclass
@@ -68,10 +70,16 @@ def link_sweep(cfg, links, warmup: int = 2, done=()) -> list[LinkRow]:
     return [link_row(run, warmup) for run in runs]
 
 
+def step_samples(run, warmup: int) -> list[float]:
+    """Rank 0's step seconds after `warmup` steps (all of them if there are no more): the
+    repeats a timing verdict is decided on (distlab.lab.timed)."""
+    steps = [e["step_s"] for e in run.history("step", rank=0)]
+    return steps[warmup:] or steps
+
+
 def median_step(run, warmup: int) -> float:
     """Rank 0's median step time after `warmup` steps (all of them if there are no more)."""
-    steps = [e["step_s"] for e in run.history("step", rank=0)]
-    return statistics.median(steps[warmup:] or steps)
+    return statistics.median(step_samples(run, warmup))
 
 
 def link_row(run, warmup: int) -> LinkRow:
@@ -81,7 +89,7 @@ def link_row(run, warmup: int) -> LinkRow:
         raise RuntimeError(f"link {run.cfg.link_mbit:g} Mbit/s: the run was too short to count "
                            "its links' bytes per step; give it more steps")
     return LinkRow(run.cfg.link_mbit, median_step(run, warmup), statistics.mean(per_step),
-                   run.info("n_params") * 4, run.dir)
+                   run.info("n_params") * 4, run.dir, step_samples(run, warmup))
 
 
 def fit_link(rows: list[LinkRow]) -> LinkFit:
@@ -92,6 +100,22 @@ def fit_link(rows: list[LinkRow]) -> LinkFit:
     slope, t0 = np.polyfit([1 / r.link_mbit for r in rows], [r.step_s for r in rows], 1)
     counted = statistics.mean(r.link_bytes for r in rows) * 8 / 1e6
     return LinkFit(float(t0), float(slope), counted)
+
+
+def slope_ratios(rows: list[LinkRow], fit: LinkFit) -> list[float]:
+    """The fit repeated once per step: the k-th step after warm-up of every link speed, fitted
+    as fit_link fits the medians, each fit's slope over the counted one. Their spread is what
+    one run's noise does to the fitted slope."""
+    import numpy as np
+    x = [1 / r.link_mbit for r in rows]
+    n = min(len(r.steps) for r in rows)
+    return [float(np.polyfit(x, [r.steps[k] for r in rows], 1)[0]) / fit.counted
+            for k in range(n)]
+
+
+def transfer_shares(row: LinkRow, fit: LinkFit) -> list[float]:
+    """The share of each step (after warm-up) that the counted bits take at the link's rate."""
+    return [fit.counted / row.link_mbit / s for s in row.steps]
 
 
 def link_figure(rows: list[LinkRow], fit: LinkFit) -> go.Figure:
@@ -132,6 +156,10 @@ class RaceRow:
     def final_loss(self, last: int = 5) -> float:
         """The mean of the last `last` steps' losses (one step's loss is one batch's: noisy)."""
         return statistics.mean(self.losses[-last:])
+
+    def step_seconds(self) -> list[float]:
+        """Each step's own seconds, from the wall clock at the steps' ends."""
+        return [b - a for a, b in zip([0.0, *self.seconds], self.seconds)]
 
 
 def slow_link_ways(base, names=None) -> dict:
@@ -207,14 +235,33 @@ def race_target(row: RaceRow, window: int = 5) -> float:
     return statistics.mean(row.losses[max(0, middle - window + 1):middle + 1])
 
 
-def reach_time(row: RaceRow, target: float, window: int = 5) -> float | None:
-    """Wall-clock seconds at the first step where the loss, averaged over the last `window`
-    steps, is at most `target`; None if it never is."""
+def reach_step(row: RaceRow, target: float, window: int = 5) -> int | None:
+    """The index of the first step where the loss, averaged over the last `window` steps, is
+    at most `target`; None if it never is."""
     window = min(window, len(row.losses))
     for i in range(window - 1, len(row.losses)):
         if statistics.mean(row.losses[i - window + 1:i + 1]) <= target:
-            return row.seconds[i]
+            return i
     return None
+
+
+def reach_time(row: RaceRow, target: float, window: int = 5) -> float | None:
+    """Wall-clock seconds at the first step where the loss, averaged over the last `window`
+    steps, is at most `target`; None if it never is."""
+    i = reach_step(row, target, window)
+    return None if i is None else row.seconds[i]
+
+
+def reach_samples(row: RaceRow, target: float, warmup: int = 2,
+                  window: int = 5) -> list[float] | None:
+    """The time to reach `target` as (steps it took) × (one step's seconds), once per step
+    after warm-up: the steps to reach it do not depend on the clock, the step's seconds do, and
+    their spread is the verdict's. None if the row never reaches it. (Uniform steps only: a
+    way whose steps differ by kind, DiLoCo's averaging steps, is not timed this way.)"""
+    i = reach_step(row, target, window)
+    if i is None:
+        return None
+    return [(i + 1) * s for s in row.step_seconds()[warmup:]]
 
 
 def hsdp_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0, steps: int = 6,
@@ -297,6 +344,8 @@ class PlacementRow:
     formula_bytes: float  # what rank 0 writes per step, by formula: all of it crosses the link
     link_mbit: float
     planner_added_s: float = float("nan")  # distlab.theory.plan: comm across − comm inside
+    inside_steps: list[float] = field(default_factory=list)  # each step after warm-up (s)
+    across_steps: list[float] = field(default_factory=list)
 
     @property
     def planner_s(self) -> float:
@@ -314,6 +363,11 @@ class PlacementRow:
     def added_s(self) -> float:
         """What the link adds to the step: the cost of placing this layout across nodes."""
         return self.across_s - self.inside_s
+
+    def added_samples(self) -> list[float]:
+        """What the link adds, once per step after warm-up: step k across less step k inside
+        (two runs, so a pair shares no moment: the difference carries both runs' spread)."""
+        return [a - b for a, b in zip(self.across_steps, self.inside_steps)]
 
 
 def placement_study(base, link_mbit: float, warmup: int = 2,
@@ -341,7 +395,8 @@ def placement_row(name: str, cfg, link_mbit: float, warmup: int, formula_bytes: 
     across = launch(cfg.replace(nodes=2, link_mbit=link_mbit)).wait(progress=False)
     per_node = steps_link_bytes(across) or [float("nan")]
     return PlacementRow(name, median_step(inside, warmup), median_step(across, warmup),
-                        statistics.mean(per_node), formula_bytes, link_mbit, planner_added_s)
+                        statistics.mean(per_node), formula_bytes, link_mbit, planner_added_s,
+                        step_samples(inside, warmup), step_samples(across, warmup))
 
 
 # 3d at dp = tp = 2 on two nodes of two ranks: the rank order decides which group's two
@@ -428,24 +483,54 @@ def placement_figure(rows: list[PlacementRow], title: str = "Where each kind of 
     return fig
 
 
+def fast_tier_Bps(mib: float = 8.0, repeats: int = 3) -> float:
+    """The fast tier inside a node, bytes per second: an all-reduce of `mib` MiB between two
+    ranks over this machine's loopback (the path a simulated node's own ranks talk over),
+    S / the median seconds, as the planner's ring formulas count S."""
+    from distlab.caller.launch import run_ranks
+    seconds = run_ranks(_all_reduce_seconds, 2, mib, repeats, timeout_s=120)[0]
+    return mib * 2**20 / statistics.median(seconds)
+
+
+def _all_reduce_seconds(rank, world, device, log, mib: float, repeats: int) -> list[float]:
+    """Rank side of fast_tier_Bps: barrier to barrier, after one untimed all-reduce (gloo
+    sets its buffers up on the first)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(int(mib * 2**20) // 4)
+    out = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        dist.barrier()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 # -- all-reduce across the link: flat ring, hierarchical, the backend's ------------------------
 @dataclass
 class AllReduceRow:
     name: str
-    seconds: float  # median of 3, barrier to barrier (distlab.studies.two_tier)
+    seconds: float  # median of the repeats, barrier to barrier (distlab.studies.two_tier)
     link_bytes: float | None  # node 0's link, bytes sent per all-reduce (its counter)
     formula_bytes: float | None  # what the algorithm sends from a node over its link
     modelled_s: float | None  # two-tier α-β: the link's bytes at its rate, plus the fast tier
+    samples: list[float] = field(default_factory=list)  # every repeat (algorithms interleaved)
 
 
 def two_tier_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0,
-                   mib: float = 16.0) -> list[AllReduceRow]:
+                   mib: float = 16.0, repeats: int = 3) -> list[AllReduceRow]:
     """distlab.studies.two_tier in simulated nodes: each algorithm's all-reduce of `mib` MiB
     timed, node 0's link counted, beside the two-tier model (β of the link; the fast tier's
     time is the study's own "within a node" all-reduce, measured). Needs root."""
     from distlab.studies import run_in_nodes
-    res = run_in_nodes("distlab.studies.two_tier", ["--mib", str(mib)], nodes, ranks,
-                       link_mbit, timeout_s=600)
+    res = run_in_nodes("distlab.studies.two_tier",
+                       ["--mib", str(mib), "--repeats", str(repeats)], nodes, ranks, link_mbit,
+                       timeout_s=600)
     from distlab.theory.comm_bytes import all_reduce_link_bytes
     rate = link_mbit * 1e6 / 8  # bytes per second
     within = res["within a node"]["seconds"]
@@ -455,7 +540,8 @@ def two_tier_study(nodes: int = 2, ranks: int = 2, link_mbit: float = 100.0,
     fast = {"flat ring": 0.0, "hierarchical": within, "hierarchical, one flow": within}
     return [AllReduceRow(name, res[name]["seconds"], res[name]["link_sent"],
                          formula.get(name),
-                         formula[name] / rate + fast[name] if name in formula else None)
+                         formula[name] / rate + fast[name] if name in formula else None,
+                         res[name]["samples"])
             for name in ("flat ring", "hierarchical", "hierarchical, one flow", "backend",
                          "within a node")]
 

@@ -115,6 +115,12 @@ def within(samples: Sequence[float], lo: float | None = None,
     return None
 
 
+def in_order(samples: dict[str, Sequence[float]], order: Sequence[str]) -> bool | None:
+    """"the sides run from smallest to largest in `order`": yes when each neighbouring pair is
+    decided `below`, no when any pair is decided the other way round, else None."""
+    return all_of(*(below(samples[a], samples[b]) for a, b in zip(order, order[1:])))
+
+
 def all_of(*verdicts: bool | None) -> bool | None:
     """Several verdicts that must all hold: no if any is no, yes if all are yes, else
     undecided."""

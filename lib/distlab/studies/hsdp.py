@@ -15,7 +15,8 @@ benchmarks/hsdp_link.py runs it in simulated nodes (distlab.caller.cluster):
              [--ways "FSDP2, HSDP" ...] [--n-layer 4 --n-embd 128]  (RunConfig's GPT, SGD)
 
 Rank 0 prints one JSON line: per way, node 0's link frames and payload per step (medians after
---warmup steps), the seconds per step, the losses, and for the HSDP ways the formula's bytes
+--warmup steps), the seconds per step (the median, and each step after the warm-up as
+"samples"), the losses, and for the HSDP ways the formula's bytes
 (distlab.theory.comm_bytes.hsdp_link_bytes over the shards each way pads).
 """
 
@@ -120,7 +121,7 @@ def measure(way: str, cfg: RunConfig, steps: int, warmup: int) -> dict:
         losses.append(loss_sum.item() / world)
     after = slice(warmup, None)
     hsdp = way.endswith("HSDP")
-    return {"seconds": statistics.median(seconds[after]),
+    return {"seconds": statistics.median(seconds[after]), "samples": seconds[after],
             "frames": statistics.median(frames[after]) if frames else None,
             "payload": statistics.median(payload[after]) if payload else None,
             "formula": hsdp_link_bytes(built.shard_bytes, g, world // g) if hsdp else None,

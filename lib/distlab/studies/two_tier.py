@@ -6,7 +6,8 @@ in simulated nodes (distlab.caller.cluster):
 
     torchrun --nnodes 2 --nproc-per-node 2 ... -m distlab.studies.two_tier --mib 16
 
-Rank 0 prints one JSON line: per algorithm, the median seconds and the link's bytes sent per
+Rank 0 prints one JSON line: per algorithm, the median seconds, every repeat's seconds
+("samples"; the algorithms take turns within each repeat) and the link's bytes sent per
 all-reduce (node 0's link: every rank of node 0 writes through it); "within a node" is the
 node's own ranks alone (the fast tier). Several --mib sizes: one such result per size, under
 "sizes" (benchmarks/link_sweep.py fits α and β per tier from them).
@@ -41,22 +42,28 @@ def measure(mib: float, repeats: int) -> dict:
                   # the fast tier alone: the node's ranks over their own loopback
                   "within a node": lambda: intra.all_reduce(t)}
     out = {"world": world, "ranks_per_node": g, "mib": mib, "interface": dev}
-    for name, run in algorithms.items():
-        seconds, link = [], []
-        for _ in range(repeats):
+    seconds = {name: [] for name in algorithms}
+    link = {name: [] for name in algorithms}
+    names = list(algorithms)
+    # interleaved: each repeat runs every algorithm once, the order turned by one each time, so
+    # a load that comes and goes on the machine falls on all of them alike (issue 42: a timing
+    # verdict compares spreads, and repeats taken one algorithm after another compare moments)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             # the counter is read before the barrier: after it, the other ranks may already be
             # sending (CI caught 53 KB of a 1.5 MB ring missed that way); the barrier's own few
             # hundred bytes are counted instead
             b0 = link_counters(dev)
             dist.barrier()
             t0 = time.perf_counter()
-            run()
+            algorithms[name]()
             dist.barrier()  # every rank done: the slowest rank's time is the all-reduce's
-            seconds.append(time.perf_counter() - t0)
+            seconds[name].append(time.perf_counter() - t0)
             b1 = link_counters(dev)
-            link.append(None if b0 is None else b1["sent"] - b0["sent"])
-        out[name] = {"seconds": statistics.median(seconds),
-                     "link_sent": None if None in link else statistics.median(link)}
+            link[name].append(None if b0 is None else b1["sent"] - b0["sent"])
+    for name in names:
+        out[name] = {"seconds": statistics.median(seconds[name]), "samples": seconds[name],
+                     "link_sent": None if None in link[name] else statistics.median(link[name])}
     return out
 
 

@@ -95,7 +95,9 @@ from distlab.lab.memory_and_precision import (
     korthikanti_s2_share,
     largest_fitting,
     last_memory,
+    amp_rows,
     median_step_s,
+    step_seconds,
     memory_over_steps_figure,
     recipe_configs,
     recorded_gpu_speedup,
@@ -113,6 +115,7 @@ from distlab.lab.memory_and_precision import (
 )
 from distlab.theory.estimate import autocast_weight_copy_bytes
 from distlab.lab.runs import launch_together, max_step_loss_diff, median_step_change
+from distlab.lab.timed import below, timed_claim
 
 torch.set_num_threads(1)  # this kernel's own few computations: one thread, like each rank
 
@@ -682,6 +685,7 @@ print(f"fastest within the budget on this machine: {fastest['step']} "
 # accumulation alone reaches batch 32 as well: its losses equal the whole batch's
 whole = timed1["fp32"].losses()
 alone_diff = max_step_loss_diff(timed1["accumulation alone"].losses(), whole)
+accum_steps, fp32_steps = step_seconds(timed1["accumulation alone"]), step_seconds(timed1["fp32"])
 step_change = median_step_change(whole)
 say(f"accumulation alone vs the whole batch: largest loss difference {alone_diff:.1e} over "
     f"{len(whole)} steps; the loss's median change per step {step_change:.1e}")
@@ -748,7 +752,9 @@ say(f"MiB; GPT {MBASE.n_layer}×{MBASE.n_embd}, {MBASE.n_head} heads, "
 # `distlab.theory.estimate`'s formulas with the paper's configuration; every verdict is computed
 # from them, and a row reads **no** where the run disagrees. The rows that rest on counted
 # bytes and bitwise comparisons are asserted; the interview answers' figures and the
-# timing are shown.
+# timing are shown. The one row that reads a clock ("32× slower") is **timed**: decided over
+# each step after the first as a repeat, with its min / median / max; load from other programs
+# widens the spreads and can turn it undecided.
 
 # %%
 fp_steps = [e for e in run.history("step")]
@@ -814,10 +820,14 @@ claims = [
           f"same losses to {max(accum_diff, alone_diff):.0e} (micro-batches of 1 … 32 rows; "
           f"tolerance {ACCUM_TOL:g}); peak {peak_saved_accum:.0%} lower at 1 row",
           max(accum_diff, alone_diff) < ACCUM_TOL),
-    claim("\"32× slower\" at 1 row × 32", "interview answer",
-          f"step time ×{R['accumulation alone']['step_s'] / R['fp32']['step_s']:.1f}: a 1-row "
-          "micro-batch costs less than a 32-row one",
-          R["accumulation alone"]["step_s"] / R["fp32"]["step_s"] >= 0.5 * 32),
+    # timed: every step after the first is a repeat; "32× slower" holds when accumulation's
+    # steps lie above 16× (half the claim) the whole batch's, no when they lie below it
+    timed_claim("\"32× slower\" at 1 row × 32", "interview answer",
+                {True: False, False: True, None: None}[below(accum_steps, fp32_steps, 16)],
+                {"1 row × 32": accum_steps, "32 rows at once": fp32_steps},
+                interleaved_=False,
+                note=f"step time ×{R['accumulation alone']['step_s'] / R['fp32']['step_s']:.1f} "
+                     "(medians): a 1-row micro-batch costs less than a 32-row one"),
     claim("recipe: bf16 → checkpointing → accumulation → more ranks fits batch 32",
           "interview answer",
           f"fits with micro-batches of {b_fit} rows (fp32: 1): peak "
@@ -883,21 +893,30 @@ assert all(c["holds"] for i, c in enumerate(claims) if i not in interview), \
 # repository (`benchmarks/results/`, with the machine, date and commit): a figure measured
 # elsewhere, not by this run. `benchmarks/gpu.py` is the full-size version (a GPT that fills
 # the GPU, FLOP/s and MFU), and `tests/gpu` checks every CUDA path; see the README.
+#
+# The usual answer says AMP makes training **2–3× faster**. On a GPU since Ampere, "fp32" has
+# two speeds: with TF32 on (torch's `allow_tf32` switches), fp32 matmuls run on the tensor
+# cores with a 10-bit mantissa, and bf16's lead shrinks. So the claim gets two rows, timed on a
+# GPU over each step as a repeat: against fp32 with TF32 off and with it on. Here, without a
+# GPU, both read "not measured here", beside what was recorded elsewhere.
 
 # %%
 if torch.cuda.is_available():
     gpu_cfg = RunConfig(n_layer=4, n_embd=512, n_head=8, seq_len=256, global_batch=16,
                         vocab_size=4096)
-    gpu_rows = {p: G.time_training(gpu_cfg.replace(precision=p), "cuda", steps=5, warmup=2)
-                for p in ("fp32", "bf16")}
+    gpu_rows = G.amp_timings(gpu_cfg, "cuda", steps=8, warmup=2)
     gpu_est = G.gpt_bytes_fp32(gpu_cfg)
     table(["precision", "step ms", "tokens/s", "max_memory_allocated MiB",
            "estimate (fp32 states + activations) MiB"],
           [[p, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", mib(r["peak_bytes"]),
             mib(gpu_est)] for p, r in gpu_rows.items()])
-    print(f"{torch.cuda.get_device_name()}: bf16 / fp32 step time "
-          f"{gpu_rows['fp32']['step_s'] / gpu_rows['bf16']['step_s']:.2f}x faster")
+    say(f"{torch.cuda.get_device_name()}: bf16 / fp32 step time, medians: "
+        f"{gpu_rows['fp32, TF32 off']['step_s'] / gpu_rows['bf16 autocast']['step_s']:.2f}x "
+        f"with TF32 off, "
+        f"{gpu_rows['fp32, TF32 on']['step_s'] / gpu_rows['bf16 autocast']['step_s']:.2f}x on")
+    rec = None
 else:
+    gpu_rows = None
     print("no CUDA GPU here: nothing above or below was measured on a GPU by this run")
     rec = recorded_gpu_speedup()
     if rec is None:
@@ -906,3 +925,5 @@ else:
         print(f"Recorded in {rec['file']}, measured elsewhere, not here:")
         print("  " + "\n  ".join(rec["header"][1:3] + rec["setup"]))
         print(f"  bf16 / fp32 step-time speed-up {rec['speedup']}x, bf16 MFU {rec['mfu']}%")
+# "AMP is 2-3x faster": timed on a GPU, with TF32 off and on; not measured on a CPU
+claims_table(amp_rows(gpu_rows, rec))

@@ -28,7 +28,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
-from distlab.lab.common import MEMORY_COLORS as COLORS, MiB
+from distlab.lab.common import MEMORY_COLORS as COLORS, MiB, claim
 from distlab.caller.run import Run
 from distlab.models import GPTConfig, gpt_param_count
 from distlab.step_event import memory
@@ -44,13 +44,18 @@ def last_memory(run: Run, rank: int = 0) -> dict:
     return memory(steps_of(run, rank)[-1])
 
 
-def median_step_s(run: Run, skip: int = 1) -> float:
-    """Median over steps (the first `skip` left out: warm-up) of the slowest rank's step time."""
+def step_seconds(run: Run, skip: int = 1) -> list[float]:
+    """The slowest rank's time of each step, the first `skip` left out (warm-up): the repeats
+    a timed verdict is decided on (distlab.lab.timed)."""
     by_step: dict[int, float] = {}
     for e in run.history("step"):
         by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["step_s"])
-    times = [by_step[s] for s in sorted(by_step)][skip:] or list(by_step.values())
-    return statistics.median(times)
+    return [by_step[s] for s in sorted(by_step)][skip:] or list(by_step.values())
+
+
+def median_step_s(run: Run, skip: int = 1) -> float:
+    """Median over steps (the first `skip` left out: warm-up) of the slowest rank's step time."""
+    return statistics.median(step_seconds(run, skip))
 
 
 def memory_over_steps_figure(run: Run, title: str = "") -> go.Figure:
@@ -473,3 +478,35 @@ def recorded_gpu_speedup(folder: str = RESULTS) -> dict | None:
     return {"file": os.path.relpath(files[-1], os.path.join(folder, "..", "..")),
             "header": header, "setup": body[:2], "speedup": float(speedup.group(1)) if speedup else None,
             "mfu": float(mfu.group(1)) if mfu else None}
+
+
+# -- AMP's speed-up: a GPU question -------------------------------------------------------------
+AMP_CLAIM = "AMP (bf16 autocast) trains 2–3× faster than fp32 (an interview answer), TF32 {}"
+
+
+def amp_rows(timings: dict | None, recorded: dict | None) -> list[dict]:
+    """The two claims rows of "AMP is 2–3× faster", against fp32 with TF32 off and with it on.
+    `timings`: distlab.studies.gpu.amp_timings' result on a GPU (each step a repeat: the rows
+    are timed); None on a CPU, where bf16 has no fast matmuls and the rows read "not measured
+    here", with what benchmarks/gpu.py recorded on a GPU (`recorded`: recorded_gpu_speedup())
+    shown beside as a figure from elsewhere."""
+    from distlab.lab.timed import timed_claim, within
+    source = "interview answer; NVIDIA's mixed-precision training guide"
+    rows = []
+    for setting in ("off", "on"):
+        text = AMP_CLAIM.format(setting)
+        if timings is None:
+            seen = "no figure recorded"
+            if recorded is not None and setting == "off":  # benchmarks/gpu.py runs TF32 off
+                model = recorded["setup"][1].split(" (")[0] if len(recorded["setup"]) > 1 else ""
+                seen = f"{recorded['speedup']}× recorded in {recorded['file']} ({model})"
+            rows.append(claim(text, source, f"no CUDA GPU in this run; measured elsewhere: "
+                              f"{seen}", None, basis="not measured here"))
+            continue
+        fp32 = timings[f"fp32, TF32 {setting}"]["step_samples"]
+        bf16 = timings["bf16 autocast"]["step_samples"]
+        speedup = [a / b for a, b in zip(fp32, bf16)]
+        rows.append(timed_claim(text, source, within(speedup, 2.0, 3.0),
+                                {"fp32 / bf16 step time": speedup}, scale=1, unit="×",
+                                interleaved_=False, note="step k of each run paired"))
+    return rows

@@ -151,19 +151,48 @@ def _outputs(nb, i):
 
 
 def test_saved_notebook_shows_no_widget_repr_and_no_widget_bundle(executed):
+    """The report's executed copy is for reading (claims_report.for_reading): the panel's
+    output keeps its picture, note and HTML copy, marked as a widget's, and loses the view
+    no kernel will drive; no widget state is saved."""
     nb = nbformat.read(executed, as_version=4)
-    panel = [o for o in _outputs(nb, 1) if WIDGET_MIME in o.get("data", {})]
+    panel = [o for o in _outputs(nb, 1) if o.get("metadata", {}).get("distlab_widget")]
     assert len(panel) == 1 and PLOTLY_MIME in panel[0].data
-    assert "VBox(" not in panel[0].data["text/plain"]
+    assert WIDGET_MIME not in panel[0].data and "VBox(" not in panel[0].data["text/plain"]
     assert any("run this cell again" in o.data.get("text/markdown", "") for o in _outputs(nb, 1))
     # the watched run's cell: its display is now the static copy, not the widget
     watched = [o for o in _outputs(nb, 3) if o.get("data")]
-    assert any(PLOTLY_MIME in o.data and WIDGET_MIME not in o.data for o in watched)
+    assert any(PLOTLY_MIME in o.data for o in watched)
     assert not any(WIDGET_MIME in o.data for o in watched)
-    state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    assert "widgets" not in nb.metadata
+    assert executed.stat().st_size < 1_000_000
+
+
+def test_the_kernels_widget_state_holds_no_plotly_bundle(tmp_path):
+    """What a notebook saved from a kernel keeps (before for_reading): a retired
+    FigureWidget's state holds the stub, not plotly's ~5 MB bundle."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import claims_report
+    src = tmp_path / "watch.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(NOTEBOOK[0]), nbformat.v4.new_code_cell(NOTEBOOK[3])]),
+        src)
+    import copy
+    kept = {}
+    real = claims_report.for_reading
+
+    def keep_then_read(nb):
+        kept["nb"] = copy.deepcopy(nb)
+        return real(nb)
+    claims_report.for_reading = keep_then_read
+    try:
+        result = claims_report.run_notebook(src, quick=True, timeout=180,
+                                            executed=tmp_path / "out")
+    finally:
+        claims_report.for_reading = real
+    assert result["status"] == "pass", result
+    state = kept["nb"].metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
     esm = [len(m["state"].get("_esm", "")) for m in state.values()]
     assert esm and max(esm) < ESM_BYTES  # the watch's FigureWidget existed, and was retired
-    assert executed.stat().st_size < 1_000_000
 
 
 def test_nbconvert_draws_every_figure_or_says_why(executed):
@@ -174,7 +203,9 @@ def test_nbconvert_draws_every_figure_or_says_why(executed):
         body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
     assert not [w for w in seen if "not able to be represented" in str(w.message)]
     assert "VBox(children" not in body
-    assert body.count("Plotly.newPlot") >= 2  # the plain figure and the watched run's copy
+    # the panel's picture (its view taken out by for_reading), the plain figure, the watched
+    # run's copy
+    assert body.count("Plotly.newPlot") >= 3
     assert "needs plotly.js" in body
 
 

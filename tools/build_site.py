@@ -41,7 +41,8 @@ from nbconvert import HTMLExporter
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"  # every .md here is a page of the site (interview_index.md among them)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
-WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+# a widget's output, and the mark claims_report.for_reading leaves where it took the view out
+from claims_report import WAS_WIDGET, WIDGET_MIME  # noqa: E402  (tools/ is the script's folder)
 WIDGET_NOTE = ("<p class='site-note'><i>An interactive widget stands here (an explorer or the "
                "control panel): it needs a running kernel. Open this notebook in JupyterLab to "
                "use it. Below, where it drew one, its figure as the notebook's run left it."
@@ -72,10 +73,11 @@ def prepare(nb: nbformat.NotebookNode) -> int:
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             data = out.get("data", {})
-            if PLOTLY_MIME in data and WIDGET_MIME not in data:
+            widget = WIDGET_MIME in data or out.get("metadata", {}).get(WAS_WIDGET)
+            if PLOTLY_MIME in data and not widget:
                 out["data"] = {"text/html": _plotly_html(data[PLOTLY_MIME], figures)}
                 figures += 1
-            elif WIDGET_MIME in data:
+            elif widget:
                 picture = data.get(PLOTLY_MIME)
                 out["data"] = {"text/html": WIDGET_NOTE + (
                     _plotly_html(picture, figures) if picture is not None else "")}

@@ -162,9 +162,27 @@ def run_notebook(path: Path, quick: bool, timeout: int | None,
         if executed.resolve() == path.parent.resolve():
             raise ValueError("--executed must not be the workbook folder: the sources stay "
                              "unwritten")
-        nbformat.write(nb, executed / path.name)
+        nbformat.write(for_reading(nb), executed / path.name)
     return {"notebook": path.stem, "seconds": round(seconds, 1),
             "status": "fail" if error else "pass", "error": error, "rows": rows}
+
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WAS_WIDGET = "distlab_widget"  # an output's metadata key: a widget stood here
+
+
+def for_reading(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The executed copy as a reader opens it, with no kernel to drive a widget: each widget
+    output keeps what else it carries (distlab.lab.live.LiveBox: the note that it is live in
+    the lab, its figure's static picture and an HTML copy) and loses its view, and the saved
+    widget state goes. Left in, nbconvert drew the view (a blank Out[] offline, the widget
+    manager comes from a CDN) over the picture, and the state was most of the file's size."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("data", {}).pop(WIDGET_MIME, None) is not None:
+                out.setdefault("metadata", {})[WAS_WIDGET] = True  # the site notes it
+    nb.metadata.pop("widgets", None)
+    return nb
 
 
 # -- the report ---------------------------------------------------------------------------------

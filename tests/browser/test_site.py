@@ -72,6 +72,11 @@ def test_the_site_reads_offline_with_figures_drawn_and_links_resolving(site):
             "els => els.filter(e => e.querySelector('.main-svg')).length")
         assert drawn == pages[NOTEBOOK], (drawn, pages[NOTEBOOK])
         assert page.locator(".site-note").count() >= 1  # the explorer: a note, not a repr
+        # every figure's plotting area at least half its width, no legend over the data
+        import site_layout
+        site_layout.wait_for_figures(page)
+        problems = site_layout.layout_problems(page)
+        assert not problems, [str(p) for p in problems]
         checked = 0
         reference = [f"{md.stem}.html" for md in sorted((REPO / "docs").glob("*.md"))
                      if md.stem != "interview_index"]

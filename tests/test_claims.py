@@ -29,12 +29,15 @@ def _buffers(spread, steps=5):
 
 
 def test_buffer_broadcast_row_follows_the_measurement():
-    good = buffer_broadcast_claim(_buffers(0.0), _buffers(0.25))
-    bad = buffer_broadcast_claim(_buffers(1e-3), _buffers(0.25))
+    good = buffer_broadcast_claim(_buffers(0.0), _buffers(0.25), _buffers(0.0))
+    bad = buffer_broadcast_claim(_buffers(1e-3), _buffers(0.25), _buffers(0.0))
     assert good["holds"] is True and bad["holds"] is False
     assert good["figure"] != bad["figure"] and "1.00e-03" in bad["figure"]
     # without the broadcast the ranks must differ, or the comparison shows nothing
-    assert buffer_broadcast_claim(_buffers(0.0), _buffers(0.0))["holds"] is False
+    assert buffer_broadcast_claim(_buffers(0.0), _buffers(0.0), _buffers(0.0))["holds"] is False
+    # torch's DDP is measured beside ours: its ranks differing says no too
+    torch_apart = buffer_broadcast_claim(_buffers(0.0), _buffers(0.25), _buffers(2e-3))
+    assert torch_apart["holds"] is False and "torch's DDP 2.00e-03" in torch_apart["figure"]
 
 
 def _strag(allreduce, ps_sync, backup):

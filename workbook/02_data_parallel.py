@@ -385,6 +385,7 @@ four = launch_together({
     "bnnet ddp": BN.replace(strategy="ddp", world_size=WORLD),                # section 6
     "bnnet ddp, no buffer broadcast": BN.replace(strategy="ddp", world_size=WORLD,
                                                  broadcast_buffers=False),    # section 6
+    "bnnet ddp-torch": BN.replace(strategy="ddp-torch", world_size=WORLD),    # section 6
     "straggler ps-sync + backup": STRAGGLERS["ps-sync + 1 backup"],           # section 7
     "ddp topk": ddp_cfg.replace(compress="topk", topk_ratio=TOPK_RATIO),      # section 8
 }, name="four-ranks")
@@ -646,12 +647,14 @@ assert plain_diff > 1000 * TOL and plain_loss_diff > 10 * LOSS_TOL  # another mo
 # statistics (buffers, not parameters: no gradient reaches them) from its own rows, and the
 # ranks' copies drift apart. torch's DDP (`broadcast_buffers=True`, the default; Li et al.
 # 2020) copies rank 0's buffers to every rank at the start of each step, and so does `ddp`
-# here; `broadcast_buffers=False` turns it off. Each `ddp` step logs what its buffers sum to
-# as the step starts (`buffer_sum_at_start`): per-rank BatchNorm, 4 ranks, with and without
-# the broadcast.
+# here; `broadcast_buffers=False` turns it off. Each `ddp` and `ddp-torch` step logs what
+# its buffers sum to as the step starts (`buffer_sum_at_start`, noted inside the wrapper's
+# forward, after its broadcast): per-rank BatchNorm, 4 ranks, torch's DDP and ours with and
+# without the broadcast.
 
 # %%
-bufs = {k: buffer_sums(four[k]) for k in ("bnnet ddp", "bnnet ddp, no buffer broadcast")}
+bufs = {k: buffer_sums(four[k]) for k in ("bnnet ddp", "bnnet ddp, no buffer broadcast",
+                                          "bnnet ddp-torch")}
 table(["run", "steps", "buffers' sum at the last step's start, per rank",
        "largest spread over ranks, any step"],
       [[k, b["steps"], ", ".join(f"{v:.6f}" for v in b["last_step"]), f"{b['max_spread']:.2e}"]

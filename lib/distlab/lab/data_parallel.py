@@ -492,7 +492,8 @@ def rule_grid(curves: list[dict]) -> tuple[dict, list[int], int]:
 # -- DDP's buffer broadcast ---------------------------------------------------------------------
 def buffer_sums(run) -> dict:
     """What each rank's floating buffers (BatchNorm's running statistics) summed to at the start
-    of each step of a `ddp` run (logged as `buffer_sum_at_start`), and the largest spread over
+    of each step of a `ddp` or `ddp-torch` run (logged as `buffer_sum_at_start`), and the
+    largest spread over
     ranks at any step: 0 when rank 0's buffers were broadcast, as torch DDP's
     broadcast_buffers=True does."""
     by_step: dict[int, dict[int, float]] = {}
@@ -500,8 +501,8 @@ def buffer_sums(run) -> dict:
         if "buffer_sum_at_start" in e:
             by_step.setdefault(e["step"], {})[e["rank"]] = e["buffer_sum_at_start"]
     if not by_step:
-        raise ValueError("no buffer_sum_at_start in this run's steps (a ddp run of a model "
-                         "with buffers logs it)")
+        raise ValueError("no buffer_sum_at_start in this run's steps (a ddp or ddp-torch run "
+                         "of a model with buffers logs it)")
     spread = {s: max(v.values()) - min(v.values()) for s, v in by_step.items()}
     last = by_step[max(by_step)]
     return {"broadcast": run.cfg.broadcast_buffers, "steps": len(by_step),
@@ -510,17 +511,19 @@ def buffer_sums(run) -> dict:
 
 
 # -- the closing claims table: rows whose figures and verdicts come from the measurements -------
-def buffer_broadcast_claim(on: dict, off: dict) -> dict:
+def buffer_broadcast_claim(on: dict, off: dict, torch_ddp: dict) -> dict:
     """DDP broadcasts rank 0's buffers at each step's start (Li et al. 2020; torch DDP's
-    broadcast_buffers=True): from buffer_sums of a run with it and one without."""
+    broadcast_buffers=True): from buffer_sums of our `ddp` with it and without, and of torch's
+    own DistributedDataParallel (`ddp-torch`, its default), measured the same way."""
     from distlab.lab.common import claim
     return claim(
         "DDP broadcasts rank 0's buffers (BatchNorm running statistics) at every step's start, "
         "so every rank's are equal; without it each rank keeps its own",
         "torch DDP broadcast_buffers=True; Li et al. 2020",
         f"largest spread over ranks of the buffers' sum at a step's start, {on['steps']} steps: "
-        f"{on['max_spread']:.2e} with the broadcast, {off['max_spread']:.2e} without",
-        on["max_spread"] == 0.0 and off["max_spread"] > 0.0)
+        f"torch's DDP {torch_ddp['max_spread']:.2e}, ours {on['max_spread']:.2e} with the "
+        f"broadcast, {off['max_spread']:.2e} without",
+        torch_ddp["max_spread"] == on["max_spread"] == 0.0 and off["max_spread"] > 0.0)
 
 
 def straggler_claim(strag: dict, delay_s: float, no_delay: dict | None = None) -> dict:

@@ -109,6 +109,29 @@ class ReplicatedDP(Strategy):
     checkpoint_layout = "replicated"  # the whole model and optimizer on every rank
 
 
+class NotesBuffersAtStart:
+    """A DDP strategy that logs what this rank's floating buffers (BatchNorm's running
+    statistics) sum to as each step's first forward starts, after the wrapper broadcast them:
+    equal on every rank when rank 0's were copied to all (02 compares ours with torch's)."""
+    _buffer_sum: float | None = None
+
+    def note_buffers(self, module) -> None:
+        """Call on the wrapped module: its forward pre-hook runs inside the wrapper's forward,
+        after the broadcast."""
+        module.register_forward_pre_hook(self._note_buffer_sum)
+
+    def _note_buffer_sum(self, module, args):
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        if buffers and self._buffer_sum is None:
+            self._buffer_sum = float(sum(b.double().sum() for b in buffers))
+
+    def buffer_info(self) -> dict:
+        """The step's note for step_info, and a fresh one for the next step."""
+        info = {} if self._buffer_sum is None else {"buffer_sum_at_start": self._buffer_sum}
+        self._buffer_sum = None
+        return info
+
+
 class Single(ReplicatedDP):
     """One process, the whole global batch: the baseline every strategy is checked against.
     A finite dataset is read through the same sampler, at world size 1."""

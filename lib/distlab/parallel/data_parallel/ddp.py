@@ -67,7 +67,8 @@ from torch import nn
 from distlab.comm import Comm, Pending
 from distlab.non_finite import detect_nan as nan_detector
 from distlab.parallel.agree import agree, buffer_layout, parameter_layout
-from distlab.parallel.data_parallel.allreduce import ReplicatedDP, broadcast_buffers, read_batch
+from distlab.parallel.data_parallel.allreduce import (NotesBuffersAtStart, ReplicatedDP,
+                                                      broadcast_buffers, read_batch)
 from distlab.parallel.data_parallel.compression import TopK
 from distlab.parallel.data_parallel.kept_rows import KeptRows
 from distlab.parallel.data_parallel.syncbn import attach_comm
@@ -371,7 +372,7 @@ class DistributedDataParallel(nn.Module):
                 "overlap": hidden / total if total > 0 else 0.0}
 
 
-class DDP(ReplicatedDP):
+class DDP(NotesBuffersAtStart, ReplicatedDP):
     """The training loop's `ddp`: the loop's model wrapped in DistributedDataParallel, with
     RunConfig's bucket_mb, compress and broadcast_buffers. Gradients are complete when the last
     micro-batch's backward returns, so reduce_gradients has nothing left to do."""
@@ -382,7 +383,6 @@ class DDP(ReplicatedDP):
     def mesh_preset(cls, cfg):  # the same averages, in buckets (none with compression)
         return None if cfg.compress != "none" else {"dp_shard": cfg.world_size, "zero_stage": 0}
     supports = ReplicatedDP.supports | {"no_buffer_broadcast", "moe"}
-    _buffer_sum: float | None = None
 
     @classmethod
     def check_config(cls, cfg):
@@ -396,20 +396,11 @@ class DDP(ReplicatedDP):
             model, bucket_mb=cfg.bucket_mb, broadcast_buffers=cfg.broadcast_buffers,
             compression=None if cfg.compress == "none" else cfg.compress,
             topk_ratio=cfg.topk_ratio, comm=self.comm)
-        # runs inside the wrapper's forward, after its buffer broadcast
-        model.register_forward_pre_hook(self._note_buffer_sum)
+        self.note_buffers(model)
         return self.model
 
     def batch(self, data, step):
-        self._buffer_sum = None  # noted by the step's first forward
         return read_batch(self, data, step)
-
-    def _note_buffer_sum(self, module, args):
-        """What this rank's floating buffers sum to as the step's first forward starts: equal on
-        every rank when they were broadcast (logged with the step, see step_info)."""
-        buffers = [b for b in module.buffers() if b.is_floating_point()]
-        if buffers and self._buffer_sum is None:
-            self._buffer_sum = float(sum(b.double().sum() for b in buffers))
 
     def no_sync(self, model):
         return self.model.no_sync()
@@ -418,7 +409,4 @@ class DDP(ReplicatedDP):
         """Nothing: DistributedDataParallel averaged the gradients as backward ended."""
 
     def step_info(self) -> dict:
-        info = {"ddp": self.model.timeline}
-        if self._buffer_sum is not None:
-            info["buffer_sum_at_start"] = self._buffer_sum
-        return info
+        return {"ddp": self.model.timeline, **self.buffer_info()}

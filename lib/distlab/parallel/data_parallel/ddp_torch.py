@@ -37,7 +37,7 @@ from __future__ import annotations
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.parallel.data_parallel.allreduce import ReplicatedDP, read_batch
+from distlab.parallel.data_parallel.allreduce import NotesBuffersAtStart, ReplicatedDP, read_batch
 from distlab.parallel.data_parallel.syncbn import attach_comm
 
 
@@ -50,7 +50,7 @@ def booked_allreduce_hook(strategy: "TorchDDP", bucket):
     return pending.future().then(lambda fut: fut.value()[0])
 
 
-class TorchDDP(ReplicatedDP):
+class TorchDDP(NotesBuffersAtStart, ReplicatedDP):
     name = "ddp-torch"
     books_all_traffic = False  # torch sends bytes of its own
     knobs = frozenset({"bucket_mb", "compress", "powersgd_rank"})
@@ -84,6 +84,7 @@ class TorchDDP(ReplicatedDP):
         else:
             ddp.register_comm_hook(self, booked_allreduce_hook)
         attach_comm(model, self.comm)  # our SyncBatchNorm (torch's needs a GPU to train)
+        self.note_buffers(model)  # after torch's buffer broadcast (broadcast_buffers=True)
         return ddp
 
     def batch(self, data, step):
@@ -99,4 +100,4 @@ class TorchDDP(ReplicatedDP):
         info = {"ddp_torch": {"buckets": [{"index": i, "bytes": n}
                                           for i, n in enumerate(self.bucket_bytes)]}}
         self.bucket_bytes = []
-        return info
+        return {**info, **self.buffer_info()}

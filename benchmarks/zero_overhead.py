@@ -21,6 +21,12 @@ GPU section (when CUDA is present): `single` on one GPU, the same GPT made large
 against "full" (torch.cuda.max_memory_allocated per step, the loop's cuda_max_allocated). On a
 machine without a GPU it prints "no GPU: skipped".
 
+NCCL section (with 2 or more CUDA GPUs): torch's FSDP2 (`fsdp-torch`) against torch's DDP
+(`ddp-torch`) over NCCL, one rank per GPU, the larger GPT in bf16, repeats alternating as
+above; it prints "FSDP2 / DDP step time on NCCL: R x" (the ratio of the medians) with each
+repeat's ratio: the "FSDP costs under 20% over DDP on NVLink" of the interview answers, which
+04's row quotes from benchmarks/results once recorded. With fewer GPUs it says why it skipped.
+
 Runs go to a temporary DISTLAB_RUNS folder, removed at the end.
 """
 
@@ -121,6 +127,32 @@ def gpu_section(args, run_ranks, RunConfig, bench):
           f"step time x{t['fp32 checkpointing'] / t['fp32']:.2f}")
 
 
+def nccl_section(args, run_ranks, RunConfig, bench):
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        print(f"\nNCCL section (FSDP2 against DDP): needs 2 or more CUDA GPUs, found {n}: "
+              "skipped")
+        return
+    base = RunConfig(world_size=n, steps=args.steps, optimizer="adamw", global_batch=8 * n,
+                     seq_len=256, n_embd=args.gpu_embd, n_layer=args.gpu_layers,
+                     n_head=args.gpu_embd // 64, precision="bf16", device="cuda",
+                     backend="nccl", timeout_s=300)
+    names = ("fsdp-torch", "ddp-torch")
+    cfgs = [base.replace(strategy=s, name=s).to_dict() for s in names]
+    print(f"\nNCCL section: {n} x {torch.cuda.get_device_name(0)}, GPT {base.n_layer} layers "
+          f"n_embd {base.n_embd}, bf16, batch {base.global_batch} x seq {base.seq_len}")
+    res = run_ranks(bench.time_configs, n, cfgs, args.repeats, args.warmup, device="cuda",
+                    backend="nccl", timeout_s=300)[0]
+    med = {s: _median([e["step_s"] for e in res[s]["steps"]]) for s in names}
+    per_rep = [a / b for a, b in zip(res["fsdp-torch"]["per_repeat"],
+                                     res["ddp-torch"]["per_repeat"])]
+    for s in names:
+        print(f"  {s:<11} median step {1e3 * med[s]:8.1f} ms")
+    print(f"FSDP2 / DDP step time on NCCL: {med['fsdp-torch'] / med['ddp-torch']:.2f}x; per "
+          f"repeat {' '.join(f'{r:.2f}' for r in per_rep)}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
@@ -136,6 +168,7 @@ def main(argv=None) -> int:
 
         cpu_section(args, run_ranks, RunConfig, bench)
         gpu_section(args, run_ranks, RunConfig, bench)
+        nccl_section(args, run_ranks, RunConfig, bench)
         return 0
 
 

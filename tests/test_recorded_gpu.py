@@ -59,3 +59,21 @@ def test_amp_timings_restores_tf32_and_times_every_step_on_the_cpu():
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
     assert list(timings) == list(AMP_SETTINGS)
     assert all(len(r["step_samples"]) == 3 for r in timings.values())
+
+
+def test_fsdp_over_nccl_reads_not_measured_here_and_quotes_a_record(tmp_path):
+    """04's row: without a record it says what would measure it; with benchmarks/
+    zero_overhead.py's NCCL line in a results file it quotes that ratio, still "not measured
+    here" (this run did not measure it)."""
+    from distlab.lab.zero_and_fsdp import FSDP_NCCL_CLAIM, fsdp_nccl_row, recorded_fsdp_nccl
+    assert recorded_fsdp_nccl(str(tmp_path)) is None
+    row = fsdp_nccl_row(None)
+    assert (row["claim"], row["basis"], row["holds"]) == (FSDP_NCCL_CLAIM, "not measured here",
+                                                          None)
+    assert "no figure recorded" in row["figure"]
+    (tmp_path / "zero_overhead-nccl-h100x8.txt").write_text(
+        "NCCL section: 8 x H100\nFSDP2 / DDP step time on NCCL: 1.14x; per repeat 1.12 1.15 1.13\n")
+    rec = recorded_fsdp_nccl(str(tmp_path))
+    assert rec["ratio"] == 1.14 and rec["per_repeat"] == [1.12, 1.15, 1.13]
+    row = fsdp_nccl_row(rec)
+    assert "1.14×" in row["figure"] and row["holds"] is None

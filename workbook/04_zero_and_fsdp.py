@@ -101,6 +101,7 @@ from distlab.lab.zero_and_fsdp import (
     comm_rows,
     equivalence_figure,
     fmt_gb,
+    fsdp_nccl_row,
     global_norms,
     layout_claims,
     layouts_figure,
@@ -111,6 +112,7 @@ from distlab.lab.zero_and_fsdp import (
     model_states,
     per_gpu_rows,
     prefetch_counts,
+    recorded_fsdp_nccl,
     reduction_figure,
     rooms,
     stage_rows,
@@ -853,6 +855,9 @@ rows = [
           abs(none_d["tokens"] / 65536 - 1) < 0.2 and abs(none_f["tokens"] / 229e3 - 1) < 0.2,
           basis="modelled"),
 ] + layout_claims(layouts) + code_rows
+# FSDP's overhead over DDP on NVLink needs several GPUs: "not measured here", beside what
+# benchmarks/zero_overhead.py recorded on such a machine (nothing yet)
+rows.append(fsdp_nccl_row(recorded_fsdp_nccl()))
 claims_table(rows)
 # the interview answers and the limits of the "4×/8×" and "1.5×" rules may read no; the
 # measurements of this run must hold

@@ -558,3 +558,39 @@ class MemoryExplorer(lab.Explorer):
 
     def __repr__(self):
         return f"MemoryExplorer(last run: {self.last_run})"
+
+
+# -- FSDP's overhead over DDP on NVLink: a question for several GPUs ----------------------------
+FSDP_NCCL_CLAIM = "FSDP costs under 20% of step time over DDP on NVLink (an interview answer)"
+NCCL_RATIO = r"FSDP2 / DDP step time on NCCL: ([\d.]+)x; per repeat ([\d. ]+)"
+
+
+def recorded_fsdp_nccl(folder: str | None = None) -> dict | None:
+    """The newest benchmarks/results file holding benchmarks/zero_overhead.py's NCCL section
+    ({"file", "ratio", "per_repeat"}), or None where none does (no run on 2+ GPUs recorded)."""
+    import glob
+    import os
+    import re
+
+    from distlab.lab.memory_and_precision import RESULTS
+    folder = folder or RESULTS
+    for path in sorted(glob.glob(os.path.join(folder, "*.txt")), reverse=True):
+        m = re.search(NCCL_RATIO, open(path).read())
+        if m:
+            return {"file": os.path.relpath(path, os.path.join(folder, "..", "..")),
+                    "ratio": float(m.group(1)),
+                    "per_repeat": [float(x) for x in m.group(2).split()]}
+    return None
+
+
+def fsdp_nccl_row(recorded: dict | None) -> dict:
+    """04's row for "FSDP costs under 20% over DDP on NVLink": it needs two or more GPUs joined
+    by NVLink, with NCCL, so a notebook run on a CPU reads "not measured here" and shows what
+    benchmarks/zero_overhead.py's NCCL section recorded on such a machine, if anything."""
+    seen = ("no figure recorded yet: benchmarks/zero_overhead.py's NCCL section measures it on "
+            "2 or more GPUs" if recorded is None else
+            f"FSDP2 / DDP {recorded['ratio']:.2f}× (per repeat "
+            f"{', '.join(f'{r:.2f}' for r in recorded['per_repeat'])}) recorded in "
+            f"{recorded['file']}, measured elsewhere")
+    return common.claim(FSDP_NCCL_CLAIM, "interview answer", f"this run has no GPUs joined by "
+                        f"NVLink; {seen}", None, basis="not measured here")

@@ -405,3 +405,30 @@ def test_index_quotes_follow_a_regenerated_report():
     assert left == ["03_memory — gone: not in the report"]
     for line in lines[:2]:  # what it writes is what the page's checker reads
         assert quoted_row(line.split("report: ", 1)[1]) is not None
+
+
+def uncited_interview_rows(page: str, report: dict) -> list[str]:
+    """Report rows that test an interview answer (the claim or its source says so) and that the
+    page quotes nowhere: such a row bears on a question, so an entry cites it (or, reading no,
+    the findings section does)."""
+    quoted = set()
+    for line in page.splitlines():
+        m = re.match(r"^\s*- (?:report: )?(.*)$", line)
+        if m and (q := quoted_row(m.group(1).strip())) is not None:
+            quoted.add((q[0], q[1]))
+    return [f"{r['notebook']} — {r['claim']}: an interview answer's row, cited nowhere"
+            for nb in report["notebooks"] for r in nb["rows"]
+            if "interview answer" in r["claim"] + r["source"]
+            and (r["notebook"], r["claim"]) not in quoted]
+
+
+def test_every_row_on_an_interview_answer_is_cited(page, report):
+    problems = uncited_interview_rows(page, report)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_interview_row_check_can_fail(report):
+    row = next(r for nb in report["notebooks"] for r in nb["rows"]
+               if "interview answer" in r["claim"] + r["source"])
+    assert uncited_interview_rows("no quotes here", report)
+    assert any(row["claim"] in p for p in uncited_interview_rows("", report))

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import html
 import math
+import re
+import warnings
+from contextlib import contextmanager
 
 from distlab.units import GiB, KiB, MiB  # noqa: F401  (re-exported: the notebooks' units)
 
@@ -198,3 +201,41 @@ def claims_table(rows: list[dict]) -> None:
         with open(path, "a", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps({"notebook": notebook, **r}) + "\n")
+
+
+# The note a Run adds when a loss went NaN or inf (distlab.caller.run, _note_non_finite_loss),
+# as far as its first colon after the counts: what an on-purpose divergence is said with.
+NON_FINITE_NOTE = re.compile(r"the loss was (?:nan|inf|-inf) at step \d+ on rank \d+ "
+                             r"\(\d+ step events in all\)(?:: RunConfig\(detect_nan=True\)[^;]*)?")
+
+
+@contextmanager
+def expected_divergence():
+    """Around a launch that diverges on purpose (02's largest lr without warm-up, 11's drills): the
+    RuntimeWarning the Run gives when a loss went NaN or inf is caught, and its note (the
+    first such step, without the run's folder or the library's line) is appended to the list
+    this yields, for the cell to say; any other warning, and any other problem the same
+    warning names, is warned again as it came. Nothing outside the block is silenced.
+
+        with expected_divergence() as noted:
+            curves = scaling_experiment(...)
+        say(...noted...)
+    """
+    noted: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield noted
+    for w in caught:
+        text = str(w.message)
+        found = NON_FINITE_NOTE.search(text) if issubclass(w.category, RuntimeWarning) else None
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        noted.append(found.group(0).split(": RunConfig(")[0])
+        rest = text[:found.start()] + text[found.end():]
+        head, _, tail = rest.partition(": ")  # "run <folder>: <problems joined by '; '>"
+        others = [p for p in tail.split("; ") if p.strip()] if head.startswith("run ") else \
+            [rest] if rest.strip() else []
+        if others:
+            warnings.warn_explicit(f"{head}: " + "; ".join(others), w.category, w.filename,
+                                   w.lineno)

@@ -8,16 +8,15 @@ Nothing here runs inside a rank or changes how anything trains; it reads what th
 
 from __future__ import annotations
 
-import re
 import statistics
-import warnings
-from contextlib import contextmanager
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
 from distlab.lab.common import RUN_COLORS as COLORS, byte_unit, fmt_bytes, hline
+# 02 takes it from here with the rest of its section's helpers; it lives in common (11 uses it)
+from distlab.lab.common import expected_divergence  # noqa: F401
 from distlab.lab.panel import wire_sent
 from distlab.parallel.data_parallel.dp import KINDS as DP_KINDS
 from distlab.caller.run import Run
@@ -285,44 +284,6 @@ def scaling_figure(curves: list[dict]) -> go.Figure:
                             f"{base}); loss vs step (top), vs samples (bottom); diverged runs "
                             "leave the plot", margin=dict(t=110, b=40))
     return fig
-
-
-# The note a Run adds when a loss went NaN or inf (distlab.caller.run, _note_non_finite_loss),
-# as far as its first colon after the counts: what an on-purpose divergence is said with.
-NON_FINITE_NOTE = re.compile(r"the loss was (?:nan|inf|-inf) at step \d+ on rank \d+ "
-                             r"\(\d+ step events in all\)(?:: RunConfig\(detect_nan=True\)[^;]*)?")
-
-
-@contextmanager
-def expected_divergence():
-    """Around a launch that diverges on purpose (02's largest lr without warm-up): the
-    RuntimeWarning the Run gives when a loss went NaN or inf is caught, and its note (the
-    first such step, without the run's folder or the library's line) is appended to the list
-    this yields, for the cell to say; any other warning, and any other problem the same
-    warning names, is warned again as it came. Nothing outside the block is silenced.
-
-        with expected_divergence() as noted:
-            curves = scaling_experiment(...)
-        say(...noted...)
-    """
-    noted: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield noted
-    for w in caught:
-        text = str(w.message)
-        found = NON_FINITE_NOTE.search(text) if issubclass(w.category, RuntimeWarning) else None
-        if found is None:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            continue
-        noted.append(found.group(0).split(": RunConfig(")[0])
-        rest = text[:found.start()] + text[found.end():]
-        head, _, tail = rest.partition(": ")  # "run <folder>: <problems joined by '; '>"
-        others = [p for p in tail.split("; ") if p.strip()] if head.startswith("run ") else \
-            [rest] if rest.strip() else []
-        if others:
-            warnings.warn_explicit(f"{head}: " + "; ".join(others), w.category, w.filename,
-                                   w.lineno)
 
 
 # -- strategy dp: read its run's events, and measure the threads' (GIL's) cost -----------------

@@ -9,6 +9,7 @@ kernel (tools/claims_report.run_notebook, as the report does) and reads what it 
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import warnings
@@ -141,9 +142,23 @@ def executed(tmp_path_factory):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK])
     nbformat.write(nb, src)
     out = tmp_path_factory.mktemp("executed")
-    result = claims_report.run_notebook(src, quick=True, timeout=180, executed=out)
+    # what the kernel saved, kept before for_reading makes the copy for readers
+    KERNEL_SAVED.clear()
+    real = claims_report.for_reading
+
+    def keep_then_read(nb):
+        KERNEL_SAVED.append(copy.deepcopy(nb))
+        return real(nb)
+    claims_report.for_reading = keep_then_read
+    try:
+        result = claims_report.run_notebook(src, quick=True, timeout=180, executed=out)
+    finally:
+        claims_report.for_reading = real
     assert result["status"] == "pass", result
     return out / src.name
+
+
+KERNEL_SAVED: list = []  # the executed notebook as the kernel left it (the fixture fills it)
 
 
 def _outputs(nb, i):
@@ -167,30 +182,11 @@ def test_saved_notebook_shows_no_widget_repr_and_no_widget_bundle(executed):
     assert executed.stat().st_size < 1_000_000
 
 
-def test_the_kernels_widget_state_holds_no_plotly_bundle(tmp_path):
+def test_the_kernels_widget_state_holds_no_plotly_bundle(executed):
     """What a notebook saved from a kernel keeps (before for_reading): a retired
     FigureWidget's state holds the stub, not plotly's ~5 MB bundle."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import claims_report
-    src = tmp_path / "watch.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell(NOTEBOOK[0]), nbformat.v4.new_code_cell(NOTEBOOK[3])]),
-        src)
-    import copy
-    kept = {}
-    real = claims_report.for_reading
-
-    def keep_then_read(nb):
-        kept["nb"] = copy.deepcopy(nb)
-        return real(nb)
-    claims_report.for_reading = keep_then_read
-    try:
-        result = claims_report.run_notebook(src, quick=True, timeout=180,
-                                            executed=tmp_path / "out")
-    finally:
-        claims_report.for_reading = real
-    assert result["status"] == "pass", result
-    state = kept["nb"].metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    (kept,) = KERNEL_SAVED
+    state = kept.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
     esm = [len(m["state"].get("_esm", "")) for m in state.values()]
     assert esm and max(esm) < ESM_BYTES  # the watch's FigureWidget existed, and was retired
 

@@ -402,6 +402,15 @@ def test_index_quotes_follow_a_regenerated_report():
                         "held: no")
     assert lines[2] == page.splitlines()[2]
     assert changed == ["18_across_nodes — a: yes -> undecided on this machine"]
+    # the same claim in two notebooks: each quote keeps its own notebook's row
+    report["notebooks"].append({"rows": [
+        {"notebook": "06_pipe", "claim": "c", "figure": "six", "holds": True, "basis": "timed"},
+        {"notebook": "07_3d", "claim": "c", "figure": "seven", "holds": True, "basis": "timed"}]})
+    twice = ("- 07_3d — claim: `c` — figure: `old` — held: yes\n"
+             "- 06_pipe — claim: `c` — figure: `old` — held: yes\n")
+    both, _, left_twice = index_quotes.refresh(twice, report)
+    assert "`seven`" in both.splitlines()[0] and "`six`" in both.splitlines()[1]
+    assert not left_twice
     assert left == ["03_memory — gone: not in the report"]
     for line in lines[:2]:  # what it writes is what the page's checker reads
         assert quoted_row(line.split("report: ", 1)[1]) is not None

@@ -6,8 +6,9 @@
 The page quotes rows of reports/claims-full.json word for word ("NB — claim: `…` — figure:
 `…` — held: …"), and tests/test_interview_index.py fails when a quote is not a row of the
 report. After tools/claims_report.py has run again, every figure may have moved. This script
-finds each quoted row's claim in the new report (by its claim text; a row that moved to
-another notebook is found there too), rewrites its notebook, figure and verdict, and updates
+finds each quoted row's claim in the new report (by its claim text, in the notebook the page
+names when two notebooks test the same claim; a row that moved to another notebook is found
+there too), rewrites its notebook, figure and verdict, and updates
 the page's report date and commit line. It prints every verdict that changed, because an
 entry's own verdict on the answer ("right", "wrong") is prose someone must read again: the
 script never touches it. A quoted claim that is gone from the report, or that two notebooks
@@ -65,6 +66,8 @@ def refresh(page: str, report: dict) -> tuple[str, list[str], list[str]]:
         nb, c1, c2, _f1, _f2, old = m.groups()
         claim = c1 or c2
         found = by_claim.get(claim, [])
+        if len(found) > 1:  # two notebooks test the same claim: the one the page names
+            found = [r for r in found if r["notebook"] == nb] or found
         if len(found) != 1:
             left.append(f"{nb} — {claim}: " + ("not in the report" if not found else
                                                 f"in {len(found)} rows"))
@@ -83,7 +86,7 @@ def report_line(page: str, report: dict) -> str:
     """The page's words naming the report's date and commit ("dated 2026-11-26 05:44 UTC, at
     commit 671a358"), set to this report's. Notebooks rerun on their own (--merge) are named
     in the prose beside it: that sentence is the reader's to fix, and main() says so."""
-    return re.sub(r"dated \d{4}-\d\d-\d\d \d\d:\d\d UTC, at commit \w+",
+    return re.sub(r"dated \d{4}-\d\d-\d\d \d\d:\d\d UTC, at commit [^,]+",
                   f"dated {report['date']}, at commit {report['commit']}", page, count=1)
 
 

@@ -31,6 +31,7 @@ import html
 import json
 import re
 import shutil
+from datetime import datetime, timedelta
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -125,6 +126,20 @@ def executed_at(nb) -> str | None:
     return times[0][:16].replace("T", " ") + " UTC" if times else None
 
 
+def from_report_run(report: dict, started: dict[str, str | None]) -> bool:
+    """Whether every executed page comes from the run that wrote `report` (claims_report's
+    JSON): each of them is one of its notebooks and started (executed_at) within the report's
+    span, from its start to start + its seconds (to the minute both are written in)."""
+    if not started or any(t is None for t in started.values()):
+        return False
+    names = {nb["notebook"] for nb in report.get("notebooks", [])}
+    fmt = "%Y-%m-%d %H:%M UTC"
+    start = datetime.strptime(report["date"], fmt)
+    end = start + timedelta(seconds=report.get("seconds", 0) + 60)
+    return all(name in names and start <= datetime.strptime(t, fmt) <= end
+               for name, t in started.items())
+
+
 def notebook_page(path: Path, executed: bool) -> tuple[str, int]:
     nb = nbformat.read(path, as_version=4)
     figures = prepare(nb)
@@ -180,10 +195,12 @@ def build(executed_dir: Path | None, out: Path, workbook: Path = REPO / "workboo
     import plotly
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js",
                 out / "plotly.min.js")
-    pages, items = {}, []
+    pages, items, started = {}, [], {}
     for src in sorted(workbook.glob("[0-9][0-9]_*.ipynb")):
         done = executed_dir / src.name if executed_dir else None
         ran = done is not None and done.exists()
+        if ran:
+            started[src.stem] = executed_at(nbformat.read(done, as_version=4))
         page, figures = notebook_page(done if ran else src, ran)
         (out / f"{src.stem}.html").write_text(page, encoding="utf-8")
         pages[src.stem] = figures
@@ -203,7 +220,11 @@ def build(executed_dir: Path | None, out: Path, workbook: Path = REPO / "workboo
     claims = REPO / "reports" / "claims-full.md"
     claims_link = ""
     if claims.exists():
-        note = ("<p class='site-note'><i>This is the committed full-mode report, not the run "
+        report = json.loads(claims.with_suffix(".json").read_text())
+        note = ("<p class='site-note'><i>This is the full-mode report of the run every "
+                "notebook page here shows: one story, its date and commit in its header.</i></p>"
+                if from_report_run(report, started) and len(started) == len(pages) else
+                "<p class='site-note'><i>This is the committed full-mode report, not the run "
                 "each notebook page shows (each page names its own); its header gives its date "
                 "and commit. Where a page's timing row and this report disagree, they are two "
                 "runs of a shared machine.</i></p>")

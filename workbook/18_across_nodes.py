@@ -29,9 +29,8 @@
 #
 # It needs root (network namespaces); without it the notebook says so and measures nothing.
 # Each section starts clusters of its own (every agent and rank imports torch: seconds of CPU
-# apiece), so CI's quick run measures only the fast tier and leaves the sections to full mode;
-# the test suite runs their code (tests/test_hsdp.py, tests/test_cluster.py,
-# tests/test_elastic*.py).
+# apiece), so CI's quick run leaves them to full mode; the test suite runs their code
+# (tests/test_hsdp.py; tests/test_cluster.py, a node killed and replaced).
 
 # %% tags=["parameters"]
 import os
@@ -65,10 +64,12 @@ if WHY is None and not FULL:
     say("quick mode: sections 1 to 3 run in full mode only (ten more clusters)")
 
 # %%
-# the fast tier inside a node: two ranks over loopback, S / the all-reduce's median seconds
-node_Bps = fast_tier_Bps(FAST_TIER_MIB)
-say(f"all-reduce of {FAST_TIER_MIB:g} MiB between 2 ranks over this machine's loopback: "
-    f"{node_Bps / 2**20:,.0f} MiB/s (S / seconds), against the link's {LINK / 8:g} MB/s")
+# the fast tier inside a node, for section 2's planner: two ranks over loopback, S / the
+# all-reduce's median seconds (full mode: a launch of its own, seconds of CI's time otherwise)
+if WHY is None and FULL:
+    node_Bps = fast_tier_Bps(FAST_TIER_MIB)
+    say(f"all-reduce of {FAST_TIER_MIB:g} MiB between 2 ranks over this machine's loopback: "
+        f"{node_Bps / 2**20:,.0f} MiB/s (S / seconds), against the link's {LINK / 8:g} MB/s")
 
 # %% [markdown]
 # ## 1. HSDP: shard inside a node, replicate across

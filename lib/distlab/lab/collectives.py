@@ -126,6 +126,13 @@ WIRE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to
               "all_reduce.ring", "all_reduce.naive")
 
 
+def compare_then_wire(rank, world, device, log, sizes_bytes, repeats, wire_nbytes):
+    """compare_allreduce, then wire_per_collective, in the same ranks: one launch for 01's
+    section 3, its timings then its bytes on the wire (a launch of 4 ranks costs seconds of this machine's 2 cores)."""
+    return {"compare": compare_allreduce(rank, world, device, log, sizes_bytes, repeats),
+            "wire": wire_per_collective(rank, world, device, log, wire_nbytes)}
+
+
 def wire_per_collective(rank, world, device, log, nbytes):
     """One call of each collective on `nbytes` of float32, alone (a barrier before each), and
     per kind the bytes Comm booked beside the bytes the kernel saw this rank write during the

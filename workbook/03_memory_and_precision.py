@@ -97,7 +97,6 @@ from distlab.lab.memory_and_precision import (
     last_memory,
     amp_rows,
     median_step_s,
-    step_seconds,
     memory_over_steps_figure,
     recipe_configs,
     recorded_gpu_speedup,
@@ -115,6 +114,7 @@ from distlab.lab.memory_and_precision import (
 )
 from distlab.theory.estimate import autocast_weight_copy_bytes
 from distlab.lab.runs import launch_together, max_step_loss_diff, median_step_change
+from distlab.lab.time_to_train import step_samples
 from distlab.lab.timed import below, timed_claim
 
 torch.set_num_threads(1)  # this kernel's own few computations: one thread, like each rank
@@ -685,7 +685,8 @@ print(f"fastest within the budget on this machine: {fastest['step']} "
 # accumulation alone reaches batch 32 as well: its losses equal the whole batch's
 whole = timed1["fp32"].losses()
 alone_diff = max_step_loss_diff(timed1["accumulation alone"].losses(), whole)
-accum_steps, fp32_steps = step_seconds(timed1["accumulation alone"]), step_seconds(timed1["fp32"])
+accum_steps = step_samples(timed1["accumulation alone"], skip=1)
+fp32_steps = step_samples(timed1["fp32"], skip=1)
 step_change = median_step_change(whole)
 say(f"accumulation alone vs the whole batch: largest loss difference {alone_diff:.1e} over "
     f"{len(whole)} steps; the loss's median change per step {step_change:.1e}")

@@ -29,6 +29,7 @@ from plotly.subplots import make_subplots
 
 from distlab.config import RunConfig
 from distlab.lab.common import MEMORY_COLORS as COLORS, MiB, claim
+from distlab.lab.time_to_train import step_samples
 from distlab.caller.run import Run
 from distlab.models import GPTConfig, gpt_param_count
 from distlab.step_event import memory
@@ -44,18 +45,9 @@ def last_memory(run: Run, rank: int = 0) -> dict:
     return memory(steps_of(run, rank)[-1])
 
 
-def step_seconds(run: Run, skip: int = 1) -> list[float]:
-    """The slowest rank's time of each step, the first `skip` left out (warm-up): the repeats
-    a timed verdict is decided on (distlab.lab.timed)."""
-    by_step: dict[int, float] = {}
-    for e in run.history("step"):
-        by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["step_s"])
-    return [by_step[s] for s in sorted(by_step)][skip:] or list(by_step.values())
-
-
 def median_step_s(run: Run, skip: int = 1) -> float:
     """Median over steps (the first `skip` left out: warm-up) of the slowest rank's step time."""
-    return statistics.median(step_seconds(run, skip))
+    return statistics.median(step_samples(run, skip))
 
 
 def memory_over_steps_figure(run: Run, title: str = "") -> go.Figure:

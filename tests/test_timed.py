@@ -5,7 +5,8 @@ undecided when they do or when there are too few repeats.
 """
 
 from distlab.lab.common import claims_markdown
-from distlab.lab.timed import (MIN_REPEATS, below, in_order, interleaved, ratios, spread,
+from distlab.lab.timed import (MIN_REPEATS, below, in_order, interleaved, median_interval,
+                               median_within, ratios, spread,
                                timed_claim, within)
 
 FAST = [1.0, 1.1, 1.05, 0.98, 1.02, 1.07, 1.01]
@@ -73,3 +74,24 @@ def test_interleaving_alternates_the_order_and_ratios_pair_them():
     ta, tb = interleaved(lambda: order.append("a"), lambda: order.append("b"), 3, warmup=0)
     assert "".join(order) == "abbaab" and len(ta) == len(tb) == 3
     assert ratios([2.0, 4.0], [1.0, 2.0]) == [2.0, 2.0]
+
+
+def test_the_median_interval_is_the_binomial_order_statistics():
+    # Conover's table at 95%: n = 6 -> (1st, 6th), 9 -> (2nd, 8th), 26 -> (8th, 19th)
+    assert median_interval(range(1, 6)) is None
+    assert median_interval(range(1, 7)) == (1, 6)
+    assert median_interval(range(1, 10)) == (2, 8)
+    assert median_interval(range(1, 27)) == (8, 19)
+
+
+def test_a_wide_spread_decides_on_its_median_not_its_middle_half():
+    # 26 per-step shares spread from 1% to 29% around a 7% median: the middle half reaches under
+    # a 3% bar, so `within` cannot decide; the median's interval lies wholly above it
+    shares = [0.012, 0.015, 0.018, 0.02, 0.022, 0.024, 0.025, 0.035, 0.05, 0.055, 0.06, 0.062,
+              0.065, 0.068, 0.07, 0.072, 0.075, 0.08, 0.085, 0.09, 0.12, 0.15, 0.2, 0.22, 0.25,
+              0.29]
+    assert within(shares, hi=0.03) is None
+    assert median_within(shares, hi=0.03) is False
+    assert median_within(shares, hi=0.5) is True
+    assert median_within(shares, hi=0.06) is None           # the bar inside the interval
+    assert median_within(shares[:5], hi=0.5) is None         # too few to hold the median at 95%

@@ -422,6 +422,14 @@ ring_ratios = [q for p, q in zip(points, ratios) if p["algorithm"] == "ring"]
 fit_samples = [[x / model[p["algorithm"]](p["size_bytes"], N, loopback) for x in p["samples"]]
                for p in points]
 ring_fit_samples = [q for p, q in zip(points, fit_samples) if p["algorithm"] == "ring"]
+# the ring's law alone: α and β fitted on the ring's own sizes, each size's relative error
+# counted alike. The shared fit above is pulled by naive's large messages (its 64 MiB point
+# alone is 155 ms), which leaves the ring's 64 MiB near 2× in one run and over it in the next:
+# that row tests one (α, β) for both algorithms, this one the ring's form 2(N−1)(α + S/(Nβ))
+ring_alpha, ring_beta = fit_loopback(summary, ("ring",), relative=True)
+ring_link = C.Link("the ring's own fit", ring_alpha, ring_beta, "fit_alpha_beta, ring only")
+ring_own_samples = [[x / model["ring"](p["size_bytes"], N, ring_link) for x in p["samples"]]
+                    for p in points if p["algorithm"] == "ring"]
 at_max = {a: by[(S_MAX, a)]["samples"] for a in ("torch", "ring", "naive")}
 naive_over_ring = paired(at_max["naive"], at_max["ring"])
 rows = [
@@ -477,11 +485,15 @@ rows = [
                      f"a tree's O(log N) steps would take {tree[8] * 1e3:.2f} and "
                      f"{tree[1024] * 1e3:.2f} ms"),
     timed_claim("the α-β model with 2(N−1) latency terms fits the ring's timings (within 2×)",
-                "Patarasuk & Yuan 2009; α and β fitted on this run",
-                all_of(fit_ok, *(within(q, 0.5, 2) for q in ring_fit_samples)),
+                "Patarasuk & Yuan 2009; α and β fitted on this run's ring",
+                all_of(ring_alpha > 0 and 0 < ring_beta < float("inf"),
+                       *(within(q, 0.5, 2) for q in ring_own_samples)),
                 {"ring, measured / model, every size and repeat":
-                 [x for q in ring_fit_samples for x in q]},
-                scale=1, unit="", interleaved_=False, note=f"N = {N}, decided per size"),
+                 [x for q in ring_own_samples for x in q]},
+                scale=1, unit="", interleaved_=False,
+                note=f"N = {N}, decided per size; fitted on the ring's {len(ring_own_samples)} "
+                     f"sizes (relative error): α = {ring_alpha * 1e6:.0f} µs, β = "
+                     f"{ring_beta / 1e9:.2f} GB/s"),
     # the question set's B15 said "gloo is CPU-only": PyTorch's backend table lists gloo's
     # broadcast and all_reduce on CUDA tensors, and only a GPU can show it
     claim("gloo is CPU-only (an interview answer, B15)",

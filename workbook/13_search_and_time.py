@@ -347,7 +347,7 @@ from distlab import RunConfig
 from distlab.studies.flop_count import count_step_flops
 from distlab.theory.plan import GPT3_175B, Cluster, best
 from distlab.lab.common import claim, claims_table, say, table
-from distlab.lab.timed import all_of, below, timed_claim, within
+from distlab.lab.timed import all_of, below, median_note, median_within, timed_claim, within
 from distlab.lab.time_to_train import (
     achieved,
     cluster_days,
@@ -386,15 +386,18 @@ table(["part", "counted by PyTorch", "formula", "formula's terms", "counted / fo
 #
 # Model FLOP utilisation (PaLM, Appendix B) is the formula's FLOPs per step over the step's
 # time, divided by the hardware's peak. On a GPU the peak is the datasheet's dense figure; on
-# this CPU it is what one large fp32 matmul reaches here, measured in the same cell with the
-# same threads. A tiny model spends much of its step outside matmuls (LayerNorm, softmax,
-# the optimizer, Python), so its MFU is far below a large model's: the figure is this
-# model's on this machine, not a property of the method. Both are clocks, and on a shared
-# machine the load moves them: the peak and the step are measured in pairs, 5 times (once in
-# quick mode), and each pair gives an MFU.
+# this CPU it is what one large fp32 matmul reaches here, measured in the same cell on the
+# same single thread. So the figure says how near this model's mix of kernels (matmuls, and
+# LayerNorm, softmax, the optimizer, Python between them) comes to this CPU's best kernel: it
+# is this model's on this machine, not a property of the method, and not comparable with a
+# GPU's MFU against its tensor cores' peak. Both are clocks, and on a shared machine the load
+# moves them: the peak and the step are measured in pairs, 5 times (once in quick mode), and
+# each pair gives an MFU. One thread, because with both cores in use a process that takes one
+# for a moment slows the matmul and the step unequally: at 2 threads this model read 55%
+# on a quiet machine and 41–58% beside one busy process, at one thread 66–79% either way.
 
 # %%
-mfu = achieved(TT.replace(global_batch=8), repeats=TIME_REPEATS)
+mfu = achieved(TT.replace(global_batch=8), repeats=TIME_REPEATS, threads=1)
 display(Markdown(
     f"**{mfu['device']}**, the median pair: a step of {mfu['tokens_per_step']:,} tokens takes "
     f"{mfu['step_s'] * 1e3:.1f} ms (median), {mfu['flops_per_s'] / 1e9:,.1f} GFLOP/s of model "
@@ -570,7 +573,9 @@ table(["assumption", "days for 300B tokens on 1024 A100s at MFU 0.5"],
 #
 # Every row below but the first and the last reads a clock, on this machine and under its
 # load at the time: each is a spread over repeats (steps, pairs or runs), and reads
-# "undecided on this machine" where the spread crosses the claim's bound. A second run here,
+# "undecided on this machine" where the spread crosses the claim's bound: the middle half of
+# the repeats, or for the prefetch row, whose per-step shares spread widely around a
+# typical one, the interval that holds their median with 95% confidence. A second run here,
 # or a run on another machine, can read differently; the figures say by how much.
 
 # %%
@@ -606,12 +611,13 @@ time_claims = [
                 interleaved_=False, note="each step over the prediction"),
     timed_claim("ZeRO-3's prefetch hides its all-gathers: compute waits on them at most 3% of "
                 "the step", "FSDP's prefetch (Zhao et al. 2023); the bar: 3%",
-                within(zero3_gathers, hi=0.03), {"blocked on all-gathers": zero3_gathers},
+                median_within(zero3_gathers, hi=0.03),
+                {"blocked on all-gathers": zero3_gathers},
                 scale=100, unit="% of the step", digits=2,
-                note=(f"{zero3_cores['blocked_least_waiting']:.1%} in the steps whose gloo "
-                      f"threads waited least for a core, "
-                      f"{zero3_cores['blocked_most_waiting']:.1%} in the rest"
-                      if zero3_cores else "")),
+                note=median_note(zero3_gathers, 100, "%") + (
+                    f"; {zero3_cores['blocked_least_waiting']:.1%} in the steps whose gloo "
+                    f"threads waited least for a core, {zero3_cores['blocked_most_waiting']:.1%} "
+                    "in the rest" if zero3_cores else "")),
     claim("with the model and global batch fixed, more ranks make communication cost more "
           "than compute", "the α-β model (Hockney 1994), priced with this machine's fits",
           crossover("ranks"), summary["ranks"]["crossover"] is not None, basis="modelled"),

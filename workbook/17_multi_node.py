@@ -63,8 +63,11 @@ WARMUP = 2
 # CPU apiece), so CI's quick run leaves them out; the test suite runs their code
 # (tests/test_hierarchical.py, test_diloco.py, test_cluster.py).
 # Section 3: the size of the all-reduce the algorithms race (MiB), and how many times each
-# runs (the algorithms take turns in every repeat)
-ALLREDUCE_MIB, ALLREDUCE_REPEATS = 8.0, 6
+# runs (the algorithms take turns in every repeat). 4 MiB 12 times costs what 8 MiB 6 times
+# did (30 s) and decides its rows on twice the repeats: at 8 MiB × 6 the two-flow variant's
+# lower quartile sat on the 1.3× bar in one full run (1.20 / 1.34 / 1.46×) and over it in the
+# next (1.36 / 1.39 / 1.54×); 4 MiB × 12 read 1.24 / 1.42 / 1.48× (lower quartile 1.35×)
+ALLREDUCE_MIB, ALLREDUCE_REPEATS = 4.0, 12
 # Section 4: the ways raced against section 1's DDP run (same model, batches, link and steps)
 RACE = ("ddp, top-k 1%", "ddp-torch, PowerSGD r=2", "local SGD, H=8", "DiLoCo, H=8")
 # ddp's gradients are summed by gloo in an order that depends on the ranks' layout: the same

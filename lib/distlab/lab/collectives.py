@@ -236,13 +236,15 @@ def alpha_beta_points(summary) -> list[dict]:
     return pts
 
 
-def fit_loopback(summary) -> tuple[float, float]:
+def fit_loopback(summary, algorithms=("ring", "naive"),
+                 relative: bool = False) -> tuple[float, float]:
     """α (s per message) and β (bytes/s) of this machine's loopback: distlab.comm.fit_alpha_beta
-    (least squares on seconds) over the ring and naive points of `summary`."""
+    over the `algorithms`' points of `summary` (least squares on seconds, or with `relative` on
+    the relative error, so that every size counts alike)."""
     from distlab.comm import fit_alpha_beta
-    pts = alpha_beta_points(summary)
+    pts = [p for p in alpha_beta_points(summary) if p["algorithm"] in algorithms]
     return fit_alpha_beta([p["bytes"] for p in pts], [p["seconds"] for p in pts],
-                          [p["messages"] for p in pts])
+                          [p["messages"] for p in pts], relative=relative)
 
 
 

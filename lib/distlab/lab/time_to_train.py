@@ -41,13 +41,17 @@ def flops_rows(count: dict) -> list[list]:
              f"{count['counted'] / count['formula']:.4f}"]]
 
 
-def achieved(cfg: RunConfig, steps: int = 6, repeats: int = 1) -> dict:
+def achieved(cfg: RunConfig, steps: int = 6, repeats: int = 1, threads: int = 1) -> dict:
     """Time `cfg`'s training step in this process and set its model FLOP/s against a peak: the
     datasheet's on a known GPU, else this machine's measured matmul peak at the same threads.
     The step runs on the GPU where there is one (cfg.precision as given), else on the CPU.
     On the CPU the peak and the step are measured `repeats` times, interleaved (peak, step,
-    peak, step, ...), and "mfus" holds one MFU per pair: the two share the load of their
-    moment, so each ratio is this machine's under that load."""
+    peak, step, ...), with `threads` intra-op threads for both, and "mfus" holds one MFU per
+    pair: the two share the load of their moment, so each ratio is this machine's under that
+    load. One thread by default: with every core in use, a process that takes a core for a
+    moment slows the matmul and the small-model step unequally (measured on a 2-core machine:
+    MFU 54-57% at 2 threads when quiet, 41-58% beside one busy process; 66-79% at one thread,
+    either way)."""
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -59,10 +63,14 @@ def achieved(cfg: RunConfig, steps: int = 6, repeats: int = 1) -> dict:
                     "mfu": None, "mfus": []}
         return {**result, "device": name, "peak": peak[0], "peak_source": peak[1],
                 "mfu": result["flops_per_s"] / peak[0], "mfus": [result["flops_per_s"] / peak[0]]}
-    pairs = []
-    for _ in range(repeats):
-        peak = matmul_peak(threads=torch.get_num_threads())
-        pairs.append((peak, time_training(cfg, device, steps=steps, warmup=2)))
+    pairs, old = [], torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(repeats):
+            peak = matmul_peak(threads=threads)
+            pairs.append((peak, time_training(cfg, device, steps=steps, warmup=2)))
+    finally:
+        torch.set_num_threads(old)
     mfus = [r["flops_per_s"] / p["flops_per_s"] for p, r in pairs]
     peak, result = pairs[mfus.index(sorted(mfus)[(len(mfus) - 1) // 2])]  # the median pair
     return {**result, "device": f"CPU, {peak['threads']} threads", "peak": peak["flops_per_s"],

@@ -11,9 +11,15 @@ the decisive direction, and only with at least MIN_REPEATS repeats; otherwise it
 rendered "undecided on this machine". Why the quartiles and not min..max: on a shared machine
 one repeat in several is slowed by another process; that outlier widens min..max, and min..max
 only widens as repeats are added, so more repeats would push every verdict to undecided. The
-middle half ignores one outlier in four and narrows as repeats grow, so a verdict made in full
-mode is the one a second full run makes. The figure still shows min, median and max, so a reader
-sees the outliers the verdict set aside.
+middle half ignores one outlier in four, and its edges settle as repeats grow (on the quartiles
+of what is being timed, not on zero: more repeats cannot decide a bar that sits inside them).
+The figure still shows min, median and max, so a reader sees the outliers the verdict set aside.
+
+A claim about the typical figure of many widely spread samples (a share of each step, over 20
+steps and more) is decided on the median's 95% interval instead (`median_within`): the order
+statistics that hold the median with 95% confidence whatever the distribution (Conover,
+Practical Nonparametric Statistics, 1999, section 3.2). That interval does narrow as repeats
+grow, so a bar outside the middle half's reach can still be decided.
 
 `samples` are seconds (or any figure, e.g. an MFU per repeat); nothing here reads a clock except
 `repeat` and `interleaved`, so the verdict rules are tested on synthetic samples.
@@ -103,7 +109,44 @@ def within(samples: Sequence[float], lo: float | None = None,
            hi: float | None = None) -> bool | None:
     """"the figure lies in [lo, hi]" (either bound may be open): yes when the spread lies wholly
     inside, no when wholly outside (below lo or above hi), else None."""
-    r = decided_spread(samples)
+    return _in_band(decided_spread(samples), lo, hi)
+
+
+def median_interval(samples: Sequence[float],
+                    confidence: float = 0.95) -> tuple[float, float] | None:
+    """The order statistics (x_(k), x_(n+1-k)) that hold the median with at least `confidence`,
+    whatever the distribution: the largest k with P(Binomial(n, 1/2) < k) <= (1 - confidence)/2.
+    None when n is too small for any such k (n < 6 at 95%)."""
+    xs, n = sorted(samples), len(samples)
+    tail, below_k, k = (1 - confidence) / 2, 0.0, 0
+    while True:  # below_k = P(B <= k - 1) for B ~ Binomial(n, 1/2)
+        nxt = below_k + math.comb(n, k) / 2**n
+        if nxt > tail:
+            break
+        below_k, k = nxt, k + 1
+    return None if k == 0 or k > n - k + 1 else (xs[k - 1], xs[n - k])
+
+
+def median_within(samples: Sequence[float], lo: float | None = None,
+                  hi: float | None = None) -> bool | None:
+    """"the typical figure lies in [lo, hi]": `within`'s rule on the median's 95% interval
+    instead of the middle half (too few samples: None)."""
+    return _in_band(median_interval(samples), lo, hi)
+
+
+def median_note(samples: Sequence[float], scale: float = 1e3, unit: str = "ms",
+                digits: int = 3) -> str:
+    """What `median_within` decided on, for the row's figure."""
+    r = median_interval(samples)
+    if r is None:
+        return f"too few repeats ({len(samples)}) for the median's 95% interval"
+    return (f"decided on the median's 95% interval, {_num(r[0] * scale, digits)}–"
+            f"{_num(r[1] * scale, digits)}{' ' + unit if unit not in ('%', '') else unit}")
+
+
+def _in_band(r: tuple[float, float] | None, lo: float | None, hi: float | None) -> bool | None:
+    """A range against [lo, hi]: yes wholly inside, no wholly outside, else (or no range)
+    None."""
     if r is None:
         return None
     lo_ = -float("inf") if lo is None else lo

@@ -155,7 +155,12 @@ def run_notebook(path: Path, quick: bool, timeout: int | None,
         # never started: recorded like a cell's error, and the next notebook still runs.
         except (TimeoutError, RuntimeError) as e:
             error = {"ename": type(e).__name__, "evalue": str(e).strip(), "cell": None}
-        seconds = time.perf_counter() - t0
+        finally:
+            seconds = time.perf_counter() - t0
+            # nbclient shuts down only a kernel it made itself: this one is ours, and left
+            # running it kept its memory (and its forkserver's) through every later notebook
+            if km.has_kernel:
+                km.shutdown_kernel(now=False)
         rows = read_rows(claims_file)
     if executed is not None:
         executed.mkdir(parents=True, exist_ok=True)

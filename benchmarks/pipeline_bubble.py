@@ -4,7 +4,10 @@
 
 For p in --pp (default 2 4) and m in --microbatches (default 1 2 4 8), every schedule that
 RunConfig accepts: naive, gpipe, 1f1b (m >= p), interleaved with v=2 (m >= p and m % p == 0,
-Megatron's order). One launch per world size trains all of its configs in turn (launches cost
+Megatron's order), zb1p (ZB-H1, m >= p: its backward split into B, the input's gradient, and W,
+the weights', a sleep each; its formula, (p-1)(F+B-W) idle per rank, priced with the run's
+median F, B and W), zbv (ZBV, m >= 2p: the same split over two chunks per rank placed in a V;
+its formula, the V's fill of p-1 chunk forwards, likewise priced). One launch per world size trains all of its configs in turn (launches cost
 seconds). Each training is --steps steps of a small GPT (8 layers so p·v divides it, n_embd
 32, batch 8 x seq 16, SGD) with pp_op_delay_s=--delay: a fixed sleep per forward
 and per backward (per chunk, interleaved), so stage costs are equal and dominate compute
@@ -36,7 +39,7 @@ import time
 
 from _bench import scratch_runs
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv")
 V_INTERLEAVED = 2
 
 
@@ -53,7 +56,9 @@ def measure_bubbles(rank, world, device, log, cfg_dicts: list, warmup: int):
         train(RunConfig.from_dict(d), rank, world, device, rec)
         steps = rec.steps[warmup:]
         out[d["name"]] = {"bubble": [e["pipeline"]["bubble"] for e in steps],
-                                   "step_s": [e["step_s"] for e in steps]}
+                          "step_s": [e["step_s"] for e in steps],
+                          "ops": [(x["op"], x["t1"] - x["t0"]) for e in steps
+                                  for x in e["pipeline"]["events"] if x["op"] in ("F", "B", "W")]}
     return out
 
 
@@ -65,13 +70,15 @@ def configs(RunConfig, p: int, ms, steps: int, delay: float) -> list:
     out = []
     for sc in SCHEDULES:
         for m in ms:
-            if sc in ("1f1b", "interleaved") and m < p:
+            if sc in ("1f1b", "interleaved", "zb1p") and m < p:
+                continue
+            if sc == "zbv" and m < 2 * p:  # its formula, the V's fill, needs m >= 2p
                 continue
             if sc == "interleaved" and m % p:
                 continue
             if base.global_batch % m:
                 continue
-            v = V_INTERLEAVED if sc == "interleaved" else 1
+            v = V_INTERLEAVED if sc == "interleaved" else 1  # zbv: two chunks, not a knob
             out.append(base.replace(schedule=sc, microbatches=m, virtual_stages=v,
                                     name=f"{sc} p{p} m{m} v{v}", pp_op_delay_s=delay))
     return out
@@ -115,9 +122,13 @@ def main(argv=None) -> int:
                           - min(statistics.median(bs) for bs in per_rank))
                 step = statistics.median(res[0][name]["step_s"])
                 v = c.virtual_stages
-                pred = bubble_formula(c.schedule, p, c.microbatches, v, of="total")
+                # zb1p's formula is priced with this run's median F, B (input's gradient) and W
+                ops = [o for r in res for o in r[name]["ops"]]
+                costs = ({f"t{op.lower()}": statistics.median(t for o, t in ops if o == op)
+                          for op in "FBW"} if c.schedule in ("zb1p", "zbv") else {})
+                pred = bubble_formula(c.schedule, p, c.microbatches, v, of="total", **costs)
                 conv = FORMULA_CONVENTION[c.schedule]
-                paper = bubble_formula(c.schedule, p, c.microbatches, v)
+                paper = bubble_formula(c.schedule, p, c.microbatches, v, **costs)
                 rows.append((c.schedule, p, c.microbatches, v, meas, spread, pred, meas - pred,
                              paper, conv, step))
         print(f"\n{'schedule':<12} {'p':>2} {'m':>2} {'v':>2}  {'measured':>8} {'spread':>6}  "

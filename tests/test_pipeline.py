@@ -18,7 +18,7 @@ import pytest
 from distlab.events import step_events_per_run
 from distlab import RunConfig, run_ranks
 from distlab.parallel.pipeline.pp import (bubble_formula, in_flight, make_schedule,
-                                       p2p_bytes_per_step, simulate)
+                                       p2p_bytes_per_step, pipeline_shape, simulate, stage_rank)
 from distlab.rank.train import train_with_state
 
 ATOL = 1e-5
@@ -86,6 +86,11 @@ def _configs(world):
             cfgs[f"{st} {sc}"] = BASE.replace(strategy=st, world_size=world, pp=world,
                                               microbatches=m, schedule=sc,
                                               virtual_stages=2 if sc == "interleaved" else 1)
+    # ZB-H1: backward split into B and W (tests/test_zero_bubble.py has the schedule as data)
+    for st in ("pp", "pp-torch") if world == 2 else ("pp",):
+        for sc in ("zb1p", "zbv"):
+            cfgs[f"{st} {sc}"] = BASE.replace(strategy=st, world_size=world, pp=world,
+                                              microbatches=m, schedule=sc)
     if world == 2:
         cfgs["bubble gpipe"] = cfgs["pp gpipe"].replace(steps=4, pp_op_delay_s=DELAY_S)
         cfgs["bubble 1f1b"] = cfgs["pp 1f1b"].replace(steps=4, pp_op_delay_s=DELAY_S)
@@ -135,11 +140,13 @@ def test_pipeline_matches_single(single, pp_runs):
                     for res in run["ranks"] for k, t in res["state"].items())
         print(f"world={world} {name}: worst parameter diff vs single {worst:.2e}")
         assert worst <= ATOL, f"{name}: |diff| {worst:.2e}"
-        # the last stage logs the global batch's loss; the others log none
-        last = run["ranks"][-1]["losses"]
+        # the rank holding the last stage logs the global batch's loss; the others log none
+        _, _, v, S = pipeline_shape(run["cfg"])
+        holder = stage_rank(S - 1, world, run["cfg"].schedule)
+        last = run["ranks"][holder]["losses"]
         assert max(abs(a - b) for a, b in zip(last, single["losses"])) < 1e-5, name
-        if run["cfg"].schedule != "interleaved":  # interleaved: rank 0 holds the last stage
-            assert all(loss is None for loss in run["ranks"][0]["losses"]), name
+        assert all(loss is None for r, res in enumerate(run["ranks"]) if r != holder
+                   for loss in res["losses"]), name
 
 
 def test_p2p_bytes_match_formula(pp_runs):
@@ -150,7 +157,9 @@ def test_p2p_bytes_match_formula(pp_runs):
         cfg = run["cfg"]
         if cfg.strategy != "pp":
             continue
-        boundaries = cfg.pp * (cfg.virtual_stages if cfg.schedule == "interleaved" else 1) - 1
+        # zbv's V turns on one rank: of its 2p - 1 boundaries one is handed over in memory
+        boundaries = {"interleaved": cfg.pp * cfg.virtual_stages - 1,
+                      "zbv": 2 * cfg.pp - 2}.get(cfg.schedule, cfg.pp - 1)
         want = boundaries * p2p_bytes_per_step(cfg)["per_boundary_each_way"]
         for step in range(cfg.steps):
             stats = [res["comm"][step] for res in run["ranks"]]
@@ -205,3 +214,26 @@ def test_1f1b_stashes_fewer_activations_than_gpipe(pp_runs):
     print(f"world={world} rank 0 peak stashed activations: gpipe {g['peak_stash_bytes']} B, "
           f"1f1b {f['peak_stash_bytes']} B")
     assert g["peak_stash_bytes"] * f["peak_in_flight"] == f["peak_stash_bytes"] * g["peak_in_flight"]
+
+
+@pytest.mark.parametrize("kind,chunks", [("zb1p", 1), ("zbv", 2)])
+def test_split_schedules_run_w_after_b_and_hold_its_inputs_until_then(pp_runs, kind, chunks):
+    """Each step of every rank: per micro-batch and chunk one forward, one input-gradient B and
+    one weight-gradient W, in that order, one op at a time; pending W's held bytes (the linear
+    layers' inputs and output gradients), for at most the schedule's bound of micro-batch
+    chunks (p for zb1p, 2p + 2 for zbv)."""
+    world, runs = pp_runs
+    m = runs[f"pp {kind}"]["cfg"].microbatches
+    for r, events in enumerate(runs[f"pp {kind}"]["events"]):
+        for e in events:
+            info = e["pipeline"]
+            ops = sorted((x for x in info["events"] if x["op"] in ("F", "B", "W")),
+                         key=lambda x: x["t0"])
+            assert sorted((x["op"], x["mb"], x["chunk"]) for x in ops) == sorted(
+                (op, mb, c) for op in "FBW" for mb in range(m) for c in range(chunks)), r
+            at = {(x["op"], x["mb"], x["chunk"]): x["t0"] for x in ops}
+            assert all(at[("F", mb, c)] < at[("B", mb, c)] < at[("W", mb, c)]
+                       for mb in range(m) for c in range(chunks)), r
+            assert all(a["t1"] <= b["t0"] + 1e-9 for a, b in zip(ops, ops[1:])), r
+            assert info["peak_w_bytes"] > 0, r
+            assert info["peak_until_w"] <= (world if kind == "zb1p" else 2 * world + 2), r

@@ -28,10 +28,11 @@
 # 3. a Gantt chart per rank of a real step, from the events each rank recorded;
 # 4. the measured bubble beside the formula, and the bubble shrinking as m grows;
 # 5. peak stashed activations, GPipe vs 1F1B;
-# 6. `pp` and torch's own pipelining (`pp-torch`) against one process;
-# 7. bytes on the wire against the formula;
-# 8. a widget that re-runs the pipeline with another schedule and redraws the chart;
-# 9. the closing table: what the textbook says, what this run measured.
+# 6. zero-bubble schedules: backward split into B and W, ZB-H1 and ZBV (Qi et al. 2024);
+# 7. `pp` and torch's own pipelining (`pp-torch`) against one process;
+# 8. bytes on the wire against the formula;
+# 9. a widget that re-runs the pipeline with another schedule and redraws the chart;
+# 10. the closing table: what the textbook says, what this run measured.
 #
 # Equivalence runs use plain SGD in fp32 (see `tests/test_pipeline.py`): a pipeline
 # computes the same ops as one process, only the summation order of the micro-batch
@@ -49,7 +50,10 @@ CURVE_M = (1, 2, 4) if QUICK else (1, 2, 4, 8)  # micro-batch counts of the bubb
 # At 0.03 s interleaved measured ~0.05 above its formula (benchmarks/pipeline_bubble.py):
 # its p·v-1 hand-offs each add a few ms of send/recv latency on a loaded 2-core machine, and
 # at 0.1 s still up to 0.06 above it while the test suite kept both cores busy.
-DELAY_S = 0.2
+# Quick mode (CI) sleeps 0.05 s: its bubble rows may then read undecided or no, and nothing
+# asserts them (the tests check the timeline's structure, benchmarks/pipeline_bubble.py the
+# figure).
+DELAY_S = 0.05 if QUICK else 0.2
 P = 2                                      # pipeline stages = ranks
 M = 4                                      # micro-batches of the equivalence runs
 V = 2                                      # chunks per rank, interleaved
@@ -57,6 +61,7 @@ V = 2                                      # chunks per rank, interleaved
 GPT = dict(n_layer=4, n_embd=32, n_head=2, seq_len=16, global_batch=8)
 
 # %%
+import statistics
 
 from distlab import RunConfig
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
@@ -64,6 +69,7 @@ from distlab.lab.pipeline_parallel import (
     PipelineExplorer,
     blocks_held,
     bubble_curve,
+    bubble_samples,
     bubble_curve_claim,
     bubble_rows,
     gantt,
@@ -78,6 +84,8 @@ from distlab.lab.pipeline_parallel import (
     wire_per_step,
 )
 from distlab.lab.runs import launch_together, worst_param_diff
+from distlab.lab.time_to_train import step_samples
+from distlab.lab.timed import below, timed_claim, within
 from distlab.parallel.pipeline.pp import (
     FORMULA_CONVENTION,
     in_flight,
@@ -98,6 +106,7 @@ DELAYED = PP.replace(steps=BUBBLE_STEPS, pp_op_delay_s=DELAY_S)
 # amplify; a lost or doubly-counted micro-batch moves parameters by ~1e-2). Bubble: 0.05
 # of the step (tests/test_pipeline.py and benchmarks/pipeline_bubble.py use the same).
 TOL, LOSS_TOL, BUBBLE_TOL = 1e-5, 1e-5, 0.05
+ZERO_BUBBLE = ("zb1p", "zbv")  # ZB-H1 (one stage per rank) and ZBV (two, placed in a V)
 
 # %% [markdown]
 # **Two launches.** Bringing up ranks costs seconds, so `lab.runs.launch_together` trains
@@ -110,11 +119,14 @@ single = launch_together({"single": BASE}, name="single")["single"]
 cfgs = {sc: PP.replace(schedule=sc, virtual_stages=V if sc == "interleaved" else 1)
         for sc in ("naive", "gpipe", "1f1b", "interleaved")}
 cfgs |= {f"pp-torch {sc}": PP.replace(strategy="pp-torch", schedule=sc)
-         for sc in ("gpipe", "1f1b")}
+         for sc in ("gpipe", "1f1b", *ZERO_BUBBLE)}
 cfgs |= {f"bubble gpipe m={m}": DELAYED.replace(schedule="gpipe", microbatches=m)
          for m in CURVE_M}
 cfgs |= {f"bubble {sc}": DELAYED.replace(schedule=sc, virtual_stages=V if sc == "interleaved" else 1)
          for sc in ("naive", "1f1b", "interleaved")}
+# zero-bubble schedules (section 6): their backward splits into B and W
+cfgs |= {sc: PP.replace(schedule=sc) for sc in ZERO_BUBBLE}
+cfgs |= {f"bubble {sc}": DELAYED.replace(schedule=sc) for sc in ZERO_BUBBLE}
 runs = launch_together(cfgs, name="pipeline")
 print(f"{len(cfgs)} pipeline configs trained in one launch of {P} ranks")
 
@@ -243,16 +255,88 @@ assert g[0]["peak_in_flight"] == M and f[0]["peak_in_flight"] == P
 assert g[0]["peak_stash_bytes"] * P == f[0]["peak_stash_bytes"] * M
 
 # %% [markdown]
-# ## 6. Checked against one process and against torch
+# ## 6. Zero bubble: the backward split in two
 #
-# Every schedule of `pp`, and `pp-torch` (torch.distributed.pipelining's ScheduleGPipe and
-# Schedule1F1B on the same split), trains STEPS SGD steps on the same data as `single`.
-# The last stage logs the loss of the global batch; the ranks' parameters together are
-# the whole model.
+# A stage's backward does two jobs: the gradient of its input, which the stage before it is
+# waiting for (**B**), and the gradients of its weights, which nothing in the pipeline waits
+# for (**W**). Run W later and it can fill the time 1F1B leaves idle (Qi et al. 2024, "Zero
+# Bubble Pipeline Parallelism"). Here each `nn.Linear` of a stage computes its input's
+# gradient in B and leaves (its input, its output's gradient) for W, which adds
+# grad_outᵀ · input into the weight's `.grad` (`distlab.parallel.pipeline.split_backward`);
+# biases, LayerNorms and embeddings keep theirs in B, as the paper's code does. Two
+# schedules use it, each made as the paper makes its schedules, greedily, with F = B = W:
+#
+# - **ZB-H1** (`zb1p`): one stage per rank; B before F before W, at most p + 1 micro-batches
+#   between their F and their W.
+# - **ZBV** (`zbv`): two chunks per rank placed in a **V**, rank r holding stages r and
+#   2p − 1 − r, so rank 0 holds the embedding and the loss, and the V turns on rank p − 1,
+#   which hands the activation from stage p − 1 to stage p in memory.
+#
+# DeepSeek-V3's DualPipe README sets them beside each other (F a chunk's forward, B its whole
+# backward, W the weights' part of B, p stages, m micro-batches); DualPipe itself, with 2×
+# the parameters per rank, is not written here:
+#
+# | schedule | bubble | parameters per rank | activations in flight |
+# |---|---|---|---|
+# | 1F1B | (p−1)(F+B) | 1× | p |
+# | ZB-H1 | (p−1)(F+B−2W) | 1× | p |
+# | ZBV | near 0 (the paper's, with F = B = W) | 1× | p |
+# | DualPipe | (p/2−1)(F&B+B−3W) | 2× | p+1 |
+#
+# For ZBV the schedule made here idles p − 1 chunk forwards per rank, the fill of the V's
+# first leg, and then never waits when F = B = W: `bubble_formula("zbv", ...)` is that, and
+# the tests check it against the simulated timeline. The formulas below are priced with the
+# run's own median F, B (the input's part) and W.
+
+# %%
+for sc in ZERO_BUBBLE:
+    v = 2 if sc == "zbv" else 1
+    sched = make_schedule(sc, P, M, v)
+    print(f"{sc} (p={P}, m={M}, {v} chunk{'s' if v > 1 else ''} per rank): chunks waiting for B "
+          f"at most {[in_flight(r) for r in sched]}, for W {[in_flight(r, 'W') for r in sched]}")
+    table(["rank", "ops in order" + (" (.1: the V's second leg)" if v > 1 else "")],
+          schedule_rows(sc, P, M, v))
+ideal_gantt("zbv", P, M, 2).show()
+
+# %% [markdown]
+# The real steps, each op sleeping DELAY_S so that F, B and W cost alike, and their
+# bubble against the formula priced with what the ops measured:
+
+# %%
+zb = {sc: by_run[f"bubble {sc}"] for sc in ZERO_BUBBLE}
+for sc in ZERO_BUBBLE:
+    gantt(step_pipelines(runs[f"bubble {sc}"]),
+          title=f"{sc}, p={P}, m={M}: last step, W in light green").show()
+table(["schedule", "median F / B / W (ms)", "measured bubble (of total)", "formula (of total)",
+       "1F1B's measured"],
+      [[sc, " / ".join(f"{r['op_seconds'][op] * 1e3:.0f}" for op in "FBW"),
+        f"{r['measured']:.3f}", f"{r['total']:.3f}", f"{f1['measured']:.3f}"]
+       for sc, r in zb.items()])
+held = {sc: step_pipelines(runs[sc]) for sc in ("1f1b",) + ZERO_BUBBLE}
+param_bytes = {sc: [sum(t.numel() * t.element_size() for t in s.values())
+                    for s in runs[sc].states] for sc in held}
+table(["schedule", "rank", "parameters held", "chunks waiting for B (peak)",
+       "activations stashed (peak)", "chunks waiting for W (peak)", "held for W (peak)"],
+      [[sc, r, fmt_bytes(param_bytes[sc][r]), p["peak_in_flight"],
+        fmt_bytes(p["peak_stash_bytes"]), p.get("peak_until_w", "—"),
+        fmt_bytes(p["peak_w_bytes"]) if "peak_w_bytes" in p else "—"]
+       for sc, pipes in held.items() for r, p in enumerate(pipes)])
+
+# %% [markdown]
+# ## 7. Checked against one process and against torch
+#
+# Every schedule of `pp`, and `pp-torch` (torch.distributed.pipelining's ScheduleGPipe,
+# Schedule1F1B, and for the split backward ScheduleInterleavedZeroBubble and
+# ScheduleZBVZeroBubble, on the same split), trains STEPS SGD steps on the same data as
+# `single`. The rank holding the last stage logs the loss of the global batch; the ranks'
+# parameters together are the whole model. The step times of ours and torch's sit side by
+# side below (no sleeps here: the model's own compute, a few ms per op, so they say little
+# beyond the order of magnitude on a shared 2-core machine).
 
 # %%
 eq = {}
-for name in ("naive", "gpipe", "1f1b", "interleaved", "pp-torch gpipe", "pp-torch 1f1b"):
+for name in ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE, "pp-torch gpipe",
+             "pp-torch 1f1b", *(f"pp-torch {sc}" for sc in ZERO_BUBBLE)):
     run = runs[name]
     eq[name] = (worst_param_diff(whole_model(run.states), single.states[0]),
                 max(abs(a - b) for a, b in zip(run.losses(), single.losses())))
@@ -260,9 +344,13 @@ table(["run", f"worst parameter diff after {STEPS} steps", "max per-step loss di
       [[k, f"{p:.1e}", f"{l:.1e}"] for k, (p, l) in eq.items()])
 for k, (p, l) in eq.items():
     assert len(runs[k].losses()) == STEPS and p <= TOL and l <= LOSS_TOL, k
+table(["schedule", "pp: step (median, ms)", "pp-torch: step (median, ms)"],
+      [[sc, f"{statistics.median(step_samples(runs[sc])) * 1e3:.1f}",
+        f"{statistics.median(step_samples(runs[f'pp-torch {sc}'])) * 1e3:.1f}"]
+       for sc in ("gpipe", "1f1b", *ZERO_BUBBLE)])
 
 # %% [markdown]
-# ## 7. Bytes on the wire
+# ## 8. Bytes on the wire
 #
 # Each of the p·v − 1 stage boundaries carries, per step, m activations of
 # (B/m)·T·h·4 bytes forward and as many gradients back (`p2p_bytes_per_step`): the batch's
@@ -293,7 +381,7 @@ table(["schedule", "boundaries", "formula, each way per step",
 pp_bytes, pp_formula = seen[("interleaved", "pp_send_act")], want
 
 # %% [markdown]
-# ## 8. Try it
+# ## 9. Try it
 #
 # Pick a schedule, the micro-batches and the virtual stages (interleaved only), press
 # **Run**: the real pipeline trains a few delayed steps on P ranks and the chart redraws
@@ -313,14 +401,15 @@ explorer
 # ## What the textbook says, what this run measured
 #
 # Every figure comes from this run's variables, every verdict is computed from them (a row
-# can read **no**), and every row but the timed ones is asserted: each rests on a check made
-# above. The three "timed" rows (the bubbles) read a clock, so they depend on this machine
+# can read **no**), and every row but the timed ones and the zero-bubble ones (section 6,
+# which this run may refute) is asserted: each rests on a check made above. The "timed" rows (the bubbles) read a clock, so they depend on this machine
 # and its load (a send or receive another process delays lengthens the idle it is drawn in):
 # each is read over every rank's steps, shows min / median / max, and reads "undecided on this
 # machine" when the middle halves of the repeats overlap its bound (`distlab.lab.timed`).
 
 # %%
 il_blocks = blocks_held(runs["interleaved"].states[0])
+whole_bytes = sum(t.numel() * t.element_size() for t in single.states[0].values())
 rows = [
     bubble_curve_claim(curve, BUBBLE_TOL),
     claim("1F1B caps in-flight activations at p", "Narayanan et al. 2019 (PipeDream); 2021",
@@ -352,6 +441,44 @@ interview_rows = [
           f"interleaved 1F1B; its bubble {il_ratio:.2f}x smaller than 1F1B's in idle/busy",
           il_blocks == list(range(il_blocks[0], il_blocks[-1] + 1))),
 ]
-claims_table(rows + interview_rows)
+# zero bubble (section 6): read from clocks and from what the ranks held; any may read no
+zb_gap = {sc: [b - zb[sc]["total"] for b in bubble_samples(runs[f"bubble {sc}"])]
+          for sc in ZERO_BUBBLE}
+zb_rows = [
+    timed_claim("ZB-H1's bubble is (p−1)(F+B−2W), B the whole backward (within 0.05 of the "
+                "step)", "Qi et al. 2024; the terms of DeepSeek-V3's DualPipe README",
+                within(zb_gap["zb1p"], -BUBBLE_TOL, BUBBLE_TOL),
+                {"measured − formula": zb_gap["zb1p"]}, scale=1, unit="", interleaved_=False,
+                note=f"p={P}, m={M}; formula {zb['zb1p']['total']:.3f} of the step from the "
+                     "run's median F, B, W"),
+    timed_claim("ZBV's bubble is the V's fill, (p−1) chunk forwards (within 0.05 of the step)",
+                "Qi et al. 2024 §6 (\"near zero\"); the fill derived from this schedule",
+                within(zb_gap["zbv"], -BUBBLE_TOL, BUBBLE_TOL),
+                {"measured − formula": zb_gap["zbv"]}, scale=1, unit="", interleaved_=False,
+                note=f"p={P}, m={M}; formula {zb['zbv']['total']:.3f}"),
+    timed_claim("ZBV's bubble is at most half of 1F1B's at the same p and m",
+                "Qi et al. 2024 (near zero against 1F1B's (p−1)/(m+p−1)); the bar: half",
+                below(bubble_samples(runs["bubble zbv"]), bubble_samples(runs["bubble 1f1b"]),
+                      0.5),
+                {"ZBV": bubble_samples(runs["bubble zbv"]),
+                 "1F1B": bubble_samples(runs["bubble 1f1b"])}, scale=1, unit="",
+                interleaved_=False, note=f"p={P}, m={M}, bubble of the step"),
+    claim("ZB-H1 and ZBV stash no more activations than 1F1B (p micro-batches' worth)",
+          "DeepSeek-V3's DualPipe README (activations in flight: p for 1F1B, ZB1P and ZBV)",
+          "peak stashed on the busiest rank: " + ", ".join(
+              f"{sc} {fmt_bytes(max(p['peak_stash_bytes'] for p in held[sc]))}"
+              for sc in held) + "; held besides for W: " + ", ".join(
+              f"{sc} {fmt_bytes(max(p['peak_w_bytes'] for p in held[sc]))}"
+              for sc in ZERO_BUBBLE),
+          all(max(p["peak_stash_bytes"] for p in held[sc])
+              <= max(p["peak_stash_bytes"] for p in held["1f1b"]) for sc in ZERO_BUBBLE),
+          basis="measured"),
+    claim("ZB-H1 and ZBV hold the parameters once (1×), as 1F1B", "DeepSeek-V3's DualPipe README",
+          "parameter bytes per rank: " + "; ".join(
+              f"{sc} {', '.join(fmt_bytes(b) for b in param_bytes[sc])}" for sc in param_bytes)
+          + f"; the whole model {fmt_bytes(whole_bytes)}",
+          all(sum(param_bytes[sc]) == whole_bytes for sc in ZERO_BUBBLE), basis="measured"),
+]
+claims_table(rows + zb_rows + interview_rows)
 asserted = [r for r in rows if r["basis"] != "timed"]
 assert all(r["holds"] for r in asserted), [r["claim"] for r in asserted if not r["holds"]]

@@ -9,7 +9,7 @@ from distlab.config.declare import Feature, Widget, check_at_most, declare
 from distlab.parallel import strategies, strategy_class
 from distlab.parallel.mesh import ORDERS
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv")
 MESH_ORDERS = ORDERS  # 3d's rank orders (distlab.parallel.mesh)
 
 
@@ -109,12 +109,21 @@ class Mesh:
         if self.n_head % tp or self.n_embd % tp:
             raise ValueError(f"n_head={self.n_head} and n_embd={self.n_embd} must divide by "
                              f"tp={tp} (each rank holds whole heads)")
-        if self.n_layer % (pp * self.virtual_stages):
+        chunks = 2 if self.schedule == "zbv" and pp > 1 else self.virtual_stages
+        if self.n_layer % (pp * chunks):
             raise ValueError(f"n_layer={self.n_layer} must divide into pp={pp} x "
-                             f"virtual_stages={self.virtual_stages} equal stages")
+                             + (f"virtual_stages={chunks}" if self.schedule != "zbv" else
+                                "2 (zbv's two chunks per rank)") + " equal stages")
         if self.sp and self.seq_len % tp:
             raise ValueError(f"seq_len={self.seq_len} must divide by tp={tp} for sp=True")
-        if pp > 1 and self.schedule in ("1f1b", "interleaved") and self.microbatches < pp:
+        if self.schedule in ("zb1p", "zbv") and pp > 1 and (
+                self.strategy not in ("pp", "pp-torch") or self.world_size != pp):
+            raise ValueError(f"schedule={self.schedule!r} runs in a pipeline alone for now "
+                             f"(strategy 'pp' or 'pp-torch', world_size = pp = {pp}): its "
+                             "weight gradients reach .grad in W, after backward, where the "
+                             "hooks that DDP, ZeRO and FSDP reduce gradients in have already "
+                             "fired. Use 1f1b with other degrees")
+        if pp > 1 and self.schedule not in ("gpipe", "naive") and self.microbatches < pp:
             raise ValueError(f"schedule={self.schedule!r} needs microbatches >= pp "
                              f"({self.microbatches} < {pp})")
         if pp > 1 and self.schedule == "interleaved" and self.microbatches % pp:

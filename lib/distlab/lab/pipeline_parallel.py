@@ -21,13 +21,15 @@ import plotly.graph_objects as go
 from distlab.config import RunConfig
 from distlab.lab.runs import launch_together
 from distlab.lab.panel import Explorer
-from distlab.parallel.pipeline.pp import bubble_formula, simulate, make_schedule
+from distlab.parallel.pipeline.pp import SPLIT_BACKWARD, bubble_formula, simulate, make_schedule
 from distlab.caller.run import Run
 
-OP_COLORS = {"F": "#1f5fbf", "B": "#2b8a3e", "send": "#e8590c", "recv": "#c2255c",
-             "idle": "#dee2e6"}
-OP_NAMES = {"F": "forward", "B": "backward", "send": "send", "recv": "recv (waiting)",
-            "idle": "idle"}
+OP_COLORS = {"F": "#1f5fbf", "B": "#2b8a3e", "W": "#94d82d", "send": "#e8590c",
+             "recv": "#c2255c", "idle": "#dee2e6"}
+# "B" is the whole backward, except in a split schedule (zb1p), where it is the input's
+# gradient and "W" the weights'
+OP_NAMES = {"F": "forward", "B": "backward", "W": "weights' gradient (W)", "send": "send",
+            "recv": "recv (waiting)", "idle": "idle"}
 
 
 # -- reading the runs ---------------------------------------------------------------------------
@@ -57,17 +59,35 @@ def idle_over_busy(bubbles: list[float]) -> list[float]:
     return [b / (1 - b) for b in bubbles]
 
 
+def op_seconds(run: Run, skip: int = 1) -> dict[str, float]:
+    """Median seconds of each compute op ("F", "B" and, split, "W") over every rank's steps,
+    the first `skip` dropped: the F, B and W a zero-bubble formula is priced with."""
+    times: dict[str, list[float]] = {}
+    for e in run.history("step"):
+        if e["step"] >= skip:
+            for x in e["pipeline"]["events"]:
+                if x["op"] in ("F", "B", "W"):
+                    times.setdefault(x["op"], []).append(x["t1"] - x["t0"])
+    return {op: statistics.median(ts) for op, ts in times.items()}
+
+
 def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
-    """Per run: schedule, p, m, v, measured bubble (of total time) and both formulas."""
+    """Per run: schedule, p, m, v, measured bubble (of total time) and both formulas (zb1p's
+    priced with the run's own median F, B and W: op_seconds)."""
     rows = []
     for label, run in runs.items():
         c = run.cfg
         v = c.virtual_stages if c.schedule == "interleaved" else 1
+        ops = op_seconds(run, skip)
+        costs = ({"tf": ops["F"], "tb": ops["B"], "tw": ops["W"]}
+                 if c.schedule in SPLIT_BACKWARD else {})
         rows.append({"run": label, "schedule": c.schedule, "p": c.pp, "m": c.microbatches, "v": v,
                      "measured": measured_bubble(run, skip),
-                     "samples": bubble_samples(run, skip),
-                     "total": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="total"),
-                     "ideal": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="ideal")})
+                     "samples": bubble_samples(run, skip), "op_seconds": ops,
+                     "total": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="total",
+                                             **costs),
+                     "ideal": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="ideal",
+                                             **costs)})
     return rows
 
 
@@ -177,6 +197,7 @@ def _bars(fig, rows_events, row_label, scale=1e3, unit=" ms") -> list[str]:
     for e in events:
         widest[e["op"]] = max(widest.get(e["op"], 0.0), e["t1"] - e["t0"])
     visible = {op for op, w in widest.items() if w >= VISIBLE_SHARE * span}
+    names = OP_NAMES | ({"B": "input's gradient (B)"} if "W" in widest else {})
     seen = set()
     for name, evs in rows_events:
         for e in sorted(evs, key=lambda e: (e["op"] != "idle", e["t0"])):
@@ -184,13 +205,13 @@ def _bars(fig, rows_events, row_label, scale=1e3, unit=" ms") -> list[str]:
             text = "" if e.get("mb") is None else f"{e['mb']}" + (
                 f".{e['chunk']}" if e.get("chunk") else "")
             fig.add_bar(y=[name], x=[(e["t1"] - e["t0"]) * scale], base=[e["t0"] * scale],
-                        orientation="h", marker_color=OP_COLORS[op], name=OP_NAMES[op],
+                        orientation="h", marker_color=OP_COLORS[op], name=names[op],
                         legendgroup=op, showlegend=op in visible and op not in seen,
-                        text=text if op in ("F", "B") else "", textposition="inside",
-                        hovertemplate=f"{row_label(name)} {OP_NAMES[op]} mb {e.get('mb')} "
+                        text=text if op in ("F", "B", "W") else "", textposition="inside",
+                        hovertemplate=f"{row_label(name)} {names[op]} mb {e.get('mb')} "
                                       f"chunk {e.get('chunk')}: %{{base:.1f}}–%{{x:.1f}}<extra></extra>")
             seen.add(op)
-    return [f"{OP_NAMES[op]} (each at most {widest[op] * scale:.2g}{unit})"
+    return [f"{names[op]} (each at most {widest[op] * scale:.2g}{unit})"
             for op in OP_NAMES if op in widest and op not in visible]
 
 
@@ -220,8 +241,10 @@ LEGEND = dict(orientation="h", yanchor="top", y=-0.45, x=0)
 
 
 def ideal_gantt(kind: str, p: int, m: int, v: int = 1, title: str = "") -> go.Figure:
-    """The same chart for simulate(): unit forward and backward costs, free communication."""
-    tl = simulate(make_schedule(kind, p, m, v), p, v)
+    """The same chart for simulate(): unit forward and backward costs, free communication (a
+    split schedule's B and W one unit each, the zero-bubble paper's F = B = W)."""
+    tl = simulate(make_schedule(kind, p, m, v), p, v, tw=1.0 if kind in SPLIT_BACKWARD else 0.0,
+                  kind=kind)
     end = max(e[4] for r in tl for e in r)
     rows = []
     for r, ops in enumerate(tl):
@@ -265,7 +288,8 @@ class PipelineExplorer(Explorer):
     offered with the interleaved schedule only (the others run one model chunk per rank): the
     knob is disabled under the others, and says why beside it."""
 
-    def __init__(self, base: RunConfig, schedules=("naive", "gpipe", "1f1b", "interleaved"),
+    def __init__(self, base: RunConfig,
+                 schedules=("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv"),
                  microbatches=(1, 2, 4, 8), virtual_stages=(1, 2)):
         super().__init__()  # Run, Stop, the status line
         self.base = base
@@ -296,8 +320,9 @@ class PipelineExplorer(Explorer):
         self.virtual.disabled = not interleaved
         if not interleaved and 1 in self.virtual.options:
             self.virtual.value = 1
-        why = (f"virtual stages: only the interleaved schedule reads them; {sc} runs one model "
-               "chunk per rank" if not interleaved else "")
+        why = ("" if interleaved else "virtual stages: only the interleaved schedule reads "
+               "them; " + ("zbv runs two chunks per rank, placed in a V" if sc == "zbv" else
+                           f"{sc} runs one model chunk per rank"))
         self.virtual.tooltip = why
         self.virtual_note.value = f"<small style='color:#666'>{html.escape(why)}</small>"
 

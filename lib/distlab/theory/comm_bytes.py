@@ -75,7 +75,7 @@ def micro_batch_bytes(cfg: RunConfig) -> int:
 def predicted_bytes(cfg: RunConfig, rank: int) -> dict[str, dict[str, int]]:
     """{group kind: {collective kind: bytes sent per step}} of `rank` (module docstring).
     One chunk per rank (gpipe, 1f1b, naive): interleaved's v chunks add boundaries."""
-    if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
+    if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule == "zbv":
         raise NotImplementedError("predicted_bytes models one pipeline chunk per rank")
     dp, t, p, m = cfg.dp_degree, cfg.tp, cfg.pp, cfg.microbatches
     S, c = micro_batch_bytes(cfg), coords(rank, dp, t, p, cfg.mesh_order)

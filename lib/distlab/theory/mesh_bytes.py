@@ -170,7 +170,7 @@ def forward_then_backward(cfg, stage: int) -> int:
 
 def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     """{group kind: {collective kind: bytes `rank` sends per step}} (module docstring)."""
-    if cfg.schedule == "interleaved" and cfg.virtual_stages > 1:
+    if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule == "zbv":
         raise NotImplementedError("mesh_bytes models one pipeline chunk per rank")
     s = sizes(cfg)
     c = coords_of(cfg, rank)

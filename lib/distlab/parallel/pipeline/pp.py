@@ -8,7 +8,7 @@ The executor is written once, for any stage modules: `PipelineSchedule` (exporte
 step(x, y) as torch.distributed.pipelining's schedules); the `pp` strategy gives it the GPT's
 stages (GPTStage). A schedule is data: for each rank, the list of (op, microbatch, chunk) it runs in order, op "F"
 (forward) or "B" (backward); chunk c of rank r is global stage s = c·p + r (Megatron's loop
-placement). `make_schedule` is a pure function, so schedules are unit-tested and plotted
+placement; zbv's V: rank_stages). `make_schedule` is a pure function, so schedules are unit-tested and plotted
 without processes; `simulate` runs one with fixed op costs to give its ideal timeline.
 
 Schedules (p stages, m micro-batches, v chunks per rank):
@@ -19,6 +19,13 @@ Schedules (p stages, m micro-batches, v chunks per rank):
                  et al. 2019/2021); same bubble as gpipe, at most p-r micro-batches in flight
     interleaved  1f1b over v chunks per rank (Narayanan et al. 2021); bubble (p-1)/(v·m) of
                  the *ideal* time (m·(tf+tb)), i.e. the bubble shrinks by v
+    zb1p         ZB-H1 (Qi et al. 2024): backward split into B (the input's gradient) and W (the
+                 weights', split_backward.py); W fills what 1F1B leaves idle. Bubble
+                 (p-1)(tf+tb-tw) against 1F1B's (p-1)(tf+tb+tw) (tb, tw: B's and W's times), a
+                 third of it when the three are equal
+    zbv          ZBV (Qi et al. 2024, section 6): the same split, two chunks per rank placed in a
+                 V, rank r holding stages r and 2p-1-r, so stage 0 and the loss sit on rank 0
+                 and the turn of the V (stages p-1 and p) on rank p-1, handed over in memory
 
 Sends never block (Comm.isend, waited at the end of the step); receives block, and the time a
 rank waits in a receive is idle time: measured bubble = 1 - (forward + backward time) / step
@@ -29,6 +36,7 @@ time, per rank. A barrier at each end of the step gives every rank the same step
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -37,11 +45,14 @@ import torch.nn.functional as F
 
 from distlab.comm import Comm
 from distlab.parallel.base import Strategy
+from distlab.parallel.pipeline.split_backward import WeightGradStore, split_weight_gradients
 from distlab.step_ledger import StepCounter
 
 # The convention each textbook formula uses (see bubble_formula).
 FORMULA_CONVENTION = {"naive": "total", "gpipe": "total", "1f1b": "total",
-                      "interleaved": "ideal"}
+                      "interleaved": "ideal", "zb1p": "total", "zbv": "total"}
+SPLIT_BACKWARD = frozenset({"zb1p", "zbv"})  # schedules whose backward is B then W
+MULTI_CHUNK = frozenset({"interleaved", "zbv"})  # schedules with more than one chunk per rank
 
 
 # -- the split -------------------------------------------------------------------------------
@@ -51,22 +62,32 @@ def stage_blocks(n_layer: int, n_stages: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def rank_stages(rank: int, p: int, v: int = 1) -> list[int]:
-    """Global stages held by `rank`: chunk c is stage c·p + rank (loop placement)."""
+def rank_stages(rank: int, p: int, v: int = 1, kind: str = "") -> list[int]:
+    """Global stages held by `rank`: chunk c is stage c·p + rank (loop placement), or for
+    kind "zbv" stages rank and 2p-1-rank (V placement)."""
+    if kind == "zbv":
+        return [rank, 2 * p - 1 - rank]
     return [c * p + rank for c in range(v)]
 
 
-def split_model(model, rank: int, p: int, v: int = 1):
+def stage_rank(stage: int, p: int, kind: str = "") -> int:
+    """The rank holding global stage `stage` (rank_stages' inverse)."""
+    if kind == "zbv":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+def split_model(model, rank: int, p: int, v: int = 1, kind: str = ""):
     """Keep only this rank's stages of `model` (a GPT), in place. Kept modules keep their
     names, so the rank's state_dict keys are a subset of the unsplit model's."""
-    n_stages, n_layer = p * v, len(model.blocks)
-    keep = {i for s in rank_stages(rank, p, v) for i in stage_blocks(n_layer, n_stages, s)}
+    n_stages, n_layer, mine = p * v, len(model.blocks), rank_stages(rank, p, v, kind)
+    keep = {i for s in mine for i in stage_blocks(n_layer, n_stages, s)}
     for i in range(n_layer):
         if i not in keep:
             model.blocks[i] = nn.Identity()
-    if 0 not in rank_stages(rank, p, v):
+    if 0 not in mine:
         model.tok_emb = model.pos_emb = None
-    if n_stages - 1 not in rank_stages(rank, p, v):
+    if n_stages - 1 not in mine:
         model.ln_f = model.head = None
     return model
 
@@ -90,7 +111,9 @@ def stage_forward(model, stage: int, n_stages: int, h, targets=None):
 
 # -- schedules (pure functions) ----------------------------------------------------------------
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
-    """Per rank, the ordered list of (op, microbatch, chunk); op is "F" or "B"."""
+    """Per rank, the ordered list of (op, microbatch, chunk); op is "F" or "B" (the whole
+    backward), or with a split backward (SPLIT_BACKWARD) "F", "B" (the input's gradient) and
+    "W" (the weights')."""
     if kind == "naive":
         return [[(op, i, 0) for i in range(m) for op in "FB"] for _ in range(p)]
     if kind == "gpipe":
@@ -101,7 +124,11 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
                              min(p - r - 1, m)) for r in range(p)]
     if kind == "interleaved":
         return [_interleaved(r, p, m, v) for r in range(p)]
-    raise ValueError(f"schedule {kind!r} is not one of naive, gpipe, 1f1b, interleaved")
+    if kind == "zb1p":
+        return [_zb_h1(r, p, m) for r in range(p)]
+    if kind == "zbv":
+        return _zero_bubble(p, m, [rank_stages(r, p, 2, "zbv") for r in range(p)], cap=2 * p + 2)
+    raise ValueError(f"schedule {kind!r} is not one of {', '.join(FORMULA_CONVENTION)}")
 
 
 def _one_f_one_b(fwd, bwd, warmup):
@@ -129,10 +156,78 @@ def _interleaved(r, p, m, v):
                         warmup)
 
 
-def simulate(schedule, p: int, v: int = 1, tf: float = 1.0, tb: float = 1.0):
-    """Run `schedule` with every forward costing tf and every backward tb and free
-    communication. Returns per rank a list of (op, mb, chunk, start, end). Raises if the
-    schedule deadlocks (an op waits on one that can never run before it)."""
+def _zb_h1(r: int, p: int, m: int) -> list[tuple]:
+    """ZB-H1 on rank r: 1F1B's p-r-1 warm-up forwards, then a forward and a B per micro-batch,
+    each B followed by the oldest W once r W's are pending, and the W's still pending at the
+    end. Rank r holds back r W's: the deeper the rank, the longer it waits for gradients in
+    the cool-down, and the W's it kept fill that wait. At most p micro-batches are between
+    their F and their W on any rank, as 1F1B's p between F and backward; with F = B = W every
+    rank idles p - 1 units, (p-1)(F+B-2W) (the tests simulate it)."""
+    warmup = min(p - r - 1, m)
+    out, f, w = [("F", i, 0) for i in range(warmup)], warmup, 0
+    for b in range(m):
+        if f < m:
+            out.append(("F", f, 0))
+            f += 1
+        out.append(("B", b, 0))
+        if b + 1 - w > r:
+            out.append(("W", w, 0))
+            w += 1
+    return out + [("W", i, 0) for i in range(w, m)]
+
+
+def _zero_bubble(p: int, m: int, stages: list[list[int]], cap: int) -> list[list[tuple]]:
+    """A zero-bubble order made as the paper makes its automatic schedules: a greedy list
+    schedule, run with F, B and W of every chunk costing one unit. stages[r]: the global
+    stages rank r holds (its chunks, in order). A rank free at a tick runs, of the ops whose
+    inputs have arrived: a B (the input's gradient: others wait for it; the earlier stage
+    first), else an F while fewer than `cap` micro-batch chunks are between their F and their
+    W on this rank (what they hold; the later stage first, which drains the pipe), else its
+    oldest pending W. zbv: the V's two chunks, cap 2p + 2 chunks (each half a stage: one
+    micro-batch more than 1F1B's p stages' worth). With m >= 2p every rank then idles only
+    the V's fill, p - 1 chunk forwards (the tests simulate p up to 10); with fewer
+    micro-batches it may idle more."""
+    S = sum(len(x) for x in stages)
+    nxt = {(op, s): 0 for op in "FBW" for s in range(S)}  # next micro-batch of op at stage s
+    done, busy, held, out, t = {}, [0] * p, [0] * p, [[] for _ in range(p)], 0
+    while any(len(out[r]) < 3 * m * len(stages[r]) for r in range(p)):
+        if all(busy[r] <= t for r in range(p)) and t > 0 and not any(
+                done_t == t for done_t in done.values()):
+            raise RuntimeError(f"zero-bubble schedule deadlocks at tick {t} (cap {cap})")
+        for r in range(p):
+            if busy[r] > t:
+                continue
+            ready = lambda key: done.get(key, t + 1) <= t  # noqa: E731 (finished by tick t)
+            cands = []
+            for s in stages[r]:
+                f, b, w = nxt[("F", s)], nxt[("B", s)], nxt[("W", s)]
+                if b < f and ready(("F", b, s)) and (s == S - 1 or ready(("B", b, s + 1))):
+                    cands.append((0, s, b, "B", s))
+                if f < m and held[r] < cap and (s == 0 or ready(("F", f, s - 1))):
+                    cands.append((1, -s, f, "F", s))
+                if w < b:
+                    cands.append((2, w, -s, "W", s))
+            if not cands:
+                continue
+            *_, op, s = min(cands)
+            mb = nxt[(op, s)]
+            done[(op, mb, s)], busy[r] = t + 1, t + 1
+            out[r].append((op, mb, stages[r].index(s)))
+            nxt[(op, s)] += 1
+            held[r] += {"F": 1, "B": 0, "W": -1}[op]
+        t += 1
+    return out
+
+
+def simulate(schedule, p: int, v: int = 1, tf: float = 1.0, tb: float = 1.0, tw: float = 0.0,
+             kind: str = ""):
+    """Run `schedule` with every forward costing tf, every backward tb + tw (tb the input's
+    gradient, tw the weights'; a split schedule's B costs tb and its W tw) and free
+    communication; kind "zbv" places the chunks in a V (rank_stages). Returns per rank a list
+    of (op, mb, chunk, start, end). Raises if the schedule deadlocks (an op waits on one that
+    can never run before it)."""
+    split = any(op == "W" for ops in schedule for op, _, _ in ops)
+    cost = {"F": tf, "B": tb if split else tb + tw, "W": tw}
     S, done, pos = p * v, {}, [0] * p
     clock, out = [0.0] * p, [[] for _ in range(p)]
     while any(pos[r] < len(schedule[r]) for r in range(p)):
@@ -140,14 +235,16 @@ def simulate(schedule, p: int, v: int = 1, tf: float = 1.0, tb: float = 1.0):
         for r in range(p):
             while pos[r] < len(schedule[r]):
                 op, mb, c = schedule[r][pos[r]]
-                s = c * p + r
+                s = rank_stages(r, p, v, kind)[c]
                 deps = [("F", mb, s - 1)] if op == "F" and s > 0 else []
                 if op == "B":
                     deps = [("F", mb, s)] + ([("B", mb, s + 1)] if s < S - 1 else [])
+                if op == "W":
+                    deps = [("B", mb, s)]
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
-                clock[r] = done[(op, mb, s)] = start + (tf if op == "F" else tb)
+                clock[r] = done[(op, mb, s)] = start + cost[op]
                 out[r].append((op, mb, c, start, clock[r]))
                 pos[r] += 1
                 progressed = True
@@ -156,21 +253,29 @@ def simulate(schedule, p: int, v: int = 1, tf: float = 1.0, tb: float = 1.0):
     return out
 
 
-def in_flight(rank_schedule) -> int:
-    """Most micro-batch chunks whose forward ran and backward did not yet (stashed activations)."""
+def in_flight(rank_schedule, until: str = "B") -> int:
+    """Most micro-batch chunks whose forward ran and whose `until` op did not yet: "B" (the
+    default) counts the stashed activations backward needs; with a split backward, "W" counts
+    what a rank holds until the weights' gradients are done."""
     live = peak = 0
     for op, _, _ in rank_schedule:
-        live += 1 if op == "F" else -1
+        live += 1 if op == "F" else -1 if op == until else 0
         peak = max(peak, live)
     return peak
 
 
-def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = None) -> float:
+def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = None,
+                   tf: float = 1.0, tb: float = 1.0, tw: float = 1.0) -> float:
     """The textbook bubble. of="total": idle / step time (GPipe's convention, (p-1)/(m+p-1));
     of="ideal": idle / ideal compute time m·(tf+tb) (Megatron's, (p-1)/(v·m) interleaved).
     One number in two units: total = ideal / (1 + ideal). A measured bubble (1 - busy / step
     time) compares with of="total". Default: the convention the schedule's paper uses
-    (FORMULA_CONVENTION)."""
+    (FORMULA_CONVENTION). Only the split schedules' depend on the op times (tf forward, tb the
+    input's gradient, tw the weights', per chunk): zb1p idles (p-1)(tf+tb-tw) against an ideal
+    m(tf+tb+tw), the (p-1)(F+B-2W) of DeepSeek-V3's table with B the whole backward tb + tw;
+    zbv (p-1)·tf against 2m(tf+tb+tw), the V's fill, after which no rank waits when the three
+    are equal and m >= 2p: derived from the schedule made here (the paper says "near zero"),
+    and checked against simulate() in the tests."""
     of = of or FORMULA_CONVENTION[schedule]
     if schedule == "naive":
         ideal = p - 1  # one micro-batch in the pipe: p-1 idle slots per busy slot
@@ -178,6 +283,10 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = N
         ideal = (p - 1) / m
     elif schedule == "interleaved":
         ideal = (p - 1) / (v * m)
+    elif schedule == "zb1p":
+        ideal = (p - 1) * (tf + tb - tw) / (m * (tf + tb + tw))
+    elif schedule == "zbv":  # the V's fill: the last rank starts after p-1 chunk forwards
+        ideal = (p - 1) * tf / (2 * m * (tf + tb + tw))
     else:
         raise ValueError(f"schedule {schedule!r} is not one of {list(FORMULA_CONVENTION)}")
     return ideal if of == "ideal" else ideal / (1 + ideal)
@@ -217,8 +326,10 @@ class PipelineSchedule:
         loss = sched.step(x, y)   # the loss on the rank holding the last stage, else None
 
     stages          this rank's stage: a module taking one tensor and returning one; or a
-                    list of v modules for "interleaved" (chunk c is global stage c·p + rank)
-    schedule        "naive", "gpipe", "1f1b" or "interleaved" (make_schedule)
+                    list of v modules for "interleaved" (chunk c is global stage c·p + rank),
+                    or of 2 for "zbv" (stages rank and 2p-1-rank)
+    schedule        "naive", "gpipe", "1f1b", "interleaved", "zb1p" or "zbv" (make_schedule;
+                    the last two split each stage's backward: split_backward.py)
     n_microbatches  m: step() cuts x and y into m equal micro-batches along dim 0
     loss_fn         loss_fn(last stage's output, y's micro-batch), a mean over its rows
     group / comm    a process group (default: the world), or a distlab Comm to go through
@@ -245,7 +356,8 @@ class PipelineSchedule:
                                              n_microbatches)
         self.S, self.kind, self.loss_fn = self.p * self.v, schedule, loss_fn
         self._agree(self._problem(n_stages))
-        self.ids = rank_stages(self.rank, self.p, self.v)
+        self.ids = rank_stages(self.rank, self.p, self.v, schedule)
+        self.local: dict[int, torch.Tensor] = {}  # hand-offs between two stages of this rank
         self.ops = make_schedule(schedule, self.p, self.m, self.v)[self.rank]
         self.meta = Comm(self.comm.group, name=self.comm.name)  # the shape headers
         self.inputs: dict[int, tuple] = {}  # stage -> (shape, dtype) of its input micro-batch
@@ -259,6 +371,10 @@ class PipelineSchedule:
         for c, st in enumerate(self.stages):
             st._distlab_pipeline = self
             st.register_forward_pre_hook(lambda mod, args, s=self.ids[c]: self._outside(s))
+        self.w_store = WeightGradStore() if schedule in SPLIT_BACKWARD else None
+        if self.w_store is not None:
+            for st in self.stages:
+                split_weight_gradients(st, self.w_store)
 
     # -- construction checks: every rank raises the same error, none waits on a peer ----------
     def _problem(self, n_stages) -> str | None:
@@ -266,7 +382,10 @@ class PipelineSchedule:
             return f"schedule={self.kind!r} is not one of {', '.join(FORMULA_CONVENTION)}"
         if not self.stages or not all(isinstance(s, nn.Module) for s in self.stages):
             return "stages must be this rank's stage module, or a list of them (interleaved)"
-        if self.v > 1 and self.kind != "interleaved":
+        if self.kind == "zbv" and self.v != 2:
+            return (f"zbv runs two stages per rank, rank r holding stages r and 2p-1-r; this "
+                    f"rank has {self.v}: pass [stage r, stage 2p-1-r]")
+        if self.v > 1 and self.kind not in MULTI_CHUNK:
             return (f"schedule {self.kind!r} runs one stage per rank and this rank has "
                     f"{self.v}: pass one module, or use schedule='interleaved'")
         if n_stages is not None and n_stages != self.S:
@@ -284,7 +403,7 @@ class PipelineSchedule:
         return None
 
     def _agree(self, problem):
-        last = (self.S - 1) % self.p  # holds the last stage, which needs loss_fn
+        last = stage_rank(self.S - 1, self.p, self.kind)  # the last stage needs loss_fn
         if problem is None and self.rank == last and self.loss_fn is None:
             problem = "the rank holding the last stage needs loss_fn (loss_fn(output, y))"
         mine = (problem, self.v, self.kind, self.m)
@@ -339,7 +458,7 @@ class PipelineSchedule:
                              f"micro-batch shape fixed, or build a new PipelineSchedule")
 
     def _peer(self, stage):
-        return stage % self.p
+        return stage_rank(stage, self.p, self.kind)
 
     def _tag(self, mb, stage, backward):
         return (mb * self.S + stage) * 2 + int(backward)
@@ -355,11 +474,14 @@ class PipelineSchedule:
         if self.timed:  # a common step start: a rank's last step must not show as idle here
             self.comm.barrier()
         self.t_start = time.perf_counter()
+        self.peak_w_bytes = 0
         for op, mb, c in self.ops:
             if op == "F":
                 self._forward(mb, c, xs, ys)
-            else:
+            elif op == "B":
                 self._backward(mb, c, scale_loss)
+            else:
+                self._weights(mb, c)
         for w in self.sends:
             w.wait()
         if self.timed:
@@ -367,6 +489,9 @@ class PipelineSchedule:
             self.info = timeline(self.events, time.perf_counter() - self.t_start)
             self.info.update(schedule=self.kind, stages=self.ids, peak_stash_bytes=self.peak_bytes,
                              peak_in_flight=in_flight(self.ops))
+            if self.w_store is not None:  # what deferred W's held, and for how many micro-batches
+                self.info.update(peak_w_bytes=self.peak_w_bytes,
+                                 peak_until_w=in_flight(self.ops, until="W"))
         return self.loss
 
     def _record(self, op, mb, c, t0):
@@ -391,7 +516,13 @@ class PipelineSchedule:
         if s < self.S - 1:
             self._send_activation(out, mb, s, c)
 
+    def _mine(self, stage):
+        """Is `stage` on this rank (zbv's turn of the V): then hand-offs stay in memory."""
+        return self._peer(stage) == self.rank
+
     def _receive_activation(self, mb, s, c):
+        if self._mine(s - 1):  # a new leaf: this stage's backward stops at its own input
+            return self.local.pop(self._tag(mb, s, False)).detach().requires_grad_()
         t0 = time.perf_counter()
         if s not in self.inputs:  # first step: the shape header comes first
             h = self.meta.recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device),
@@ -410,6 +541,10 @@ class PipelineSchedule:
                             f"last must return one tensor (the next stage's input)")
         t0 = time.perf_counter()
         meta = (tuple(out.shape), out.dtype)
+        if self._mine(s + 1):
+            self._same_shape(s, meta, "output", self.outputs)
+            self.local[self._tag(mb, s + 1, False)] = out.detach()
+            return
         if s not in self.outputs:
             self.sends.append(self.meta.isend(_header(out), self._peer(s + 1), "pp_shapes",
                                               self._header_tag(s + 1)))
@@ -422,25 +557,40 @@ class PipelineSchedule:
         s = self.ids[c]
         inp, out, nbytes = self.stash.pop((mb, c))
         grad = None
-        if s < self.S - 1:
+        if s < self.S - 1 and self._mine(s + 1):
+            grad = self.local.pop(self._tag(mb, s, True))
+        elif s < self.S - 1:
             t0 = time.perf_counter()
             grad = self.comm.recv(torch.empty_like(out), self._peer(s + 1), "pp_recv_grad",
                                   self._tag(mb, s, True))
             self._record("recv", mb, c, t0)
         t0 = time.perf_counter()
-        if grad is None:
-            scale_loss(out).backward()
-        else:
-            torch.autograd.backward(out, grad)
+        with self.w_store.collecting((mb, c)) if self.w_store is not None else nullcontext():
+            if grad is None:
+                scale_loss(out).backward()
+            else:
+                torch.autograd.backward(out, grad)
         self._sleep()
         self._record("B", mb, c, t0)
         self.live_bytes -= nbytes
+        if self.w_store is not None:
+            self.peak_w_bytes = max(self.peak_w_bytes, self.w_store.pending_bytes())
         if s > 0:
             t0 = time.perf_counter()
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            if self._mine(s - 1):
+                self.local[self._tag(mb, s - 1, True)] = g
+                return
             self.sends.append(self.comm.isend(g, self._peer(s - 1), "pp_send_grad",
                                               self._tag(mb, s - 1, True)))
             self._record("send", mb, c, t0)
+
+    def _weights(self, mb, c):
+        """W: the weights' gradients this micro-batch's B left (split_backward.py)."""
+        t0 = time.perf_counter()
+        self.w_store.run((mb, c))
+        self._sleep()
+        self._record("W", mb, c, t0)
 
     def _sleep(self):
         if self.delay:  # equal, known stage costs, so the measured bubble can meet the formula
@@ -473,7 +623,7 @@ def gpt_loss(logits, targets):
 
 def pipeline_shape(cfg) -> tuple[int, int, int, int]:
     """(p ranks, m micro-batches, v model chunks per rank, S = p·v stages) of a config."""
-    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    v = {"interleaved": cfg.virtual_stages, "zbv": 2}.get(cfg.schedule, 1)
     return cfg.pp, cfg.microbatches, v, cfg.pp * v
 
 
@@ -494,8 +644,9 @@ class PipelineParallel(Strategy):
         self.p, self.m, self.v, self.S = pipeline_shape(cfg)
 
     def wrap(self, model):
-        model = split_model(model, self.rank, self.p, self.v)
-        stages = [GPTStage(model, s, self.S) for s in rank_stages(self.rank, self.p, self.v)]
+        kind = self.cfg.schedule
+        model = split_model(model, self.rank, self.p, self.v, kind)
+        stages = [GPTStage(model, s, self.S) for s in rank_stages(self.rank, self.p, self.v, kind)]
         self.sched = PipelineSchedule(stages, self.cfg.schedule, self.m, gpt_loss,
                                       n_stages=self.S, comm=self.comm, timed=True,
                                       op_delay_s=self.cfg.pp_op_delay_s)
@@ -537,8 +688,9 @@ class _SavedBytes:
 
 
 def timeline(events, step_s):
-    """Busy time (forward + backward), idle gaps between them, and the measured bubble."""
-    compute = sorted((e for e in events if e["op"] in ("F", "B")), key=lambda e: e["t0"])
+    """Busy time (forward, backward and, split, the weights' W), idle gaps between them, and the
+    measured bubble."""
+    compute = sorted((e for e in events if e["op"] in ("F", "B", "W")), key=lambda e: e["t0"])
     busy = sum(e["t1"] - e["t0"] for e in compute)
     idle, t = [], 0.0
     for e in compute + [{"t0": step_s, "t1": step_s}]:

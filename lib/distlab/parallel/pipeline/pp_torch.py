@@ -1,6 +1,7 @@
 """`pp-torch`: the same stage split as distlab's `pp`, run by torch.distributed.pipelining
-(PipelineStage per held stage, ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B), the
-reference the from-scratch pipeline is checked against. torch has no `naive` schedule: it runs
+(PipelineStage per held stage, ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for
+the split backward ScheduleInterleavedZeroBubble (zb1p, torch's ZB1P) and ScheduleZBVZeroBubble
+(zbv, stages placed in a V)), the reference the from-scratch pipeline is checked against. torch has no `naive` schedule: it runs
 as GPipe (same gradients, different timeline).
 """
 
@@ -28,11 +29,11 @@ class TorchPP(Strategy):
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         self.p, self.m, self.v, self.S = pipeline_shape(cfg)
-        self.stage_ids = rank_stages(self.rank, self.p, self.v)
+        self.stage_ids = rank_stages(self.rank, self.p, self.v, cfg.schedule)
         self.sched = None
 
     def wrap(self, model):
-        return split_model(model, self.rank, self.p, self.v)
+        return split_model(model, self.rank, self.p, self.v, self.cfg.schedule)
 
     def batch(self, data, step):
         return data.rank_batch(step, self.cfg.global_batch, 0, 1)
@@ -43,11 +44,15 @@ class TorchPP(Strategy):
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
         )
         stages = [PipelineStage(GPTStage(model, s, self.S), s, self.S, device)
                   for s in self.stage_ids]
-        if self.cfg.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, n_microbatches=self.m, loss_fn=gpt_loss)
+        several = {"interleaved": ScheduleInterleaved1F1B, "zb1p": ScheduleInterleavedZeroBubble,
+                   "zbv": ScheduleZBVZeroBubble}  # schedules over a list of stages
+        if self.cfg.schedule in several:
+            return several[self.cfg.schedule](stages, n_microbatches=self.m, loss_fn=gpt_loss)
         kind = Schedule1F1B if self.cfg.schedule == "1f1b" else ScheduleGPipe
         return kind(stages[0], n_microbatches=self.m, loss_fn=gpt_loss)
 

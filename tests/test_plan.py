@@ -188,6 +188,31 @@ def test_bubble_and_recompute_overheads():
     assert evaluate(m, c, 256, 8, 1, 8, 1, 3, "none", 0.5) is None  # 32 rows don't split by 3
 
 
+def test_zero_bubble_schedules_are_priced_and_chosen_for_a_deep_pipeline():
+    """With F = B = W, ZB-H1's bubble is a third of 1F1B's and ZBV's a sixth (m >= 2p), the
+    simulated timelines' figures (tests/test_zero_bubble.py); ZB-H1 holds 1F1B's activations
+    and ZBV one micro-batch more. A deep pipeline with few micro-batches per step is where
+    the schedule matters: there the planner, offered them, picks a zero-bubble one, and the
+    step it prices is shorter by the bubble it removed."""
+    c = Cluster(gpus=64, **A100)
+    m = Model(32, 4096, 32)
+    rows = {sc: evaluate(m, c, 128, 8, 1, 8, 1, 1, "full", 0.5, schedule=sc)
+            for sc in ("1f1b", "zb1p", "zbv")}  # p = 8, 16 micro-batches: m = 2p
+    assert rows["zb1p"].bubble_s == pytest.approx(rows["1f1b"].bubble_s / 3)
+    assert rows["zbv"].bubble_s == pytest.approx(rows["1f1b"].bubble_s / 6)
+    assert rows["zb1p"].activations == rows["1f1b"].activations < rows["zbv"].activations
+    assert evaluate(m, c, 64, 8, 1, 8, 1, 1, "full", 0.5, schedule="zbv") is None  # m < 2p
+    only = best(m, c, 128, 0.5, micro_batches=[1], schedules=("1f1b",))
+    offered = best(m, c, 128, 0.5, micro_batches=[1], schedules=("1f1b", "zb1p", "zbv"))
+    assert only.schedule == "1f1b" and only.pp > 1
+    assert offered.schedule in ("zb1p", "zbv") and offered.step_s < only.step_s
+    # with one stage there is nothing to schedule: pp = 1 rows come once, as the first
+    flat = plan(m, Cluster(gpus=8, **A100), 64, 0.5, schedules=("1f1b", "zb1p"))
+    assert all(r.schedule == "1f1b" for r in flat if r.pp == 1)
+    with pytest.raises(ValueError, match="prices"):
+        evaluate(m, c, 128, 8, 1, 8, 1, 1, "full", 0.5, schedule="dualpipe")
+
+
 # -- recomputation overheads against Korthikanti et al. 2022 -----------------------------------
 # Shapes from Korthikanti et al. 2022, Table 3: GPT-3 175B and MT-NLG 530B, s = 2048, V = 51200.
 MT_NLG_530B = Model(105, 20480, 128, 2048, 51200)

@@ -27,7 +27,11 @@ Sources:
            +(s/(6h)) / (1 + s/(6h) + V/(12hl)): 2.7% for GPT-3 175B, 1.6% for MT-NLG 530B,
            their figures (see recompute_overhead).
            Pipeline bubble (1F1B and GPipe alike): (p-1)/m of the compute, i.e. (p-1)/(m+p-1)
-           of the total (Narayanan et al. 2021, Section 2.2).
+           of the total (Narayanan et al. 2021, Section 2.2). With the backward split into B
+           and W and F = B = W, each a third of a micro-batch's stage compute (backward twice
+           a forward, halved; Qi et al. 2024's setting): ZB-H1 (zb1p) (p-1)(F+B-2W) with B the
+           whole backward, (p-1)/(3m); ZBV (zbv) the V's fill, p-1 chunk forwards, (p-1)/(6m),
+           priced only when m >= 2p (distlab.parallel.pipeline.pp.bubble_formula).
            Communication, α-β (comm.ring_allreduce_time), none of it overlapped unless said:
              DP   stages 0-2: one ring all-reduce per step of the stage's 2-byte gradients
                   (ZeRO-1/2's reduce-scatter + all-gather move the same bytes); stage 3: per
@@ -250,6 +254,7 @@ class Row:
     ep: int = 1
     cp_comm_s: float = 0.0
     ep_comm_s: float = 0.0
+    schedule: str = "1f1b"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -271,7 +276,7 @@ def memory_per_gpu(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, ze
     layer = korthikanti_layer_activation_bytes(s, b, h, a, tp, sp, recompute)
     if model.experts and recompute != "full":  # each routed copy holds the MLP's 19·sbh/t
         layer += (model.top_k * model.capacity_factor - 1) * 19 * s * b * h / tp
-    in_flight = min(micro_batches, pp) if schedule == "1f1b" else micro_batches
+    in_flight = IN_FLIGHT[schedule](micro_batches, pp)
     acts = layer * (model.n_layer // pp) * in_flight
     if recompute == "full":  # the layer being recomputed holds its whole activations
         acts += korthikanti_layer_activation_bytes(s, b, h, a, tp, sp, "none")
@@ -339,6 +344,26 @@ def ep_comm_time(model: Model, cluster: Cluster, tp: int, pp: int, cp: int, ep: 
     return micro_batches * (model.n_layer // pp) * per_layer
 
 
+# micro-batches whose activations a pipeline stage holds at once: GPipe all m; 1F1B and ZB-H1
+# at most p (ZB-H1 counts those whose W is pending); ZBV 2p + 2 chunks of half a stage
+IN_FLIGHT = {"gpipe": lambda m, p: m, "1f1b": lambda m, p: min(m, p),
+             "zb1p": lambda m, p: min(m, p), "zbv": lambda m, p: min(m, p + 1)}
+
+
+def bubble_share(schedule: str, p: int, m: int) -> float | None:
+    """The bubble as a share of the step's compute (module docstring); None where the schedule
+    is not priced (zbv with m < 2p)."""
+    if p == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "zb1p":
+        return (p - 1) / (3 * m)
+    if schedule == "zbv":
+        return (p - 1) / (6 * m) if m >= 2 * p else None
+    raise ValueError(f"schedule {schedule!r}: the planner prices {', '.join(IN_FLIGHT)}")
+
+
 def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int, pp: int,
              zero: int, micro_batch: int, recompute: str, mfu: float, dp_overlap: float = 0.0,
              sequence_parallel: bool = True, schedule: str = "1f1b",
@@ -349,13 +374,16 @@ def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int
     if dp * tp * pp * cp != cluster.gpus or global_batch % (dp * micro_batch):
         return None
     m = global_batch // (dp * micro_batch)
+    share = bubble_share(schedule, pp, m)
+    if share is None:
+        return None
     states, acts = memory_per_gpu(model, cluster, dp, tp, pp, zero, micro_batch, recompute, m,
                                   sequence_parallel, schedule, bpp, offload, cp, ep)
     mem = states + acts
     tokens = global_batch * model.seq
     ideal = training_time(model.active_params, tokens, cluster.gpus, cluster.peak_flops, mfu)
     compute = ideal * (1 + recompute_overhead(model, recompute))
-    bubble = compute * (pp - 1) / m
+    bubble = compute * share
     dense = model.params - model.expert_params
     dpc = dp_comm_time(model, cluster, dp * cp, tp, pp, zero, m, value_bytes, params=dense)
     if model.experts:  # the experts' gradients over their replicas only
@@ -371,19 +399,25 @@ def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int
                mem <= cluster.memory * cluster.usable, compute, bubble, dpc, tpc, ppc, step,
                tokens, tokens / step,
                training_flops(model.active_params, tokens)
-               / (step * cluster.gpus * cluster.peak_flops), cp, ep, cpc, epc)
+               / (step * cluster.gpus * cluster.peak_flops), cp, ep, cpc, epc, schedule)
 
 
 # -- the search --------------------------------------------------------------------------------
 def plan(model: Model, cluster: Cluster, global_batch: int, mfu: float = 0.5,
          zero_stages=(0, 1, 2, 3), recomputes=RECOMPUTE, micro_batches=None,
          fits_only: bool = True, zero23_with_pp: bool = False, cps=(1,), eps=(1,),
-         **kw) -> list[Row]:
-    """Every layout × ZeRO stage × micro-batch × recompute; those that fit (fits_only),
-    fastest first (ties: less memory). micro_batches: candidate sizes (default powers of two
-    up to the per-replica batch). cps, eps: the context- and expert-parallel sizes to try
-    (default 1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel, schedule, bpp,
+         schedules=None, **kw) -> list[Row]:
+    """Every layout × ZeRO stage × micro-batch × recompute (× schedule, with `schedules`:
+    e.g. ("1f1b", "zb1p", "zbv"), tried where pp > 1); those that fit (fits_only), fastest
+    first (ties: less memory). micro_batches: candidate sizes (default powers of two up to
+    the per-replica batch). cps, eps: the context- and expert-parallel sizes to try (default
+    1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel, schedule, bpp,
     offload."""
+    if schedules is not None:
+        return sorted((r for sc in schedules for r in plan(
+            model, cluster, global_batch, mfu, zero_stages, recomputes, micro_batches,
+            fits_only, zero23_with_pp, cps, eps, schedule=sc, **kw)
+            if r.pp > 1 or sc == schedules[0]), key=lambda r: (r.step_s, r.memory))
     rows = []
     for dp, tp, pp, cp, ep in layouts(model, cluster, cps, eps):
         if global_batch % dp:

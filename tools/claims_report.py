@@ -96,7 +96,8 @@ def git_commit(repo: Path = REPO) -> str:
                               check=True).stdout.strip()
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+                 if not line[3:].startswith("reports/")]  # reports: what this tool writes
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return commit + (" + uncommitted changes" if dirty else "")

@@ -93,9 +93,9 @@ def git_commit(repo: Path = REPO) -> str:
     """The short commit, with a mark when the tree differs from it (the figures came from both)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                              check=True).stdout.strip()
+                              check=True).stdout  # not stripped: a status line starts " M"
     try:
-        commit = git("rev-parse", "--short", "HEAD")
+        commit = git("rev-parse", "--short", "HEAD").strip()
         dirty = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
                  if not line[3:].startswith("reports/")]  # reports: what this tool writes
     except (OSError, subprocess.CalledProcessError):

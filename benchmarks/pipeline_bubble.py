@@ -7,11 +7,12 @@ RunConfig accepts: naive, gpipe, 1f1b (m >= p), interleaved with v=2 (m >= p and
 Megatron's order), zb1p (ZB-H1, m >= p: its backward split into B, the input's gradient, and W,
 the weights', a sleep each; its formula, (p-1)(F+B-W) idle per rank, priced with the run's
 median F, B and W), zbv (ZBV, m >= 2p: the same split over two chunks per rank placed in a V;
-its formula, the V's fill of p-1 chunk forwards, likewise priced). One launch per world size trains all of its configs in turn (launches cost
-seconds). Each training is --steps steps of a small GPT (8 layers so p·v divides it, n_embd
-32, batch 8 x seq 16, SGD) with pp_op_delay_s=--delay: a fixed sleep per forward
-and per backward (per chunk, interleaved), so stage costs are equal and dominate compute
-(~1-2 ms) and scheduling noise, and the idle the ranks see is the schedule's own.
+its formula, the V's fill of p-1 chunk forwards, likewise priced). One launch per world size
+trains all of its configs in turn (launches cost seconds). Each training is --steps steps of a
+small GPT (8 layers so p·v divides it, n_embd 32, batch 8 x seq 16, SGD) with
+pp_op_delay_s=--delay: a fixed sleep per forward and per backward (per chunk, interleaved), so
+stage costs are equal and dominate compute (~1-2 ms) and scheduling noise, and the idle the
+ranks see is the schedule's own.
 
 Measured bubble: each step event's e["pipeline"]["bubble"] = 1 - (forward + backward time) /
 step time, per rank (distlab.parallel.pipeline.pp.timeline); the first step of each training is

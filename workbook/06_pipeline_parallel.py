@@ -400,12 +400,13 @@ explorer
 # %% [markdown]
 # ## What the textbook says, what this run measured
 #
-# Every figure comes from this run's variables, every verdict is computed from them (a row
-# can read **no**), and every row but the timed ones and the zero-bubble ones (section 6,
-# which this run may refute) is asserted: each rests on a check made above. The "timed" rows (the bubbles) read a clock, so they depend on this machine
-# and its load (a send or receive another process delays lengthens the idle it is drawn in):
-# each is read over every rank's steps, shows min / median / max, and reads "undecided on this
-# machine" when the middle halves of the repeats overlap its bound (`distlab.lab.timed`).
+# Every figure comes from this run's variables, every verdict is computed from them (a row can
+# read **no**), and every row but the timed ones and the zero-bubble ones (section 6, which this
+# run may refute) is asserted: each rests on a check made above. The "timed" rows (the bubbles)
+# read a clock, so they depend on this machine and its load (a send or receive another process
+# delays lengthens the idle it is drawn in): each is read over every rank's steps, shows min /
+# median / max, and reads "undecided on this machine" when the middle halves of the repeats
+# overlap its bound (`distlab.lab.timed`).
 
 # %%
 il_blocks = blocks_held(runs["interleaved"].states[0])

@@ -6,10 +6,11 @@ chunks per rank, interleaved), activations sent forward and gradients sent back 
 
 The executor is written once, for any stage modules: `PipelineSchedule` (exported from distlab;
 step(x, y) as torch.distributed.pipelining's schedules); the `pp` strategy gives it the GPT's
-stages (GPTStage). A schedule is data: for each rank, the list of (op, microbatch, chunk) it runs in order, op "F"
-(forward) or "B" (backward); chunk c of rank r is global stage s = c·p + r (Megatron's loop
-placement; zbv's V: rank_stages). `make_schedule` is a pure function, so schedules are unit-tested and plotted
-without processes; `simulate` runs one with fixed op costs to give its ideal timeline.
+stages (GPTStage). A schedule is data: for each rank, the list of (op, microbatch, chunk) it
+runs in order, op "F" (forward) or "B" (backward); chunk c of rank r is global stage s = c·p + r
+(Megatron's loop placement; zbv's V: rank_stages). `make_schedule` is a pure function, so
+schedules are unit-tested and plotted without processes; `simulate` runs one with fixed op costs
+to give its ideal timeline.
 
 Schedules (p stages, m micro-batches, v chunks per rank):
     naive        F0 B0 F1 B1 ...: one micro-batch in the pipe at a time; bubble (p-1)/p

@@ -1,8 +1,8 @@
 """`pp-torch`: the same stage split as distlab's `pp`, run by torch.distributed.pipelining
 (PipelineStage per held stage, ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for
 the split backward ScheduleInterleavedZeroBubble (zb1p, torch's ZB1P) and ScheduleZBVZeroBubble
-(zbv, stages placed in a V)), the reference the from-scratch pipeline is checked against. torch has no `naive` schedule: it runs
-as GPipe (same gradients, different timeline).
+(zbv, stages placed in a V)), the reference the from-scratch pipeline is checked against. torch
+has no `naive` schedule: it runs as GPipe (same gradients, different timeline).
 """
 
 from __future__ import annotations

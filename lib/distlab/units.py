@@ -31,6 +31,20 @@ def dtype_of(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a
+    DTensor by its local shard; None skipped)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
 def tensor_bytes(t: torch.Tensor | None) -> int:
     """Bytes a tensor's elements take (a DTensor: its local shard's; None: 0)."""
     if t is None:

@@ -67,7 +67,7 @@ def achieved(cfg: RunConfig, steps: int = 6, repeats: int = 1, threads: int = 1)
     torch.set_num_threads(threads)
     try:
         for _ in range(repeats):
-            peak = matmul_peak(threads=threads)
+            peak = matmul_peak()  # at the threads set above
             pairs.append((peak, time_training(cfg, device, steps=steps, warmup=2)))
     finally:
         torch.set_num_threads(old)

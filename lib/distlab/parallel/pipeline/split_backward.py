@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.units import storage_bytes
+
 
 class WeightGradStore:
     """The W halves not yet run, by key (a micro-batch and chunk): for each, the (weight,
@@ -60,15 +62,8 @@ class WeightGradStore:
     def pending_bytes(self) -> int:
         """Bytes held for W's not yet run (inputs and output gradients; storages counted
         once: an input shared by q, k and v is one tensor)."""
-        seen, total = set(), 0
-        for triples in self.pending.values():
-            for _, x, g in triples:
-                for t in (x, g):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        total += t.untyped_storage().nbytes()
-        return total
+        return storage_bytes(t for triples in self.pending.values() for _, x, g in triples
+                             for t in (x, g))
 
 
 def _weight_grad(x, grad_out):

@@ -70,7 +70,7 @@ from distlab.parallel.data_parallel.syncbn import attach_comm
 from distlab.parallel.weak_hooks import on_gradient_accumulated
 from distlab.parallel.zero.fsdp import LAYOUTS, FullyShard, _in_backward
 from distlab.parallel.zero.optimizer import ShardedGradients
-from distlab.units import tensor_bytes
+from distlab.units import storage_bytes, tensor_bytes
 
 # the four copies FSDP2 makes and the flat layout does not, and the wrapping of each new
 # gradient shard as a DTensor (seconds of each in PerParamShard.copy_s)
@@ -479,8 +479,8 @@ class PerParamShard(FullyShard):
         grads = [t for u in self.units for p, s in zip(u.params, u.sharded)
                  for t in (p.grad, s.grad)]
         state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
-                "optim": _storage_bytes(state)}
+        return {"params": storage_bytes(params), "grads": storage_bytes(grads),
+                "optim": storage_bytes(state)}
 
     # -- reading gradients and parameters whole ----------------------------------------------
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor:
@@ -517,19 +517,6 @@ class PerParamShard(FullyShard):
                       else v.detach().clone())
         return out
 
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (a DTensor by its local tensor)."""
-    DTensor, _ = _dtensor()
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        if s.nbytes() and s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
 
 
 class _BackwardReached(torch.autograd.Function):

@@ -109,20 +109,9 @@ from distlab.parallel.zero.fsdp import FullyShard, MixedPrecisionPolicy, find_un
 from distlab.parallel.zero.optimizer import Unit, ZeroOptimizer, padded_size  # noqa: F401 (tests)
 from distlab.parallel.state import (CheckpointError, flat_shard, materialize_optimizer_state,
                                      persistent_buffers)
-from distlab.units import dtype_of
+from distlab.units import dtype_of, storage_bytes
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        if s.nbytes() and s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
 
 
 def units_bytes(units, stage: int, optimizer_state: dict, extra_state=()) -> dict:
@@ -130,14 +119,14 @@ def units_bytes(units, stage: int, optimizer_state: dict, extra_state=()) -> dic
     count once): params, the flat buffers (and zero3's shards); grads, the flat gradient
     buffers (and zero2/3's gradient shards); optim, the optimizer's state tensors (and
     `extra_state`, e.g. offloaded CPU masters)."""
-    params = _storage_bytes([u.full for u in units])
+    params = storage_bytes([u.full for u in units])
     if stage == 3:
-        params += _storage_bytes([u.shard for u in units])
-    grads = _storage_bytes([u.grad_full for u in units]
+        params += storage_bytes([u.shard for u in units])
+    grads = storage_bytes([u.grad_full for u in units]
                            + ([u.grad_shard for u in units] if stage >= 2 else []))
     state = [v for s in optimizer_state.values() for v in s.values() if torch.is_tensor(v)]
     return {"params": params, "grads": grads,
-            "optim": _storage_bytes(state + list(extra_state))}
+            "optim": storage_bytes(state + list(extra_state))}
 
 
 def units_of(cfg, model):
@@ -267,8 +256,8 @@ class ZeRO(Strategy):
         held = units_bytes(self.units, self.stage, optimizer.state,
                            extra_state=[u.master for u in self.units] if self.offload_to_cpu
                            else [])
-        params = held["params"] + _storage_bytes(self.frozen)
-        grads = held["grads"] + _storage_bytes([p.grad for p in self.frozen])
+        params = held["params"] + storage_bytes(self.frozen)
+        grads = held["grads"] + storage_bytes([p.grad for p in self.frozen])
         optim = held["optim"]
         if self.cfg.offload:
             return {"params": params, "grads": grads, "optim": 0, "optim_offloaded": optim}

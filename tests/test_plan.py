@@ -197,11 +197,16 @@ def test_zero_bubble_schedules_are_priced_and_chosen_for_a_deep_pipeline():
     c = Cluster(gpus=64, **A100)
     m = Model(32, 4096, 32)
     rows = {sc: evaluate(m, c, 128, 8, 1, 8, 1, 1, "full", 0.5, schedule=sc)
-            for sc in ("1f1b", "zb1p", "zbv")}  # p = 8, 16 micro-batches: m = 2p
+            for sc in ("1f1b", "zb1p", "zbv", "dualpipev")}  # p = 8, 16 micro-batches: m = 2p
     assert rows["zb1p"].bubble_s == pytest.approx(rows["1f1b"].bubble_s / 3)
     assert rows["zbv"].bubble_s == pytest.approx(rows["1f1b"].bubble_s / 6)
-    assert rows["zb1p"].activations == rows["1f1b"].activations < rows["zbv"].activations
-    assert evaluate(m, c, 64, 8, 1, 8, 1, 1, "full", 0.5, schedule="zbv") is None  # m < 2p
+    # DualPipeV idles as ZBV (its simulated order: p - 1 units) and holds 2p + 1 chunks, not
+    # 2p + 2
+    assert rows["dualpipev"].bubble_s == pytest.approx(rows["zbv"].bubble_s)
+    assert rows["zb1p"].activations == rows["1f1b"].activations < rows["dualpipev"].activations \
+        < rows["zbv"].activations
+    for sc in ("zbv", "dualpipev"):  # m < 2p
+        assert evaluate(m, c, 64, 8, 1, 8, 1, 1, "full", 0.5, schedule=sc) is None
     only = best(m, c, 128, 0.5, micro_batches=[1], schedules=("1f1b",))
     offered = best(m, c, 128, 0.5, micro_batches=[1], schedules=("1f1b", "zb1p", "zbv"))
     assert only.schedule == "1f1b" and only.pp > 1

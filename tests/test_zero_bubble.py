@@ -1,7 +1,7 @@
 """Zero-bubble pipelining: backward split into B (the input's gradient) and W (the weights'),
-and the ZB-H1 and ZBV schedules (Qi et al. 2024) made from it, as data and in one process.
-The runs on real ranks, equal to `single`, are in tests/test_pipeline.py's launches ("pp zb1p",
-"pp zbv").
+and the ZB-H1 and ZBV schedules (Qi et al. 2024) and DualPipeV (DeepSeek-AI 2025) made from
+it, as data and in one process. The runs on real ranks, equal to `single`, are in
+tests/test_pipeline.py's launches ("pp zb1p", "pp zbv", "pp dualpipev").
 
 Tolerances: the split computes each weight gradient as the same matmul autograd runs
 (grad_outᵀ · input over all rows), so one process agrees with torch's own backward to fp32
@@ -85,6 +85,65 @@ def test_zbv_places_the_v():
     from distlab.parallel.pipeline.pp import rank_stages, stage_rank
     assert [rank_stages(r, 4, 2, "zbv") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [stage_rank(s, 4, "zbv") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+DUALPIPE_CASES = [(p, m) for p in (2, 3, 4, 5, 8) for m in (2 * p, 2 * p + 1, 3 * p, 5 * p + 3)]
+OP_TIMES = [(1, 1, 1), (1, 2, 1), (1, 1.5, 0.7), (2, 1, 0.5), (1, 1, 0.2)]
+
+
+@pytest.mark.parametrize("p,m", DUALPIPE_CASES)
+def test_dualpipev_runs_every_op_and_stays_within_the_tables_bubble(p, m):
+    """Every (micro-batch, chunk) once, F before B before W; chunks held until W at most 2p + 1
+    (DeepSeek-AI's table: PP + 1 activations with PP = 2p stages); with F = B = W the idle per
+    rank is p - 1 units, and for every op-time mix the simulated bubble never exceeds the
+    table's (PP/2-1)(F&B+B-3W), a bound for this order."""
+    ranks = make_schedule("dualpipev", p, m, 2)
+    for ops in ranks:
+        assert sorted(ops) == sorted((op, i, c) for op in "FBW" for i in range(m) for c in (0, 1))
+        for i in range(m):
+            for c in (0, 1):
+                assert ops.index(("F", i, c)) < ops.index(("B", i, c)) < ops.index(("W", i, c))
+        assert in_flight(ops, until="W") <= 2 * p + 1
+    timeline = simulate(ranks, p, 2, tf=1, tb=1, tw=1, kind="dualpipev")
+    total = max(e[4] for r in timeline for e in r)
+    assert total - 6 * m == p - 1
+    for tf, tb, tw in OP_TIMES:
+        timeline = simulate(ranks, p, 2, tf=tf, tb=tb, tw=tw, kind="dualpipev")
+        total = max(e[4] for r in timeline for e in r)
+        busy = 2 * m * (tf + tb + tw)
+        assert 1 - busy / total <= bubble_formula("dualpipev", p, m, tf=tf, tb=tb, tw=tw) + 1e-9
+
+
+def test_dualpipev_needs_2p_micro_batches():
+    with pytest.raises(ValueError, match="microbatches"):
+        make_schedule("dualpipev", 4, 7, 2)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (4, 13), (8, 16)])
+def test_dualpipev_is_torchs_order(p, m):
+    """Ours, written from the DualPipe repository's description, runs the ops torch's
+    ScheduleDualPipeV lists for each rank, in the same order (its overlapped F&B read as the
+    forward then the whole backward, a whole backward as B then its W)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules, "ScheduleDualPipeV"):
+        pytest.skip(f"torch {torch.__version__} has no ScheduleDualPipeV")
+    from types import SimpleNamespace
+    from distlab.parallel.pipeline.pp import rank_stages
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
+
+    def ours(action, held):
+        if action.sub_actions:
+            return [op for a in action.sub_actions for op in ours(a, held)]
+        op, c = kinds[action.computation_type.name], held.index(action.stage_index)
+        return [("B", action.microbatch_index, c), ("W", action.microbatch_index, c)] \
+            if op == "BW" else [(op, action.microbatch_index, c)]
+
+    mine = make_schedule("dualpipev", p, m, 2)
+    for r in range(p):
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)  # all the method reads
+        actions = schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r)
+        held = rank_stages(r, p, 2, "dualpipev")
+        assert [op for a in actions if a is not None for op in ours(a, held)] == mine[r], r
 
 
 def test_the_formula_moves_with_the_op_times():

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from distlab.config.declare import Feature, Widget, check_at_most, declare
 from distlab.parallel import strategies, strategy_class
 from distlab.parallel.mesh import ORDERS
+from distlab.parallel.pipeline.pp import V_SHAPED
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
 MESH_ORDERS = ORDERS  # 3d's rank orders (distlab.parallel.mesh)
 
 
@@ -109,14 +110,15 @@ class Mesh:
         if self.n_head % tp or self.n_embd % tp:
             raise ValueError(f"n_head={self.n_head} and n_embd={self.n_embd} must divide by "
                              f"tp={tp} (each rank holds whole heads)")
-        chunks = 2 if self.schedule == "zbv" and pp > 1 else self.virtual_stages
+        v_shaped = self.schedule in V_SHAPED
+        chunks = 2 if v_shaped and pp > 1 else self.virtual_stages
         if self.n_layer % (pp * chunks):
             raise ValueError(f"n_layer={self.n_layer} must divide into pp={pp} x "
-                             + (f"virtual_stages={chunks}" if self.schedule != "zbv" else
-                                "2 (zbv's two chunks per rank)") + " equal stages")
+                             + (f"virtual_stages={chunks}" if not v_shaped else
+                                f"2 ({self.schedule}'s two chunks per rank)") + " equal stages")
         if self.sp and self.seq_len % tp:
             raise ValueError(f"seq_len={self.seq_len} must divide by tp={tp} for sp=True")
-        if self.schedule in ("zb1p", "zbv") and pp > 1 and (
+        if self.schedule in ("zb1p", *V_SHAPED) and pp > 1 and (
                 self.strategy not in ("pp", "pp-torch") or self.world_size != pp):
             raise ValueError(f"schedule={self.schedule!r} runs in a pipeline alone for now "
                              f"(strategy 'pp' or 'pp-torch', world_size = pp = {pp}): its "
@@ -126,6 +128,10 @@ class Mesh:
         if pp > 1 and self.schedule not in ("gpipe", "naive") and self.microbatches < pp:
             raise ValueError(f"schedule={self.schedule!r} needs microbatches >= pp "
                              f"({self.microbatches} < {pp})")
+        if pp > 1 and self.schedule == "dualpipev" and self.microbatches < 2 * pp:
+            raise ValueError(f"schedule='dualpipev' needs microbatches >= 2·pp "
+                             f"({self.microbatches} < {2 * pp}): its steady state pairs a "
+                             "forward of one chunk with a backward of the other")
         if pp > 1 and self.schedule == "interleaved" and self.microbatches % pp:
             raise ValueError(f"schedule='interleaved' needs microbatches divisible by pp "
                              f"({self.microbatches} by {pp}): micro-batches go round the "

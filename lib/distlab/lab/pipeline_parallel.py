@@ -21,13 +21,14 @@ import plotly.graph_objects as go
 from distlab.config import RunConfig
 from distlab.lab.runs import launch_together
 from distlab.lab.panel import Explorer
-from distlab.parallel.pipeline.pp import SPLIT_BACKWARD, bubble_formula, simulate, make_schedule
+from distlab.parallel.pipeline.pp import (SPLIT_BACKWARD, V_SHAPED, bubble_formula,
+                                          make_schedule, simulate)
 from distlab.caller.run import Run
 
 OP_COLORS = {"F": "#1f5fbf", "B": "#2b8a3e", "W": "#94d82d", "send": "#e8590c",
              "recv": "#c2255c", "idle": "#dee2e6"}
-# "B" is the whole backward, except in a split schedule (zb1p), where it is the input's
-# gradient and "W" the weights'
+# "B" is the whole backward, except in a split schedule (SPLIT_BACKWARD), where it is the
+# input's gradient and "W" the weights'
 OP_NAMES = {"F": "forward", "B": "backward", "W": "weights' gradient (W)", "send": "send",
             "recv": "recv (waiting)", "idle": "idle"}
 
@@ -289,7 +290,8 @@ class PipelineExplorer(Explorer):
     knob is disabled under the others, and says why beside it."""
 
     def __init__(self, base: RunConfig,
-                 schedules=("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv"),
+                 schedules=("naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv",
+                            "dualpipev"),
                  microbatches=(1, 2, 4, 8), virtual_stages=(1, 2)):
         super().__init__()  # Run, Stop, the status line
         self.base = base
@@ -321,8 +323,8 @@ class PipelineExplorer(Explorer):
         if not interleaved and 1 in self.virtual.options:
             self.virtual.value = 1
         why = ("" if interleaved else "virtual stages: only the interleaved schedule reads "
-               "them; " + ("zbv runs two chunks per rank, placed in a V" if sc == "zbv" else
-                           f"{sc} runs one model chunk per rank"))
+               "them; " + (f"{sc} runs two chunks per rank, placed in a V" if sc in V_SHAPED
+                           else f"{sc} runs one model chunk per rank"))
         self.virtual.tooltip = why
         self.virtual_note.value = f"<small style='color:#666'>{html.escape(why)}</small>"
 

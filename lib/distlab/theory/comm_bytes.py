@@ -19,6 +19,7 @@ import math
 from distlab.comm import ring_allreduce_bytes
 from distlab.config import RunConfig
 from distlab.parallel.mesh import KINDS, coords
+from distlab.parallel.pipeline.pp import V_SHAPED
 
 FP32 = 4
 
@@ -75,7 +76,7 @@ def micro_batch_bytes(cfg: RunConfig) -> int:
 def predicted_bytes(cfg: RunConfig, rank: int) -> dict[str, dict[str, int]]:
     """{group kind: {collective kind: bytes sent per step}} of `rank` (module docstring).
     One chunk per rank (gpipe, 1f1b, naive): interleaved's v chunks add boundaries."""
-    if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule == "zbv":
+    if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule in V_SHAPED:
         raise NotImplementedError("predicted_bytes models one pipeline chunk per rank")
     dp, t, p, m = cfg.dp_degree, cfg.tp, cfg.pp, cfg.microbatches
     S, c = micro_batch_bytes(cfg), coords(rank, dp, t, p, cfg.mesh_order)

@@ -52,7 +52,7 @@ import math
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPTConfig
 from distlab.parallel.parallelize import coords_of, ep_groups, order_of, sizes, used_groups
-from distlab.parallel.pipeline.pp import make_schedule, stage_blocks
+from distlab.parallel.pipeline.pp import V_SHAPED, make_schedule, stage_blocks
 from distlab.parallel.tensor.tp import plan_table
 from distlab.theory.context_and_experts import ring_attention_bytes, ulysses_bytes
 from distlab.theory.fsdp_layouts import unit_padded
@@ -170,7 +170,7 @@ def forward_then_backward(cfg, stage: int) -> int:
 
 def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     """{group kind: {collective kind: bytes `rank` sends per step}} (module docstring)."""
-    if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule == "zbv":
+    if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule in V_SHAPED:
         raise NotImplementedError("mesh_bytes models one pipeline chunk per rank")
     s = sizes(cfg)
     c = coords_of(cfg, rank)

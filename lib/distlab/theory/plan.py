@@ -31,7 +31,10 @@ Sources:
            and W and F = B = W, each a third of a micro-batch's stage compute (backward twice
            a forward, halved; Qi et al. 2024's setting): ZB-H1 (zb1p) (p-1)(F+B-2W) with B the
            whole backward, (p-1)/(3m); ZBV (zbv) the V's fill, p-1 chunk forwards, (p-1)/(6m),
-           priced only when m >= 2p (distlab.parallel.pipeline.pp.bubble_formula).
+           priced only when m >= 2p (distlab.parallel.pipeline.pp.bubble_formula); DualPipeV
+           (dualpipev) as its order idles when run (pp.simulate: p-1 chunk units, (p-1)/(6m),
+           below the (p-1)/(3m) of DeepSeek-AI's table, a bound), m >= 2p. The all-to-all
+           DualPipe hides behind its F&B pairs is not priced: it stays exposed, a bound.
            Communication, α-β (comm.ring_allreduce_time), none of it overlapped unless said:
              DP   stages 0-2: one ring all-reduce per step of the stage's 2-byte gradients
                   (ZeRO-1/2's reduce-scatter + all-gather move the same bytes); stage 3: per
@@ -345,21 +348,23 @@ def ep_comm_time(model: Model, cluster: Cluster, tp: int, pp: int, cp: int, ep: 
 
 
 # micro-batches whose activations a pipeline stage holds at once: GPipe all m; 1F1B and ZB-H1
-# at most p (ZB-H1 counts those whose W is pending); ZBV 2p + 2 chunks of half a stage
+# at most p (ZB-H1 counts those whose W is pending); ZBV 2p + 2 chunks of half a stage;
+# DualPipeV 2p + 1 chunks (DeepSeek-AI's table: PP + 1 with PP = 2p stages)
 IN_FLIGHT = {"gpipe": lambda m, p: m, "1f1b": lambda m, p: min(m, p),
-             "zb1p": lambda m, p: min(m, p), "zbv": lambda m, p: min(m, p + 1)}
+             "zb1p": lambda m, p: min(m, p), "zbv": lambda m, p: min(m, p + 1),
+             "dualpipev": lambda m, p: min(m, p + 0.5)}
 
 
 def bubble_share(schedule: str, p: int, m: int) -> float | None:
     """The bubble as a share of the step's compute (module docstring); None where the schedule
-    is not priced (zbv with m < 2p)."""
+    is not priced (zbv with m < 2p) or cannot run (dualpipev with m < 2p)."""
     if p == 1:
         return 0.0
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
     if schedule == "zb1p":
         return (p - 1) / (3 * m)
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):
         return (p - 1) / (6 * m) if m >= 2 * p else None
     raise ValueError(f"schedule {schedule!r}: the planner prices {', '.join(IN_FLIGHT)}")
 
@@ -408,11 +413,11 @@ def plan(model: Model, cluster: Cluster, global_batch: int, mfu: float = 0.5,
          fits_only: bool = True, zero23_with_pp: bool = False, cps=(1,), eps=(1,),
          schedules=None, **kw) -> list[Row]:
     """Every layout × ZeRO stage × micro-batch × recompute (× schedule, with `schedules`:
-    e.g. ("1f1b", "zb1p", "zbv"), tried where pp > 1); those that fit (fits_only), fastest
-    first (ties: less memory). micro_batches: candidate sizes (default powers of two up to
-    the per-replica batch). cps, eps: the context- and expert-parallel sizes to try (default
-    1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel, schedule, bpp,
-    offload."""
+    e.g. ("1f1b", "zb1p", "zbv", "dualpipev"), tried where pp > 1); those that fit
+    (fits_only), fastest first (ties: less memory). micro_batches: candidate sizes (default
+    powers of two up to the per-replica batch). cps, eps: the context- and expert-parallel
+    sizes to try (default 1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel,
+    schedule, bpp, offload."""
     if schedules is not None:
         return sorted((r for sc in schedules for r in plan(
             model, cluster, global_batch, mfu, zero_stages, recomputes, micro_batches,

@@ -27,6 +27,11 @@ Schedules (p stages, m micro-batches, v chunks per rank):
     zbv          ZBV (Qi et al. 2024, section 6): the same split, two chunks per rank placed in a
                  V, rank r holding stages r and 2p-1-r, so stage 0 and the loss sit on rank 0
                  and the turn of the V (stages p-1 and p) on rank p-1, handed over in memory
+    dualpipev    DualPipeV (DeepSeek's DualPipe, cut in half): zbv's V and split backward,
+                 ordered so that in its steady state each rank runs a forward of one chunk
+                 beside the whole backward of the other (F&B: on a GPU one's communication
+                 hides behind the other's compute; here they run one after the other). Needs
+                 m >= 2p
 
 Sends never block (Comm.isend, waited at the end of the step); receives block, and the time a
 rank waits in a receive is idle time: measured bubble = 1 - (forward + backward time) / step
@@ -51,9 +56,11 @@ from distlab.step_ledger import StepCounter
 
 # The convention each textbook formula uses (see bubble_formula).
 FORMULA_CONVENTION = {"naive": "total", "gpipe": "total", "1f1b": "total",
-                      "interleaved": "ideal", "zb1p": "total", "zbv": "total"}
-SPLIT_BACKWARD = frozenset({"zb1p", "zbv"})  # schedules whose backward is B then W
-MULTI_CHUNK = frozenset({"interleaved", "zbv"})  # schedules with more than one chunk per rank
+                      "interleaved": "ideal", "zb1p": "total", "zbv": "total",
+                      "dualpipev": "total"}
+SPLIT_BACKWARD = frozenset({"zb1p", "zbv", "dualpipev"})  # schedules whose backward is B then W
+MULTI_CHUNK = frozenset({"interleaved", "zbv", "dualpipev"})  # more than one chunk per rank
+V_SHAPED = frozenset({"zbv", "dualpipev"})  # two chunks per rank, rank r: stages r, 2p-1-r
 
 
 # -- the split -------------------------------------------------------------------------------
@@ -65,15 +72,15 @@ def stage_blocks(n_layer: int, n_stages: int, stage: int) -> range:
 
 def rank_stages(rank: int, p: int, v: int = 1, kind: str = "") -> list[int]:
     """Global stages held by `rank`: chunk c is stage c·p + rank (loop placement), or for
-    kind "zbv" stages rank and 2p-1-rank (V placement)."""
-    if kind == "zbv":
+    the V-shaped kinds (zbv, dualpipev) stages rank and 2p-1-rank (V placement)."""
+    if kind in V_SHAPED:
         return [rank, 2 * p - 1 - rank]
     return [c * p + rank for c in range(v)]
 
 
 def stage_rank(stage: int, p: int, kind: str = "") -> int:
     """The rank holding global stage `stage` (rank_stages' inverse)."""
-    if kind == "zbv":
+    if kind in V_SHAPED:
         return stage if stage < p else 2 * p - 1 - stage
     return stage % p
 
@@ -129,6 +136,11 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
         return [_zb_h1(r, p, m) for r in range(p)]
     if kind == "zbv":
         return _zero_bubble(p, m, [rank_stages(r, p, 2, "zbv") for r in range(p)], cap=2 * p + 2)
+    if kind == "dualpipev":
+        if m < 2 * p:
+            raise ValueError(f"dualpipev needs microbatches ({m}) >= 2·pp ({2 * p}): its "
+                             f"steady state runs from micro-batch 2p on")
+        return [_dualpipe_v(r, p, m) for r in range(p)]
     raise ValueError(f"schedule {kind!r} is not one of {', '.join(FORMULA_CONVENTION)}")
 
 
@@ -220,13 +232,58 @@ def _zero_bubble(p: int, m: int, stages: list[list[int]], cap: int) -> list[list
     return out
 
 
+def _dualpipe_v(r: int, p: int, m: int) -> list[tuple]:
+    """DualPipeV on rank r (DeepSeek-AI's DualPipe repository, 2025): chunk 0 is stage r, on
+    the V's way down, chunk 1 stage 2p-1-r, on its way up. "BW" below is a whole backward (B
+    then its W at once); a lone "B" leaves its W to fill a later gap, oldest first. In order:
+    fill the V (forwards of chunk 0, then of both), a zero-bubble warm-up (B, a pending W, F
+    on chunk 1), the steady state (F&B pairs: a forward of one chunk beside the whole backward
+    of the other), then the drain, whose second half splits its backwards so the W's fill the
+    cool-down. The same order as torch's ScheduleDualPipeV (the tests compare them)."""
+    out, nxt, waiting = [], {}, []
+
+    def run(*ops):  # (op, chunk) pairs; ("W", None): the oldest pending W, if any
+        for op, c in ops:
+            if op == "W":
+                out.extend(waiting[:1])
+                del waiting[:1]
+                continue
+            mb = nxt.get((op[0], c), 0)
+            nxt[(op[0], c)] = mb + 1
+            out.append((op[0], mb, c))
+            (out if op == "BW" else waiting if op == "B" else []).append(("W", mb, c))
+
+    down = p - r - 1  # how far rank r is from the turn of the V
+    run(*[("F", 0)] * (2 * down))
+    for _ in range(r + 1):
+        run(("F", 0), ("F", 1))
+    for _ in range(down):
+        run(("B", 1), ("W", None), ("F", 1))
+    for _ in range(m - 2 * p + r + 1):  # the steady state: F&B, F&B
+        run(("F", 0), ("BW", 1), ("F", 1), ("BW", 0))
+    for _ in range(down):
+        run(("BW", 1), ("F", 1), ("BW", 0))
+    # the drain: whole backwards, then from its middle on split ones (odd ranks switch one
+    # backward earlier), whose W's fill the wait for the last gradients
+    split, half = False, (r + 1) // 2
+    for i in range(r + 1):
+        split = split or (i == half and r % 2 == 1)
+        run(("B" if split else "BW", 1))
+        split = split or (i == half and r % 2 == 0)
+        run(("B" if split else "BW", 0))
+    for _ in range(down):
+        run(("W", None), ("B" if split else "BW", 0))
+    run(*[("W", None)] * len(waiting))
+    return out
+
+
 def simulate(schedule, p: int, v: int = 1, tf: float = 1.0, tb: float = 1.0, tw: float = 0.0,
              kind: str = ""):
     """Run `schedule` with every forward costing tf, every backward tb + tw (tb the input's
     gradient, tw the weights'; a split schedule's B costs tb and its W tw) and free
-    communication; kind "zbv" places the chunks in a V (rank_stages). Returns per rank a list
-    of (op, mb, chunk, start, end). Raises if the schedule deadlocks (an op waits on one that
-    can never run before it)."""
+    communication; a V-shaped kind (zbv, dualpipev) places the chunks in a V (rank_stages).
+    Returns per rank a list of (op, mb, chunk, start, end). Raises if the schedule deadlocks
+    (an op waits on one that can never run before it)."""
     split = any(op == "W" for ops in schedule for op, _, _ in ops)
     cost = {"F": tf, "B": tb if split else tb + tw, "W": tw}
     S, done, pos = p * v, {}, [0] * p
@@ -276,7 +333,10 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = N
     m(tf+tb+tw), the (p-1)(F+B-2W) of DeepSeek-V3's table with B the whole backward tb + tw;
     zbv (p-1)·tf against 2m(tf+tb+tw), the V's fill, after which no rank waits when the three
     are equal and m >= 2p: derived from the schedule made here (the paper says "near zero"),
-    and checked against simulate() in the tests."""
+    and checked against simulate() in the tests; dualpipev the (PP/2-1)(F&B+B-3W) of
+    DeepSeek-AI's DualPipe table, PP = 2p stages, F&B = tf+tb+tw (run one after the other
+    here), B = tb+tw. The table's is a bound: the order made here idles less (simulate(): p-1
+    units when the three are equal, the table 2(p-1)); the tests check it is never exceeded."""
     of = of or FORMULA_CONVENTION[schedule]
     if schedule == "naive":
         ideal = p - 1  # one micro-batch in the pipe: p-1 idle slots per busy slot
@@ -288,6 +348,8 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, of: str | None = N
         ideal = (p - 1) * (tf + tb - tw) / (m * (tf + tb + tw))
     elif schedule == "zbv":  # the V's fill: the last rank starts after p-1 chunk forwards
         ideal = (p - 1) * tf / (2 * m * (tf + tb + tw))
+    elif schedule == "dualpipev":  # (PP/2-1)(F&B+B-3W), PP = 2p stages, B the whole backward
+        ideal = (p - 1) * ((tf + tb + tw) + (tb + tw) - 3 * tw) / (2 * m * (tf + tb + tw))
     else:
         raise ValueError(f"schedule {schedule!r} is not one of {list(FORMULA_CONVENTION)}")
     return ideal if of == "ideal" else ideal / (1 + ideal)
@@ -328,9 +390,10 @@ class PipelineSchedule:
 
     stages          this rank's stage: a module taking one tensor and returning one; or a
                     list of v modules for "interleaved" (chunk c is global stage c·p + rank),
-                    or of 2 for "zbv" (stages rank and 2p-1-rank)
-    schedule        "naive", "gpipe", "1f1b", "interleaved", "zb1p" or "zbv" (make_schedule;
-                    the last two split each stage's backward: split_backward.py)
+                    or of 2 for "zbv" and "dualpipev" (stages rank and 2p-1-rank)
+    schedule        "naive", "gpipe", "1f1b", "interleaved", "zb1p", "zbv" or "dualpipev"
+                    (make_schedule; the last three split each stage's backward:
+                    split_backward.py)
     n_microbatches  m: step() cuts x and y into m equal micro-batches along dim 0
     loss_fn         loss_fn(last stage's output, y's micro-batch), a mean over its rows
     group / comm    a process group (default: the world), or a distlab Comm to go through
@@ -383,9 +446,11 @@ class PipelineSchedule:
             return f"schedule={self.kind!r} is not one of {', '.join(FORMULA_CONVENTION)}"
         if not self.stages or not all(isinstance(s, nn.Module) for s in self.stages):
             return "stages must be this rank's stage module, or a list of them (interleaved)"
-        if self.kind == "zbv" and self.v != 2:
-            return (f"zbv runs two stages per rank, rank r holding stages r and 2p-1-r; this "
-                    f"rank has {self.v}: pass [stage r, stage 2p-1-r]")
+        if self.kind in V_SHAPED and self.v != 2:
+            return (f"{self.kind} runs two stages per rank, rank r holding stages r and "
+                    f"2p-1-r; this rank has {self.v}: pass [stage r, stage 2p-1-r]")
+        if self.kind == "dualpipev" and self.m < 2 * self.p:
+            return (f"dualpipev needs n_microbatches ({self.m}) >= 2 × the {self.p} ranks")
         if self.v > 1 and self.kind not in MULTI_CHUNK:
             return (f"schedule {self.kind!r} runs one stage per rank and this rank has "
                     f"{self.v}: pass one module, or use schedule='interleaved'")
@@ -518,7 +583,8 @@ class PipelineSchedule:
             self._send_activation(out, mb, s, c)
 
     def _mine(self, stage):
-        """Is `stage` on this rank (zbv's turn of the V): then hand-offs stay in memory."""
+        """Is `stage` on this rank (the turn of zbv's and dualpipev's V): then hand-offs stay
+        in memory."""
         return self._peer(stage) == self.rank
 
     def _receive_activation(self, mb, s, c):
@@ -624,7 +690,7 @@ def gpt_loss(logits, targets):
 
 def pipeline_shape(cfg) -> tuple[int, int, int, int]:
     """(p ranks, m micro-batches, v model chunks per rank, S = p·v stages) of a config."""
-    v = {"interleaved": cfg.virtual_stages, "zbv": 2}.get(cfg.schedule, 1)
+    v = {"interleaved": cfg.virtual_stages, "zbv": 2, "dualpipev": 2}.get(cfg.schedule, 1)
     return cfg.pp, cfg.microbatches, v, cfg.pp * v
 
 

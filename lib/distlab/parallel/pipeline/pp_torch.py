@@ -1,8 +1,9 @@
 """`pp-torch`: the same stage split as distlab's `pp`, run by torch.distributed.pipelining
 (PipelineStage per held stage, ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for
-the split backward ScheduleInterleavedZeroBubble (zb1p, torch's ZB1P) and ScheduleZBVZeroBubble
-(zbv, stages placed in a V)), the reference the from-scratch pipeline is checked against. torch
-has no `naive` schedule: it runs as GPipe (same gradients, different timeline).
+the split backward ScheduleInterleavedZeroBubble (zb1p, torch's ZB1P), ScheduleZBVZeroBubble
+(zbv, stages placed in a V) and ScheduleDualPipeV (dualpipev, in recent torch releases)), the
+reference the from-scratch pipeline is checked against. torch has no `naive` schedule: it runs
+as GPipe (same gradients, different timeline).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class TorchPP(Strategy):
                   for s in self.stage_ids]
         several = {"interleaved": ScheduleInterleaved1F1B, "zb1p": ScheduleInterleavedZeroBubble,
                    "zbv": ScheduleZBVZeroBubble}  # schedules over a list of stages
+        if self.cfg.schedule == "dualpipev":
+            import torch.distributed.pipelining.schedules as schedules
+            if not hasattr(schedules, "ScheduleDualPipeV"):
+                raise RuntimeError(f"torch {torch.__version__} has no ScheduleDualPipeV (a "
+                                   "later release has): run schedule='dualpipev' with "
+                                   "strategy 'pp', which is written here")
+            several["dualpipev"] = schedules.ScheduleDualPipeV
         if self.cfg.schedule in several:
             return several[self.cfg.schedule](stages, n_microbatches=self.m, loss_fn=gpt_loss)
         kind = Schedule1F1B if self.cfg.schedule == "1f1b" else ScheduleGPipe

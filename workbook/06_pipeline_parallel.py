@@ -28,7 +28,8 @@
 # 3. a Gantt chart per rank of a real step, from the events each rank recorded;
 # 4. the measured bubble beside the formula, and the bubble shrinking as m grows;
 # 5. peak stashed activations, GPipe vs 1F1B;
-# 6. zero-bubble schedules: backward split into B and W, ZB-H1 and ZBV (Qi et al. 2024);
+# 6. zero-bubble schedules: backward split into B and W, ZB-H1 and ZBV (Qi et al. 2024), and
+#    DualPipeV (DeepSeek-AI 2025);
 # 7. `pp` and torch's own pipelining (`pp-torch`) against one process;
 # 8. bytes on the wire against the formula;
 # 9. a widget that re-runs the pipeline with another schedule and redraws the chart;
@@ -54,6 +55,10 @@ CURVE_M = (1, 2, 4) if QUICK else (1, 2, 4, 8)  # micro-batch counts of the bubb
 # asserts them (the tests check the timeline's structure, benchmarks/pipeline_bubble.py the
 # figure).
 DELAY_S = 0.05 if QUICK else 0.2
+# The split schedules run 3 ops per micro-batch and chunk (60 a step for the three at p=2,
+# m=4): at 0.1 s their measured bubbles sat 0.003-0.006 from their formulas here, so full
+# mode halves their sleep and keeps the notebook within its 180 s.
+ZB_DELAY_S = 0.05 if QUICK else 0.1
 P = 2                                      # pipeline stages = ranks
 M = 4                                      # micro-batches of the equivalence runs
 V = 2                                      # chunks per rank, interleaved
@@ -88,11 +93,14 @@ from distlab.lab.time_to_train import step_samples
 from distlab.lab.timed import below, timed_claim, within
 from distlab.parallel.pipeline.pp import (
     FORMULA_CONVENTION,
+    V_SHAPED,
     in_flight,
     make_schedule,
     p2p_bytes_per_step,
+    simulate,
     stage_blocks,
 )
+from distlab.parallel.pipeline.pp_torch import torch_has_dualpipe_v
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
                  **GPT)
@@ -106,7 +114,9 @@ DELAYED = PP.replace(steps=BUBBLE_STEPS, pp_op_delay_s=DELAY_S)
 # amplify; a lost or doubly-counted micro-batch moves parameters by ~1e-2). Bubble: 0.05
 # of the step (tests/test_pipeline.py and benchmarks/pipeline_bubble.py use the same).
 TOL, LOSS_TOL, BUBBLE_TOL = 1e-5, 1e-5, 0.05
-ZERO_BUBBLE = ("zb1p", "zbv")  # ZB-H1 (one stage per rank) and ZBV (two, placed in a V)
+# ZB-H1 (one stage per rank), ZBV and DualPipeV (two per rank, placed in a V)
+ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
+TORCH_HAS = [sc for sc in ZERO_BUBBLE if sc != "dualpipev" or torch_has_dualpipe_v()]
 
 # %% [markdown]
 # **Two launches.** Bringing up ranks costs seconds, so `lab.runs.launch_together` trains
@@ -119,14 +129,15 @@ single = launch_together({"single": BASE}, name="single")["single"]
 cfgs = {sc: PP.replace(schedule=sc, virtual_stages=V if sc == "interleaved" else 1)
         for sc in ("naive", "gpipe", "1f1b", "interleaved")}
 cfgs |= {f"pp-torch {sc}": PP.replace(strategy="pp-torch", schedule=sc)
-         for sc in ("gpipe", "1f1b", *ZERO_BUBBLE)}
+         for sc in ("gpipe", "1f1b", *TORCH_HAS)}
 cfgs |= {f"bubble gpipe m={m}": DELAYED.replace(schedule="gpipe", microbatches=m)
          for m in CURVE_M}
 cfgs |= {f"bubble {sc}": DELAYED.replace(schedule=sc, virtual_stages=V if sc == "interleaved" else 1)
          for sc in ("naive", "1f1b", "interleaved")}
 # zero-bubble schedules (section 6): their backward splits into B and W
 cfgs |= {sc: PP.replace(schedule=sc) for sc in ZERO_BUBBLE}
-cfgs |= {f"bubble {sc}": DELAYED.replace(schedule=sc) for sc in ZERO_BUBBLE}
+cfgs |= {f"bubble {sc}": DELAYED.replace(schedule=sc, pp_op_delay_s=ZB_DELAY_S)
+         for sc in ZERO_BUBBLE}
 runs = launch_together(cfgs, name="pipeline")
 print(f"{len(cfgs)} pipeline configs trained in one launch of {P} ranks")
 
@@ -271,35 +282,47 @@ assert g[0]["peak_stash_bytes"] * P == f[0]["peak_stash_bytes"] * M
 # - **ZBV** (`zbv`): two chunks per rank placed in a **V**, rank r holding stages r and
 #   2p − 1 − r, so rank 0 holds the embedding and the loss, and the V turns on rank p − 1,
 #   which hands the activation from stage p − 1 to stage p in memory.
+# - **DualPipeV** (`dualpipev`): DeepSeek-V3's DualPipe cut in half (DeepSeek-AI's DualPipe
+#   repository, 2025): ZBV's V and split backward, in a fixed order whose steady state pairs
+#   a forward of one chunk with the whole backward of the other (**F&B**). On a GPU the pair
+#   overlaps one's communication (expert parallelism's all-to-all) with the other's compute;
+#   on a CPU the two run one after the other, so only its bubble and memory show here. The
+#   order is torch's `ScheduleDualPipeV`'s, op for op (`tests/test_zero_bubble.py`). It
+#   needs m ≥ 2p.
 #
-# DeepSeek-V3's DualPipe README sets them beside each other (F a chunk's forward, B its whole
-# backward, W the weights' part of B, p stages, m micro-batches); DualPipe itself, with 2×
-# the parameters per rank, is not written here:
+# DualPipe's README sets them beside each other (F a chunk's forward, B its whole backward,
+# W the weights' part of B, PP stages, m micro-batches; DualPipeV runs PP stages on PP/2
+# ranks, so here PP = 2p):
 #
 # | schedule | bubble | parameters per rank | activations in flight |
 # |---|---|---|---|
-# | 1F1B | (p−1)(F+B) | 1× | p |
-# | ZB-H1 | (p−1)(F+B−2W) | 1× | p |
-# | ZBV | near 0 (the paper's, with F = B = W) | 1× | p |
-# | DualPipe | (p/2−1)(F&B+B−3W) | 2× | p+1 |
+# | 1F1B | (PP−1)(F+B) | 1× | PP |
+# | ZB-H1 | (PP−1)(F+B−2W) | 1× | PP |
+# | ZBV | near 0 (the paper's, with F = B = W) | 1× | PP |
+# | DualPipe | (PP/2−1)(F&B+B−3W) | 2× | PP+1 |
+# | DualPipeV | (PP/2−1)(F&B+B−3W) | 2× (two of PP stages) | PP+1 (chunks) |
 #
 # For ZBV the schedule made here idles p − 1 chunk forwards per rank, the fill of the V's
 # first leg, and then never waits when F = B = W: `bubble_formula("zbv", ...)` is that, and
-# the tests check it against the simulated timeline. The formulas below are priced with the
-# run's own median F, B (the input's part) and W.
+# the tests check it against the simulated timeline. For DualPipeV `bubble_formula` is the
+# table's, with F&B = F + B run in turn; the order itself idles less (p − 1 units at
+# F = B = W, the table 2(p − 1)): the table's is a bound, and the order's own bubble, priced
+# with the measured op times in `simulate`, is **modelled** beside it. The formulas below are
+# priced with the run's own median F, B (the input's part) and W.
 
 # %%
 for sc in ZERO_BUBBLE:
-    v = 2 if sc == "zbv" else 1
+    v = 2 if sc in V_SHAPED else 1
     sched = make_schedule(sc, P, M, v)
     print(f"{sc} (p={P}, m={M}, {v} chunk{'s' if v > 1 else ''} per rank): chunks waiting for B "
           f"at most {[in_flight(r) for r in sched]}, for W {[in_flight(r, 'W') for r in sched]}")
     table(["rank", "ops in order" + (" (.1: the V's second leg)" if v > 1 else "")],
           schedule_rows(sc, P, M, v))
 ideal_gantt("zbv", P, M, 2).show()
+ideal_gantt("dualpipev", P, M, 2).show()
 
 # %% [markdown]
-# The real steps, each op sleeping DELAY_S so that F, B and W cost alike, and their
+# The real steps, each op sleeping ZB_DELAY_S so that F, B and W cost alike, and their
 # bubble against the formula priced with what the ops measured:
 
 # %%
@@ -308,10 +331,10 @@ for sc in ZERO_BUBBLE:
     gantt(step_pipelines(runs[f"bubble {sc}"]),
           title=f"{sc}, p={P}, m={M}: last step, W in light green").show()
 table(["schedule", "median F / B / W (ms)", "measured bubble (of total)", "formula (of total)",
-       "1F1B's measured"],
+       "the order simulated (modelled)", "1F1B's measured"],
       [[sc, " / ".join(f"{r['op_seconds'][op] * 1e3:.0f}" for op in "FBW"),
-        f"{r['measured']:.3f}", f"{r['total']:.3f}", f"{f1['measured']:.3f}"]
-       for sc, r in zb.items()])
+        f"{r['measured']:.3f}", f"{r['total']:.3f}", f"{r['simulated']:.3f}",
+        f"{f1['measured']:.3f}"] for sc, r in zb.items()])
 held = {sc: step_pipelines(runs[sc]) for sc in ("1f1b",) + ZERO_BUBBLE}
 param_bytes = {sc: [sum(t.numel() * t.element_size() for t in s.values())
                     for s in runs[sc].states] for sc in held}
@@ -336,7 +359,7 @@ table(["schedule", "rank", "parameters held", "chunks waiting for B (peak)",
 # %%
 eq = {}
 for name in ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE, "pp-torch gpipe",
-             "pp-torch 1f1b", *(f"pp-torch {sc}" for sc in ZERO_BUBBLE)):
+             "pp-torch 1f1b", *(f"pp-torch {sc}" for sc in TORCH_HAS)):
     run = runs[name]
     eq[name] = (worst_param_diff(whole_model(run.states), single.states[0]),
                 max(abs(a - b) for a, b in zip(run.losses(), single.losses())))
@@ -347,7 +370,7 @@ for k, (p, l) in eq.items():
 table(["schedule", "pp: step (median, ms)", "pp-torch: step (median, ms)"],
       [[sc, f"{statistics.median(step_samples(runs[sc])) * 1e3:.1f}",
         f"{statistics.median(step_samples(runs[f'pp-torch {sc}'])) * 1e3:.1f}"]
-       for sc in ("gpipe", "1f1b", *ZERO_BUBBLE)])
+       for sc in ("gpipe", "1f1b", *TORCH_HAS)])
 
 # %% [markdown]
 # ## 8. Bytes on the wire
@@ -445,6 +468,7 @@ interview_rows = [
 # zero bubble (section 6): read from clocks and from what the ranks held; any may read no
 zb_gap = {sc: [b - zb[sc]["total"] for b in bubble_samples(runs[f"bubble {sc}"])]
           for sc in ZERO_BUBBLE}
+dpv_gap = [b - zb["dualpipev"]["simulated"] for b in bubble_samples(runs["bubble dualpipev"])]
 zb_rows = [
     timed_claim("ZB-H1's bubble is (p−1)(F+B−2W), B the whole backward (within 0.05 of the "
                 "step)", "Qi et al. 2024; the terms of DeepSeek-V3's DualPipe README",
@@ -472,13 +496,33 @@ zb_rows = [
               f"{sc} {fmt_bytes(max(p['peak_w_bytes'] for p in held[sc]))}"
               for sc in ZERO_BUBBLE),
           all(max(p["peak_stash_bytes"] for p in held[sc])
-              <= max(p["peak_stash_bytes"] for p in held["1f1b"]) for sc in ZERO_BUBBLE),
+              <= max(p["peak_stash_bytes"] for p in held["1f1b"]) for sc in ("zb1p", "zbv")),
           basis="measured"),
-    claim("ZB-H1 and ZBV hold the parameters once (1×), as 1F1B", "DeepSeek-V3's DualPipe README",
+    claim("ZB-H1, ZBV and DualPipeV hold the parameters once (1×), as 1F1B",
+          "DeepSeek-V3's DualPipe README (DualPipeV's 2× is two of 2p stages per rank: the "
+          "model once on p ranks)",
           "parameter bytes per rank: " + "; ".join(
               f"{sc} {', '.join(fmt_bytes(b) for b in param_bytes[sc])}" for sc in param_bytes)
           + f"; the whole model {fmt_bytes(whole_bytes)}",
           all(sum(param_bytes[sc]) == whole_bytes for sc in ZERO_BUBBLE), basis="measured"),
+    timed_claim("DualPipeV's bubble is at most (PP/2−1)(F&B+B−3W), the table's",
+                "DeepSeek-AI's DualPipe README (PP = 2p stages; F&B = F + B run in turn here)",
+                within(zb_gap["dualpipev"], hi=0.0), {"measured − formula": zb_gap["dualpipev"]},
+                scale=1, unit="", interleaved_=False,
+                note=f"p={P}, m={M}; formula {zb['dualpipev']['total']:.3f} of the step from the "
+                     f"run's median F, B, W; its order simulated with them "
+                     f"{zb['dualpipev']['simulated']:.3f} (modelled)"),
+    timed_claim("DualPipeV's bubble is its order's, simulated with the measured op times (within "
+                "0.05 of the step)", "pp.simulate over the order torch's ScheduleDualPipeV runs",
+                within(dpv_gap, -BUBBLE_TOL, BUBBLE_TOL), {"measured − simulated": dpv_gap},
+                scale=1, unit="", interleaved_=False,
+                note=f"p={P}, m={M}; simulated {zb['dualpipev']['simulated']:.3f}"),
+    claim("DualPipeV holds PP + 1 = 2p + 1 chunks until their W",
+          "DeepSeek-AI's DualPipe README (activations per device PP + 1)",
+          "peak chunks between F and W, per rank, counted by the executor: "
+          + ", ".join(str(p["peak_until_w"]) for p in held["dualpipev"]) + f" (2p + 1 = "
+          f"{2 * P + 1})", all(p["peak_until_w"] == 2 * P + 1 for p in held["dualpipev"]),
+          basis="measured"),
 ]
 claims_table(rows + zb_rows + interview_rows)
 asserted = [r for r in rows if r["basis"] != "timed"]

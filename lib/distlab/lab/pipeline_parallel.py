@@ -72,9 +72,21 @@ def op_seconds(run: Run, skip: int = 1) -> dict[str, float]:
     return {op: statistics.median(ts) for op, ts in times.items()}
 
 
+def simulated_bubble(schedule: str, p: int, m: int, v: int, ops: dict[str, float]) -> float:
+    """The bubble (of total time, mean over ranks) of the schedule's own order run by
+    simulate() with the measured median op times `ops` and free communication: modelled, the
+    order's figure where a formula is only a bound (dualpipev)."""
+    split = schedule in SPLIT_BACKWARD
+    timeline = simulate(make_schedule(schedule, p, m, v), p, v, tf=ops["F"], tb=ops["B"],
+                        tw=ops["W"] if split else 0.0, kind=schedule)
+    end = max(e[4] for rank in timeline for e in rank)
+    return statistics.mean(1 - sum(e[4] - e[3] for e in rank) / end for rank in timeline)
+
+
 def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
-    """Per run: schedule, p, m, v, measured bubble (of total time) and both formulas (zb1p's
-    priced with the run's own median F, B and W: op_seconds)."""
+    """Per run: schedule, p, m, v, measured bubble (of total time), both formulas (the split
+    schedules' priced with the run's own median F, B and W: op_seconds) and the order's own
+    bubble simulated with those times (simulated_bubble)."""
     rows = []
     for label, run in runs.items():
         c = run.cfg
@@ -88,7 +100,9 @@ def bubble_rows(runs: dict[str, Run], skip: int = 1) -> list[dict]:
                      "total": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="total",
                                              **costs),
                      "ideal": bubble_formula(c.schedule, c.pp, c.microbatches, v, of="ideal",
-                                             **costs)})
+                                             **costs),
+                     "simulated": simulated_bubble(c.schedule, c.pp, c.microbatches,
+                                                   2 if c.schedule in V_SHAPED else v, ops)})
     return rows
 
 

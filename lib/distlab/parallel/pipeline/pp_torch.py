@@ -20,6 +20,12 @@ from distlab.parallel.pipeline.pp import (
 )
 
 
+def torch_has_dualpipe_v() -> bool:
+    """Whether this torch ships ScheduleDualPipeV (recent releases do; torch 2.6 does not)."""
+    import torch.distributed.pipelining.schedules as schedules
+    return hasattr(schedules, "ScheduleDualPipeV")
+
+
 class TorchPP(Strategy):
     name = "pp-torch"
     any_model = False  # distlab's GPT only (Strategy.any_model)
@@ -54,7 +60,7 @@ class TorchPP(Strategy):
                    "zbv": ScheduleZBVZeroBubble}  # schedules over a list of stages
         if self.cfg.schedule == "dualpipev":
             import torch.distributed.pipelining.schedules as schedules
-            if not hasattr(schedules, "ScheduleDualPipeV"):
+            if not torch_has_dualpipe_v():
                 raise RuntimeError(f"torch {torch.__version__} has no ScheduleDualPipeV (a "
                                    "later release has): run schedule='dualpipev' with "
                                    "strategy 'pp', which is written here")

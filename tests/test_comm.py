@@ -89,3 +89,20 @@ def test_fit_alpha_beta_recovers_known_parameters():
     secs = [m * alpha + b / beta for m, b in zip(msgs, nbytes)]
     a, b = fit_alpha_beta(nbytes, secs, msgs)
     assert math.isclose(a, alpha, rel_tol=1e-6) and math.isclose(b, beta, rel_tol=1e-6)
+    for how in ({"relative": True}, {"factor": True}):
+        a, b = fit_alpha_beta(nbytes, secs, msgs, **how)
+        assert math.isclose(a, alpha, rel_tol=1e-6) and math.isclose(b, beta, rel_tol=1e-6)
+
+
+def test_the_factor_fit_centres_a_spread_that_is_even_in_ratio():
+    """Every size timed twice, once 2x over the law and once 2x under: the law is their
+    geometric middle. The factor fit (log of model / t) finds it; the relative-error fit,
+    which caps an under-estimate's cost at 1, ends below it (why 01's ring row uses factor)."""
+    alpha, beta = 2e-5, 3e9
+    msgs = [2, 6, 14, 2, 6, 14] * 2
+    nbytes = [1e3, 1e5, 5e4, 1e7, 3e7, 8e7] * 2
+    secs = [f * (m * alpha + b / beta) for f, m, b in zip([2.0] * 6 + [0.5] * 6, msgs, nbytes)]
+    a, b = fit_alpha_beta(nbytes, secs, msgs, factor=True)
+    assert math.isclose(a, alpha, rel_tol=1e-6) and math.isclose(b, beta, rel_tol=1e-6)
+    a, b = fit_alpha_beta(nbytes, secs, msgs, relative=True)
+    assert all(m * a + n / b < 0.9 * (m * alpha + n / beta) for m, n in zip(msgs, nbytes))

@@ -4,10 +4,12 @@ A timed row says yes or no only when the two spreads (the middle halves) do not 
 undecided when they do or when there are too few repeats.
 """
 
+import statistics
+
 from distlab.lab.common import claims_markdown
-from distlab.lab.timed import (MIN_REPEATS, below, in_order, interleaved, median_interval,
-                               median_within, ratios, spread,
-                               timed_claim, within)
+from distlab.lab.timed import (MIN_REPEATS, below, in_order, interleaved, mean_interval,
+                               mean_note, mean_within, median_interval, median_within, ratios,
+                               spread, timed_claim, within)
 
 FAST = [1.0, 1.1, 1.05, 0.98, 1.02, 1.07, 1.01]
 SLOW = [2.0, 2.1, 1.95, 2.2, 2.05, 1.99, 2.03]
@@ -95,3 +97,18 @@ def test_a_wide_spread_decides_on_its_median_not_its_middle_half():
     assert median_within(shares, hi=0.5) is True
     assert median_within(shares, hi=0.06) is None           # the bar inside the interval
     assert median_within(shares[:5], hi=0.5) is None         # too few to hold the median at 95%
+
+
+def test_the_mean_interval_holds_the_mean_and_narrows_with_repeats():
+    # a skewed spread of shares: many small, a few large (ZeRO-3's waits on its gathers)
+    shares = [0.01, 0.012, 0.015, 0.02, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.065, 0.07, 0.08,
+              0.09, 0.1, 0.12, 0.15, 0.2, 0.23, 0.25]
+    lo, hi = mean_interval(shares)
+    assert lo < statistics.mean(shares) < hi
+    assert mean_interval(shares) == (lo, hi)  # a fixed seed: the same samples, the same verdict
+    lo4, hi4 = mean_interval(shares * 4)  # four times the repeats: about half as wide
+    assert 0.35 < (hi4 - lo4) / (hi - lo) < 0.65
+    assert mean_within(shares, hi=0.03) is False and mean_within(shares, hi=0.5) is True
+    assert mean_within(shares, hi=statistics.mean(shares)) is None  # the bar inside it
+    assert mean_interval(shares[:5]) is None and mean_within(shares[:5], hi=1) is None
+    assert mean_note(shares, 100, "%", 2).startswith("mean 8.2%, decided on the mean's 95%")

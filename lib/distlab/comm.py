@@ -525,14 +525,30 @@ def naive_allreduce_time(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * (link.alpha_s + nbytes / link.bandwidth_Bps)
 
 
-def fit_alpha_beta(nbytes, seconds, n_messages, relative: bool = False) -> tuple[float, float]:
+def fit_alpha_beta(nbytes, seconds, n_messages, relative: bool = False,
+                   factor: bool = False) -> tuple[float, float]:
     """Least-squares fit of t = m·α + B/β to measurements, where m messages carried B bytes on
     the busiest link. Returns (α seconds, β bytes/s). relative: minimise the relative error
-    (each row divided by its t), so small messages count as much as large ones."""
+    (each row divided by its t), so small messages count as much as large ones. factor:
+    minimise the squared log of model / t, so a model 2× over a point costs what 2× under it
+    does (relative error caps an under-estimate's cost at 1 and leaves the fit low); started
+    from the relative fit, then Gauss-Newton on log α and log(1/β), which keeps both positive."""
     import numpy as np
     t = np.asarray(seconds, float)
     A = np.stack([np.asarray(n_messages, float), np.asarray(nbytes, float)], axis=1)
-    if relative:
-        A, t = A / t[:, None], np.ones_like(t)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, t, rcond=None)
+    if relative or factor:
+        (alpha, inv_beta), *_ = np.linalg.lstsq(A / t[:, None], np.ones_like(t), rcond=None)
+    else:
+        (alpha, inv_beta), *_ = np.linalg.lstsq(A, t, rcond=None)
+    if factor and alpha > 0 and inv_beta > 0:
+        theta = np.log([alpha, inv_beta])
+        for _ in range(50):
+            parts = A * np.exp(theta)  # each point's latency and bandwidth seconds
+            model = parts.sum(axis=1)
+            jac = parts / model[:, None]  # d log(model) / d theta
+            step, *_ = np.linalg.lstsq(jac, np.log(t) - np.log(model), rcond=None)
+            theta += step
+            if np.abs(step).max() < 1e-10:
+                break
+        alpha, inv_beta = np.exp(theta)
     return float(alpha), float(1.0 / inv_beta) if inv_beta > 0 else float("inf")

@@ -84,7 +84,8 @@ def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
       integer-valued floats (small integers sum exactly in any order);
     * bytes this rank sent and received in one call, from Comm's stats (counted for ring and
       naive, modeled for torch: see distlab.comm);
-    * the seconds of `repeats` calls, each after a barrier so all ranks start together; the
+    * the seconds of `repeats` calls (an int, or {size: calls}), each after a barrier so all
+      ranks start together; the
       algorithms take turns (repeat i starts with the i-th, rotating), so a load that comes or
       goes during the comparison falls on all three alike.
 
@@ -111,7 +112,7 @@ def compare_allreduce(rank, world, device, log, sizes_bytes, repeats):
                           "bytes_sent": one_call["bytes_sent"],
                           "bytes_recv": one_call["bytes_recv"], "times_s": times[algo]})
         y = torch.empty_like(x)
-        for i in range(repeats):
+        for i in range(repeats[S] if isinstance(repeats, dict) else repeats):
             for algo in ALGORITHMS[i % len(ALGORITHMS):] + ALGORITHMS[:i % len(ALGORITHMS)]:
                 y.copy_(x)
                 dist.barrier()
@@ -237,14 +238,15 @@ def alpha_beta_points(summary) -> list[dict]:
 
 
 def fit_loopback(summary, algorithms=("ring", "naive"),
-                 relative: bool = False) -> tuple[float, float]:
+                 factor: bool = False) -> tuple[float, float]:
     """α (s per message) and β (bytes/s) of this machine's loopback: distlab.comm.fit_alpha_beta
-    over the `algorithms`' points of `summary` (least squares on seconds, or with `relative` on
-    the relative error, so that every size counts alike)."""
+    over the `algorithms`' points of `summary` (least squares on seconds, or with `factor` on
+    the log of model / measured, so that every size counts alike and a model 2× over a point
+    costs what 2× under it does)."""
     from distlab.comm import fit_alpha_beta
     pts = [p for p in alpha_beta_points(summary) if p["algorithm"] in algorithms]
     return fit_alpha_beta([p["bytes"] for p in pts], [p["seconds"] for p in pts],
-                          [p["messages"] for p in pts], relative=relative)
+                          [p["messages"] for p in pts], factor=factor)
 
 
 
@@ -366,7 +368,7 @@ def wire_figure(by_kind: dict, S: int, n: int):
     return fig
 
 
-def allreduce_time_figure(summary, sizes, n: int, loopback: Link, repeats: int):
+def allreduce_time_figure(summary, sizes, n: int, loopback: Link, repeats: int | str):
     """Log-log: all-reduce time against size, measured (each algorithm) and the α-β model
     with the loopback's fitted α and β (dotted)."""
     import plotly.graph_objects as go

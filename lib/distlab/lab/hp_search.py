@@ -216,10 +216,13 @@ def pruning_comparison(spec: HPSpec, n_trials: int, seed: int, pruners: dict | N
 def pruning_repeats(pruning: dict, spec: HPSpec, repeats: int,
                     storage: str | None = None) -> dict[str, dict]:
     """Steps saved is a race: a pruned run is stopped by the caller, and the steps it runs
-    before the stop lands depend on the machine's load. So each pruner's studies run `repeats`
-    times in all (`pruning` is the first: pruning_comparison's), on the unpruned study's
-    configurations. Per pruner: "saved", the share of the unpruned study's steps saved, one per
-    repeat (timed), and "kept", whether every repeat kept the unpruned best trial (measured)."""
+    before the stop lands depend on the machine's load (a short run may even finish first). So
+    each pruner's studies run `repeats` times in all (`pruning` is the first:
+    pruning_comparison's), on the unpruned study's configurations. Per pruner: "saved", the
+    share of the unpruned study's steps saved, one per repeat (timed); "decided", the share the
+    pruner's decisions saved (the steps after each report that pruned a trial: what a stop
+    that lands at once saves; a count, the same in every repeat when the decisions are); and
+    "kept", whether every repeat kept the unpruned best trial (measured)."""
     ref = pruning["unpruned"]
     ref_steps = compute_spent(ref)["steps_run"]
     pruned = HPSpec(**{**asdict(spec), "prune": True})
@@ -235,6 +238,8 @@ def pruning_repeats(pruning: dict, spec: HPSpec, repeats: int,
             studies.append(optimize(study, pruned, len(ref.trials)))
         out[name] = {
             "saved": [1 - compute_spent(s)["steps_run"] / ref_steps for s in studies],
+            "decided": [1 - sum(measured(t)["steps_needed"] for t in s.trials) / ref_steps
+                        for s in studies],
             "kept": all(s.best_trial.number == ref.best_trial.number
                         and s.best_value == ref.best_value for s in studies)}
     return out

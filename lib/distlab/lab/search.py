@@ -213,6 +213,9 @@ class TrialRun:
     wall_s: float  # launch to ended, as the caller waited for it
     train_s: float  # sum of the steps' own time (step_s)
     pruned_at: int | None = None  # rows at the report that pruned it
+    # steps the pruner's decision left to run: those up to the report that pruned it (all
+    # planned when none did); steps_run can be more, as the stop lands after the decision
+    steps_needed: int | None = None
     curve: list = field(default_factory=list)  # [(rows, reported loss), ...]
     run_dir: str = ""
     memory: dict = field(default_factory=dict)  # rank 0's last step: bytes by category
@@ -299,6 +302,8 @@ def run_trial(cfg: RunConfig, trial: optuna.Trial | None = None, report_rows: in
     evals = [e for e in run.history("eval", rank=0) if e["step"] == cfg.steps]
     loss = evals[0]["loss"]["task0"] if evals and pruned_at is None else None
     return trial_result(run, cfg, loss, run.steps_done(), wall, pruned_at=pruned_at,
+                        steps_needed=(cfg.steps if pruned_at is None
+                                      else pruned_at // cfg.global_batch),
                         curve=curve, memory=steps[-1]["memory"] if steps else {})
 
 

@@ -19,7 +19,11 @@ A claim about the typical figure of many widely spread samples (a share of each 
 steps and more) is decided on the median's 95% interval instead (`median_within`): the order
 statistics that hold the median with 95% confidence whatever the distribution (Conover,
 Practical Nonparametric Statistics, 1999, section 3.2). That interval does narrow as repeats
-grow, so a bar outside the middle half's reach can still be decided.
+grow, so a bar outside the middle half's reach can still be decided. A claim about the time
+lost over a run (a share of the step, summed over steps) is about the mean, not the typical
+step: `mean_within` decides it on the mean's 95% bootstrap percentile interval (Efron &
+Tibshirani, An Introduction to the Bootstrap, 1993, chapter 13), which a skewed spread of
+shares (many small, a few large) leaves narrower than the median's.
 
 `samples` are seconds (or any figure, e.g. an MFU per repeat); nothing here reads a clock except
 `repeat` and `interleaved`, so the verdict rules are tested on synthetic samples.
@@ -134,13 +138,46 @@ def median_within(samples: Sequence[float], lo: float | None = None,
     return _in_band(median_interval(samples), lo, hi)
 
 
+def mean_interval(samples: Sequence[float], confidence: float = 0.95,
+                  resamples: int = 2000) -> tuple[float, float] | None:
+    """The bootstrap percentile interval of the mean: the (1-confidence)/2 and (1+confidence)/2
+    quantiles of the means of `resamples` resamples drawn with replacement (a fixed seed, so
+    the same samples always give the same interval). None with fewer than 6 samples, where
+    the median's interval has none either."""
+    import random
+    xs, n = list(samples), len(samples)
+    if n < 6:
+        return None
+    rng = random.Random(0)
+    means = sorted(sum(rng.choices(xs, k=n)) / n for _ in range(resamples))
+    tail = int((1 - confidence) / 2 * resamples)
+    return means[tail], means[resamples - 1 - tail]
+
+
+def mean_within(samples: Sequence[float], lo: float | None = None,
+                hi: float | None = None) -> bool | None:
+    """"the mean lies in [lo, hi]": `within`'s rule on the mean's 95% bootstrap interval."""
+    return _in_band(mean_interval(samples), lo, hi)
+
+
 def median_note(samples: Sequence[float], scale: float = 1e3, unit: str = "ms",
                 digits: int = 3) -> str:
     """What `median_within` decided on, for the row's figure."""
-    r = median_interval(samples)
+    return _interval_note(median_interval(samples), "median", len(samples), scale, unit, digits)
+
+
+def mean_note(samples: Sequence[float], scale: float = 1e3, unit: str = "ms",
+              digits: int = 3) -> str:
+    """What `mean_within` decided on, for the row's figure: the mean and its interval."""
+    mean = _num(statistics.mean(samples) * scale, digits) if samples else "none"
+    return (f"mean {mean}{' ' + unit if unit not in ('%', '') else unit}, "
+            + _interval_note(mean_interval(samples), "mean", len(samples), scale, unit, digits))
+
+
+def _interval_note(r, what: str, n: int, scale: float, unit: str, digits: int) -> str:
     if r is None:
-        return f"too few repeats ({len(samples)}) for the median's 95% interval"
-    return (f"decided on the median's 95% interval, {_num(r[0] * scale, digits)}–"
+        return f"too few repeats ({n}) for the {what}'s 95% interval"
+    return (f"decided on the {what}'s 95% interval, {_num(r[0] * scale, digits)}–"
             f"{_num(r[1] * scale, digits)}{' ' + unit if unit not in ('%', '') else unit}")
 
 

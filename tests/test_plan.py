@@ -362,3 +362,25 @@ def test_every_layout_the_planner_ranks_for_a_small_model_can_run_on_the_mesh():
                 assert run.world_size == gpus and run.dp_degree == row.dp, label(row)
         assert ranked > 900  # the search was not empty: 984 dense rows, 1,464 with experts
         assert refused == [], refused[:3]
+
+
+def test_a_zero_bubble_row_runs_as_a_pipeline_alone_and_a_mixed_one_is_refused():
+    """A row the planner prices under zb1p, zbv or dualpipev becomes a `pp` run with that
+    schedule when the pipeline is the only degree (what RunConfig accepts for them); with
+    data or tensor parallelism beside it, run_config refuses it naming the schedule."""
+    from distlab import RunConfig
+    from distlab.theory.plan import Cluster, plan
+    from distlab.theory.plan_runs import model_of, run_config
+    cfg = RunConfig(optimizer="sgd", global_batch=16, seq_len=32, n_layer=8, n_embd=32,
+                    n_head=4, steps=4)
+    for sc in ("zb1p", "zbv", "dualpipev"):
+        rows = [r for r in plan(model_of(cfg), Cluster(gpus=4, memory=80 * GB), 16,
+                                schedules=(sc,), fits_only=False, sequence_parallel=False)
+                if r.pp > 1]
+        alone = [r for r in rows if r.dp == r.tp == r.cp == r.ep == 1]
+        assert alone and len(alone) < len(rows), sc
+        for r in alone:
+            run = run_config(r, cfg)
+            assert (run.strategy, run.schedule, run.pp, run.world_size) == ("pp", sc, r.pp, r.pp)
+        with pytest.raises(ValueError, match=sc):
+            run_config(next(r for r in rows if r not in alone), cfg)

@@ -357,13 +357,14 @@ IN_FLIGHT = {"gpipe": lambda m, p: m, "1f1b": lambda m, p: min(m, p),
 
 def bubble_share(schedule: str, p: int, m: int) -> float | None:
     """The bubble as a share of the step's compute (module docstring); None where the schedule
-    is not priced (zbv with m < 2p) or cannot run (dualpipev with m < 2p)."""
+    is not priced (zbv with m < 2p) or cannot run here (zb1p with m < p, as 1F1B's warm-up
+    needs; dualpipev with m < 2p)."""
     if p == 1:
         return 0.0
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
     if schedule == "zb1p":
-        return (p - 1) / (3 * m)
+        return (p - 1) / (3 * m) if m >= p else None
     if schedule in ("zbv", "dualpipev"):
         return (p - 1) / (6 * m) if m >= 2 * p else None
     raise ValueError(f"schedule {schedule!r}: the planner prices {', '.join(IN_FLIGHT)}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from distlab.config import RunConfig
 from distlab.models import GPT, GPTConfig
+from distlab.parallel.pipeline.pp import SPLIT_BACKWARD
 from distlab.theory.plan import Model, Row
 
 
@@ -43,6 +44,15 @@ def run_config(row: Row, base: RunConfig, sequence_parallel: bool = False) -> Ru
     the runtime cannot train it)."""
     m = row.micro_batches
     pp = row.pp > 1
+    if pp and row.schedule in SPLIT_BACKWARD:
+        # the split schedules run in a pipeline alone (RunConfig says why: their W's land
+        # after the hooks that DDP, ZeRO and FSDP reduce gradients in)
+        if row.dp * row.tp * row.cp * row.ep > 1:
+            raise ValueError(f"{label(row)} with schedule {row.schedule!r}: the zero-bubble "
+                             "schedules run in a pipeline alone here; plan it with 1f1b")
+        return base.replace(strategy="pp", world_size=row.pp, pp=row.pp, microbatches=m,
+                            grad_accum=1, schedule=row.schedule,
+                            checkpointing=row.recompute)
     return base.replace(
         strategy="mesh", world_size=row.dp * row.tp * row.pp * row.cp, dp_shard=row.dp,
         dp_replicate=1, tp=row.tp, pp=row.pp, cp=row.cp, ep=row.ep, zero_stage=row.zero,

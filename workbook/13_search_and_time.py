@@ -492,6 +492,38 @@ display(Markdown(
        if zero3_cores else "")))
 
 # %% [markdown]
+# ### Which communication can hide
+#
+# A transfer can hide behind compute when two things hold: there is compute that does not need
+# its result, and that compute lasts longer than the transfer. The second is arithmetic, the
+# Ultra-Scale Playbook's (Tazi et al. 2025): a parallelism's compute time beside its bytes over
+# the link, both from the model's shapes (`distlab.theory.overlap`, whose docstring derives
+# each): DP's gradient all-reduce behind backward hides when the tokens per rank
+# T ≥ (N−1)/N·b·F/(2β), TP's all-reduces behind a layer's matmuls when the hidden size
+# h ≥ (t−1)·b·F/(6β), a pipeline's activation behind the next forward when (L/p)·h ≥ b·F/(24β),
+# with F this machine's model FLOP/s on one thread (measured above), β the link's bytes a
+# second and b = 4 bytes a value. Below for loopback (β fitted on these ranks) and for the
+# simulated nodes' 100 Mbit/s link of notebook 17, and then what the ranks above showed: per
+# step, the seconds blocked in communication over the model's seconds for all of it. The
+# pipeline's waits are its bubble as much as its transfers, so its condition is not checked
+# against them here.
+
+# %%
+from distlab.lab.overlap import (CONDITION_HEADER, MEASURED, condition_rows, conditions,
+                                 exposed_shares, overlap_claim)
+
+links = {"loopback": limit["fits"]["all_reduce"].beta, "100 Mbit/s (17's nodes)": 100e6 / 8}
+conds = conditions(TT, 2, mfu["flops_per_s"], links)
+table(CONDITION_HEADER, condition_rows(conds))
+shares = {p: exposed_shares(limit, s) for p, s in MEASURED.items()}
+say("Seen on the ranks (loopback), seconds blocked over the modelled communication, per step: "
+    + "; ".join(f"{p} ({MEASURED[p]}) {fmt_spread(s, 1, '', 2)}" for p, s in shares.items())
+    + ". DDP's buckets are all-reduced while backward goes on, so most of their time can pass "
+    "unseen; Megatron's TP waits on each all-reduce where it is issued, as its result is the "
+    "next matmul's input, so however the arithmetic comes out, nothing is there to hide it.")
+overlap_row = overlap_claim(conds["loopback"], shares)
+
+# %% [markdown]
 # ### How cost grows with the work
 #
 # The same model, priced and measured as the work grows: ddp over more ranks at one width,
@@ -635,6 +667,7 @@ time_claims = [
                     f"; {zero3_cores['blocked_least_waiting']:.1%} in the steps whose gloo "
                     f"threads waited least for a core, {zero3_cores['blocked_most_waiting']:.1%} "
                     "in the rest" if zero3_cores else "")),
+    overlap_row,
     claim("with the model and global batch fixed, more ranks make communication cost more "
           "than compute", "the α-β model (Hockney 1994), priced with this machine's fits",
           crossover("ranks"), summary["ranks"]["crossover"] is not None, basis="modelled"),

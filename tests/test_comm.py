@@ -111,3 +111,34 @@ def test_the_factor_fit_centres_a_spread_that_is_even_in_ratio():
     assert math.isclose(a, alpha, rel_tol=1e-6) and math.isclose(b, beta, rel_tol=1e-6)
     a, b = fit_alpha_beta(nbytes, secs, msgs, relative=True)
     assert all(m * a + n / b < 0.9 * (m * alpha + n / beta) for m, n in zip(msgs, nbytes))
+
+
+def wait_in_a_new_group(rank, world, device, log, late_s):
+    """Rank 0 all-reduces in a group made by distlab.comm.new_group; rank 1 never joins it: it
+    sleeps past rank 0's timeout, then both leave (the launcher's barrier, within the world's
+    timeout of each other). Returns what rank 0 saw."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from distlab.comm import new_group
+    g = new_group([0, 1])
+    if rank == 1:
+        time.sleep(late_s)
+        return "slept"
+    try:
+        dist.all_reduce(torch.ones(4), group=g)
+    except RuntimeError as e:
+        return f"raised: {e}"
+    return "no error"
+
+
+def test_a_new_group_times_out_as_the_world_does():
+    """torch gives a group from dist.new_group its own default timeout (30 minutes on gloo),
+    not the world's: comm.new_group passes the world's (RunConfig.timeout_s, 3 s here), so rank
+    0 gives up on a peer that never joins. With torch's default it would still be waiting, and
+    the run would end by the caller's watch on silent ranks instead."""
+    got = run_ranks(wait_in_a_new_group, 2, 4.5, timeout_s=3)
+    assert got[1] == "slept"
+    assert got[0].startswith("raised:") and "imed out" in got[0], got[0]

@@ -38,6 +38,24 @@ import torch.distributed as dist
 from distlab import gloo_exit, step_ledger, wire
 from distlab.units import tensor_bytes
 
+# Every group's collective timeout: the launcher sets the world's (RunConfig.timeout_s) here.
+# torch gives a group made by dist.new_group a default of its own, 30 minutes on gloo (measured
+# with torch 2.13), not the world's: a peer stopped inside a tp, pp or cp group would hold its
+# ranks that long, and only the caller's watch on silent ranks would end the run.
+_group_timeout = None
+
+
+def set_group_timeout(timeout) -> None:
+    """The timeout (a timedelta) every group new_group makes gets: the world's."""
+    global _group_timeout
+    _group_timeout = timeout
+
+
+def new_group(ranks: list[int]):
+    """dist.new_group with the world's collective timeout (set_group_timeout), not torch's
+    default for a new group. Like dist.new_group, a collective over the whole world."""
+    return dist.new_group(ranks, timeout=_group_timeout)
+
 
 @dataclass
 class KindStats:

@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 
 from distlab import step_ledger
 from distlab.caller import fork_server
-from distlab.comm import steps_explained
+from distlab.comm import set_group_timeout, steps_explained
 from distlab.config import RunConfig
 from distlab.events import EventLog, rank_log_path, rank_stderr_path
 
@@ -222,6 +222,7 @@ def rank_body(rank: int, world: int, spec: dict, init: dict) -> None:
             init_under_torchrun_agent_store(backend, rank, world, timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
+        set_group_timeout(timeout)  # the mesh's groups wait as long as the world does
         result = spec["fn"](rank, world, device, log, *spec["args"])
         if spec.get("save_result"):
             torch.save(result, os.path.join(spec["run_dir"], f"result{rank}.pt"))

@@ -36,7 +36,7 @@ import itertools
 
 import torch.distributed as dist
 
-from distlab.comm import Comm
+from distlab.comm import Comm, new_group
 from distlab.parallel.base import Strategy
 
 KINDS = ("tp", "dp", "pp")
@@ -124,7 +124,7 @@ class Mesh:
         self.groups, self.peers = {}, {}
         for kind in KINDS:  # the same order on every rank
             for ranks in self.layout[kind]:
-                g = dist.new_group(ranks)
+                g = new_group(ranks)
                 if self.rank in ranks:
                     self.groups[kind], self.peers[kind] = g, list(ranks)
         self.comms = {kind: Comm(self.groups[kind], name=kind) for kind in KINDS}

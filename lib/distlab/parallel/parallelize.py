@@ -60,7 +60,7 @@ import contextlib
 
 import torch
 
-from distlab.comm import Comm
+from distlab.comm import Comm, new_group
 from distlab.parallel.base import Strategy
 from distlab.parallel.mesh import grid_coords, grid_groups
 
@@ -179,14 +179,13 @@ class NDMesh:
     every rank builds every group, in one order (dist.new_group is a world collective)."""
 
     def __init__(self, s: dict, zero_stage: int, rank: int, order: tuple = ORDER):
-        import torch.distributed as dist
         self.sizes, self.rank = dict(s), rank
         self.coords = grid_coords(rank, {d: s[d] for d in DIMS}, order)
         self.layout = layout(s, zero_stage, order)
         self.comms, self.peers = {}, {}
         for kind, groups in self.layout.items():
             for ranks in groups:
-                g = dist.new_group(ranks)
+                g = new_group(ranks)
                 if rank in ranks:
                     self.comms[kind], self.peers[kind] = Comm(g, name=kind), list(ranks)
 

@@ -16,9 +16,8 @@ parameters, gradients and optimizer state stay whole (replicated = True).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from distlab.comm import Comm
+from distlab.comm import Comm, new_group
 from distlab.parallel.base import Strategy
 from distlab.parallel.context import layout as L
 from distlab.parallel.context.api import ContextParallel
@@ -76,7 +75,7 @@ class ContextParallelDP(Strategy):
         cp_comm = comm  # all ranks: the ring's bytes are the step's, booked with the rest
         if cp < self.world:  # new_group is collective over the world: every rank makes all
             for d in range(self.world // cp):
-                g = dist.new_group(list(range(d * cp, (d + 1) * cp)))
+                g = new_group(list(range(d * cp, (d + 1) * cp)))
                 cp_comm = Comm(g) if d == self.dp_index else cp_comm
         self.cp = ContextParallel(cfg.cp_layout, cfg.cp_attention, comm=cp_comm)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.comm import Comm
+from distlab.comm import Comm, new_group
 
 
 def node_groups(local_world: int) -> tuple[Comm, Comm]:
@@ -31,11 +31,11 @@ def node_groups(local_world: int) -> tuple[Comm, Comm]:
     nodes = world // local_world
     intra = inter = None
     for node in range(nodes):
-        g = dist.new_group([node * local_world + j for j in range(local_world)])
+        g = new_group([node * local_world + j for j in range(local_world)])
         if rank // local_world == node:
             intra = g
     for j in range(local_world):
-        g = dist.new_group([node * local_world + j for node in range(nodes)])
+        g = new_group([node * local_world + j for node in range(nodes)])
         if rank % local_world == j:
             inter = g
     return Comm(intra, name="intra"), Comm(inter, name="inter")

@@ -36,6 +36,7 @@ from torch import nn
 
 from distlab import PipelineSchedule, run_ranks
 from distlab.parallel.pipeline.pp import rank_stages
+from distlab.parallel.pipeline.pp_torch import SINGLE_STAGE, torch_schedule_class
 
 ATOL = 1e-5
 STEPS, M = 3, 4
@@ -127,18 +128,9 @@ def ours(name, schedule, opt_name, rank):
     return {"losses": losses, "state": names(mine, rank, n_stages, schedule)}
 
 
-def torch_schedule(schedule):
-    """torch's class for `schedule`; None where this torch has none (DualPipeV is recent)."""
-    from torch.distributed.pipelining import schedules as ts
-    return getattr(ts, {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                        "interleaved": "ScheduleInterleaved1F1B",
-                        "zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                        "dualpipev": "ScheduleDualPipeV"}[schedule], None)
-
-
 def torchs(name, schedule, opt_name, rank):
     from torch.distributed.pipelining import PipelineStage
-    kind = torch_schedule(schedule)
+    kind = torch_schedule_class(schedule)
     if kind is None:
         return None
     cls, kw = OPTIMIZERS[opt_name]
@@ -146,8 +138,8 @@ def torchs(name, schedule, opt_name, rank):
     mine = stages_of(name, rank, n_stages, schedule)
     stages = [PipelineStage(st, s, n_stages, torch.device("cpu"))
               for s, st in zip(held(rank, n_stages, schedule), mine)]
-    several = schedule in TWO_PER_RANK or schedule == "zb1p"  # schedules over a list of stages
-    sched = kind(stages if several else stages[0], n_microbatches=M, loss_fn=F.mse_loss)
+    sched = kind(stages[0] if schedule in SINGLE_STAGE else stages, n_microbatches=M,
+                 loss_fn=F.mse_loss)
     opt = cls([p for st in mine for p in st.parameters()], **kw)
     last = n_stages - 1 in held(rank, n_stages, schedule)
     losses = []

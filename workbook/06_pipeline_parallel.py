@@ -100,7 +100,7 @@ from distlab.parallel.pipeline.pp import (
     simulate,
     stage_blocks,
 )
-from distlab.parallel.pipeline.pp_torch import torch_has_dualpipe_v
+from distlab.parallel.pipeline.pp_torch import torch_schedule_class
 
 BASE = RunConfig(optimizer="sgd", lr=0.1, steps=STEPS, timeout_s=60, threads_per_rank=1,
                  **GPT)
@@ -116,7 +116,7 @@ DELAYED = PP.replace(steps=BUBBLE_STEPS, pp_op_delay_s=DELAY_S)
 TOL, LOSS_TOL, BUBBLE_TOL = 1e-5, 1e-5, 0.05
 # ZB-H1 (one stage per rank), ZBV and DualPipeV (two per rank, placed in a V)
 ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
-TORCH_HAS = [sc for sc in ZERO_BUBBLE if sc != "dualpipev" or torch_has_dualpipe_v()]
+TORCH_HAS = [sc for sc in ZERO_BUBBLE if torch_schedule_class(sc) is not None]
 
 # %% [markdown]
 # **Two launches.** Bringing up ranks costs seconds, so `lab.runs.launch_together` trains

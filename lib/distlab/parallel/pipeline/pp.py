@@ -690,7 +690,8 @@ def gpt_loss(logits, targets):
 
 def pipeline_shape(cfg) -> tuple[int, int, int, int]:
     """(p ranks, m micro-batches, v model chunks per rank, S = p·v stages) of a config."""
-    v = {"interleaved": cfg.virtual_stages, "zbv": 2, "dualpipev": 2}.get(cfg.schedule, 1)
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 2 if cfg.schedule in V_SHAPED \
+        else 1
     return cfg.pp, cfg.microbatches, v, cfg.pp * v
 
 

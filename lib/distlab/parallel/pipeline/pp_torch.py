@@ -20,10 +20,19 @@ from distlab.parallel.pipeline.pp import (
 )
 
 
-def torch_has_dualpipe_v() -> bool:
-    """Whether this torch ships ScheduleDualPipeV (recent releases do; torch 2.6 does not)."""
+# distlab's schedule -> torch's class (torch has no naive schedule: it runs as GPipe)
+TORCH_SCHEDULES = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B",
+                   "zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+SINGLE_STAGE = ("naive", "gpipe", "1f1b")  # torch's schedules over one stage, not a list
+
+
+def torch_schedule_class(schedule: str):
+    """torch's class for `schedule`, None where this torch has none (ScheduleDualPipeV is in
+    recent releases only; torch 2.6 lacks it)."""
     import torch.distributed.pipelining.schedules as schedules
-    return hasattr(schedules, "ScheduleDualPipeV")
+    return getattr(schedules, TORCH_SCHEDULES[schedule], None)
 
 
 class TorchPP(Strategy):
@@ -46,29 +55,17 @@ class TorchPP(Strategy):
         return data.rank_batch(step, self.cfg.global_batch, 0, 1)
 
     def _build(self, model, device):
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-            ScheduleInterleavedZeroBubble,
-            ScheduleZBVZeroBubble,
-        )
+        from torch.distributed.pipelining import PipelineStage
+        kind = torch_schedule_class(self.cfg.schedule)
+        if kind is None:
+            raise RuntimeError(f"torch {torch.__version__} has no "
+                               f"{TORCH_SCHEDULES[self.cfg.schedule]} (a later release has): "
+                               f"run schedule={self.cfg.schedule!r} with strategy 'pp', which "
+                               "is written here")
         stages = [PipelineStage(GPTStage(model, s, self.S), s, self.S, device)
                   for s in self.stage_ids]
-        several = {"interleaved": ScheduleInterleaved1F1B, "zb1p": ScheduleInterleavedZeroBubble,
-                   "zbv": ScheduleZBVZeroBubble}  # schedules over a list of stages
-        if self.cfg.schedule == "dualpipev":
-            import torch.distributed.pipelining.schedules as schedules
-            if not torch_has_dualpipe_v():
-                raise RuntimeError(f"torch {torch.__version__} has no ScheduleDualPipeV (a "
-                                   "later release has): run schedule='dualpipev' with "
-                                   "strategy 'pp', which is written here")
-            several["dualpipev"] = schedules.ScheduleDualPipeV
-        if self.cfg.schedule in several:
-            return several[self.cfg.schedule](stages, n_microbatches=self.m, loss_fn=gpt_loss)
-        kind = Schedule1F1B if self.cfg.schedule == "1f1b" else ScheduleGPipe
-        return kind(stages[0], n_microbatches=self.m, loss_fn=gpt_loss)
+        one = self.cfg.schedule in SINGLE_STAGE
+        return kind(stages[0] if one else stages, n_microbatches=self.m, loss_fn=gpt_loss)
 
     def forward_backward(self, model, x, y, scale_loss):
         if self.sched is None:

@@ -16,6 +16,14 @@ process's; the bytes booked under ep.dispatch and ep.combine are the rows that c
 other rank. A second launch of 4 ranks (one expert each, top-1, capacity_factor 1: some
 choices dropped, some splits empty) against one process with groups=4.
 
+The routing of DeepSeek-V3 and DeepSeekMoE in the same launch: dropless (capacity_factor 0),
+top-3, a shared expert, the auxiliary-loss-free bias moving after every step on the loads
+summed over the ranks (update_expert_bias), the experts as one grouped product where torch has
+F.grouped_mm: equal to one process with 0 choices dropped. And a user's own MoE, a
+Mixtral-shaped block written below (its own router and SwiGLU experts, its own forward in one
+process), under expert_parallel against that forward in one process; a module that does not
+keep the contract is refused naming what it lacks.
+
 Tolerance: ATOL = 1e-5 on parameters after STEPS steps and on each step's loss, float32.
 Against one process the same rows meet the same experts in the same order (rank 0's rows
 first, as one process's group 0), so only the sums that cross ranks change order: the
@@ -41,6 +49,7 @@ from torch import nn
 
 from distlab import run_ranks
 from distlab.comm import Comm
+from distlab.models.moe import update_expert_bias
 from distlab.parallel.expert import (
     MoE,
     expert_parallel,
@@ -54,7 +63,10 @@ WORLD = 2
 E, D, H = 4, 8, 16
 B, T = 8, 4  # global batch: B rows of T tokens; each rank takes B / WORLD rows
 COEF = 0.01
-CASES = [(1, float(E)), (2, float(E)), (1, 0.5), (2, 0.5)]  # (top_k, capacity_factor)
+# (top_k, capacity_factor); (3, 0.0): DeepSeek's routing, with the settings of DEEPSEEK
+CASES = [(1, float(E)), (2, float(E)), (1, 0.5), (2, 0.5), (3, 0.0)]
+GROUPED = "grouped_mm" if hasattr(F, "grouped_mm") else "loop"  # torch 2.6 has none
+DEEPSEEK = {(3, 0.0): dict(n_shared=1, bias_rate=0.01, grouped=GROUPED)}
 CASE4 = (1, 1.0)  # on 4 ranks, one expert each: some choices dropped, some splits empty
 
 
@@ -62,7 +74,8 @@ class Net(nn.Module):
     def __init__(self, top_k, capacity_factor, groups=1):
         super().__init__()
         self.inp, self.out = nn.Linear(6, D), nn.Linear(D, 3)
-        self.moe = MoE(D, H, E, top_k, capacity_factor, COEF, groups=groups)
+        self.moe = MoE(D, H, E, top_k, capacity_factor, COEF, groups=groups,
+                       **DEEPSEEK.get((top_k, capacity_factor), {}))
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
@@ -84,11 +97,11 @@ def local(t, rank, world=WORLD):
     return t[rank * n:(rank + 1) * n]
 
 
-def train(model, x_of, reduce=None):
-    """STEPS SGD steps; the losses, each step's MoE stats, the gradients of the first step
-    (before `reduce`, and after it)."""
+def train(model, x_of, reduce=None, comms=()):
+    """STEPS SGD steps; the losses, each step's MoE stats and balancing bias, the gradients of
+    the first step (before `reduce`, and after it)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    out = {"losses": [], "stats": []}
+    out = {"losses": [], "stats": [], "bias": []}
     for step in range(STEPS):
         x, y = x_of(step)
         loss = F.mse_loss(model(x), y) + COEF * model.moe.aux_loss
@@ -101,8 +114,10 @@ def train(model, x_of, reduce=None):
             out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
+        update_expert_bias([model.moe], comms)
         out["losses"].append(loss.item())
         out["stats"].append(dict(model.moe.last_stats))
+        out["bias"].append(model.moe.expert_bias.tolist())
     return out
 
 
@@ -117,7 +132,7 @@ def ep(comm, top_k, capacity_factor):
     model = make(top_k, capacity_factor)
     expert_parallel(model.moe, comm)
     out = train(model, lambda s: tuple(local(t, comm.rank, comm.world) for t in data(s)),
-                reduce_expert_parallel_grads)
+                reduce_expert_parallel_grads, [comm])
     out["state"] = expert_parallel_state_dict(model)
     out["local experts"] = sorted(int(k) for k in model.moe.experts)
     return out
@@ -151,6 +166,106 @@ def bytes_case(comm, kind):
             "kept": moe.last_stats["kept_per_expert"]}
 
 
+# -- a user's own MoE: a Mixtral-shaped block (Jiang et al. 2024), as a user writes it ---------
+class MixtralRouter(nn.Module):
+    """A linear gate, softmax, the top 2 renormalised: (weights, ids), each (tokens, 2)."""
+
+    def __init__(self, d, n_experts, top_k=2):
+        super().__init__()
+        self.gate, self.top_k = nn.Linear(d, n_experts, bias=False), top_k
+
+    def forward(self, x):
+        weights, ids = F.softmax(self.gate(x), -1).topk(self.top_k, -1)
+        return weights / weights.sum(-1, keepdim=True), ids
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MixtralBlock(nn.Module):
+    """The contract of distlab.parallel.expert.user: `router` and `experts`; its own forward
+    in one process loops over the experts, as Hugging Face's Mixtral block does."""
+
+    def __init__(self, d, hidden, n_experts):
+        super().__init__()
+        self.router = MixtralRouter(d, n_experts)
+        self.experts = nn.ModuleList(SwiGLU(d, hidden) for _ in range(n_experts))
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.view(shape)
+
+
+class ThreeIdsTwoWeights(nn.Module):
+    def forward(self, x):
+        return torch.ones(len(x), 2), torch.zeros(len(x), 3, dtype=torch.long)
+
+
+class NoRouter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(SwiGLU(D, H) for _ in range(E))
+
+
+class MixtralNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out, self.moe = nn.Linear(6, D), nn.Linear(D, 3), MixtralBlock(D, H, E)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(h + self.moe(h))
+
+
+def mixtral():
+    torch.manual_seed(0)
+    return MixtralBlock(D, H, E)
+
+
+def train_mixtral(model, x_of, reduce=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        x, y = x_of(step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if reduce is not None:
+            reduce(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def mixtral_single():
+    torch.manual_seed(0)
+    model = MixtralNet()
+    return {"losses": train_mixtral(model, data), "state": model.state_dict()}
+
+
+def mixtral_ep(comm):
+    torch.manual_seed(0)
+    model = MixtralNet()
+    expert_parallel(model.moe, comm)
+    losses = train_mixtral(
+        model, lambda s: tuple(local(t, comm.rank, comm.world) for t in data(s)),
+        reduce_expert_parallel_grads)
+    return {"losses": losses, "state": expert_parallel_state_dict(model),
+            "class": type(model.moe).__name__}
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -168,6 +283,11 @@ def two_ranks(rank, world, device, log):
     twice = expert_parallel(MoE(D, H, E), comm)
     out["errors"]["twice"] = _error(lambda: expert_parallel(twice, comm))
     out["errors"]["no ep layer"] = _error(lambda: reduce_expert_parallel_grads(Net(1, 1.0)))
+    out["mixtral"] = mixtral_ep(comm)
+    out["errors"]["no router"] = _error(lambda: expert_parallel(NoRouter(), comm))
+    bad = expert_parallel(mixtral(), comm)
+    bad.router = ThreeIdsTwoWeights()
+    out["errors"]["bad routing"] = _error(lambda: bad(torch.randn(4, D)))
     return out
 
 
@@ -229,15 +349,16 @@ def test_drops_add_up_to_one_process_on_the_same_groups(launched, top_k, capacit
     for s in range(STEPS):
         ranks = [res["ep", top_k, capacity_factor]["stats"][s] for res in launched]
         for st in ranks:
-            C = math.ceil(capacity_factor * n * top_k / E)
+            C = math.ceil(capacity_factor * n * top_k / E) if capacity_factor else n
             assert st["capacity"] == C == ref[s]["capacity"] and st["tokens"] == n
             assert st["kept_per_expert"] == [min(c, C) for c in st["tokens_per_expert"]]
             assert st["dropped"] == n * top_k - sum(st["kept_per_expert"])
         for key in ("tokens_per_expert", "kept_per_expert"):
             assert [sum(c) for c in zip(*(st[key] for st in ranks))] == ref[s][key]
         assert sum(st["dropped"] for st in ranks) == ref[s]["dropped"]
-        # at most E x C of n x k choices fit: with capacity_factor 0.5, half are dropped
-        assert (ref[s]["dropped"] > 0) == (capacity_factor < 1)
+        # at most E x C of n x k choices fit: with capacity_factor 0.5, half are dropped;
+        # with 0 (dropless) none
+        assert (ref[s]["dropped"] > 0) == (0 < capacity_factor < 1)
     print(f"top-{top_k}, capacity_factor {capacity_factor}: dropped per step "
           f"{[st['dropped'] for st in ref]} of {B * T * top_k} choices")
 
@@ -284,14 +405,57 @@ def test_bytes_are_the_rows_that_cross(launched, kind):
                 == want["backward"]
 
 
+def test_a_users_mixtral_block_under_ep_equals_its_own_forward(launched):
+    """The Mixtral-shaped block above, its experts spread 2 per rank by expert_parallel, its
+    forward replaced by the contract's sum with the rows sent by all-to-all: parameters and
+    losses within ATOL of the block's own forward in one process (fp32; the same argument as
+    for distlab's MoE: only the sums across ranks change order)."""
+    ref = mixtral_single()
+    losses = [sum(r["mixtral"]["losses"][s] for r in launched) / WORLD for s in range(STEPS)]
+    loss = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+    for r, res in enumerate(launched):
+        got = res["mixtral"]
+        assert got["class"] == "ExpertParallelMixtralBlock"
+        assert got["state"].keys() == ref["state"].keys()
+        state = max_diff(got["state"], ref["state"])
+        print(f"Mixtral-shaped block under ep, rank {r}: vs its own forward in one process: "
+              f"parameters {state:.1e}, losses {loss:.1e}")
+        assert state <= ATOL and loss <= ATOL
+    torch.manual_seed(0)
+    start = MixtralNet().state_dict()
+    assert max_diff(ref["state"], start) > 100 * ATOL  # the steps moved the weights
+
+
+def test_the_balancing_bias_moves_alike_on_every_rank_as_in_one_process(launched):
+    """DeepSeek's case: each step the bias moves by bias_rate x sign(mean load - load) of the
+    loads summed over the ranks; every rank's bias equals one process's, step by step, and it
+    moved (so the loads were summed: one rank's own load gives other signs)."""
+    case = (3, 0.0)
+    ref = single(*case)
+    for res in launched:
+        assert res["ep", *case]["bias"] == ref["bias"]
+    load = torch.tensor(ref["stats"][0]["tokens_per_expert"], dtype=torch.float64)
+    want = 0.01 * torch.sign(load.mean() - load)
+    assert torch.allclose(torch.tensor(ref["bias"][0], dtype=torch.float64), want, atol=1e-7)
+    assert any(any(b) for b in ref["bias"])
+    print(f"bias after each of {STEPS} steps: {ref['bias']}")
+
+
 def test_errors_name_the_setting(launched):
     m = launched[0]["errors"]
     assert "n_experts=3 is not divisible by the group's 2 ranks" in m["not divisible"]
     assert "already expert-parallel" in m["twice"]
     assert "no expert-parallel MoE layer" in m["no ep layer"]
-    assert "top_k=3 is not 1 (Switch) or 2 (GShard)" in _error(lambda: MoE(D, H, E, top_k=3))
-    for cf in (0, -1.0, float("nan")):
-        assert "must be > 0" in _error(lambda: MoE(D, H, E, capacity_factor=cf))
+    assert "top_k=5 needs at least 5 experts" in _error(lambda: MoE(D, H, E, top_k=5))
+    assert "top_k=0 must be a positive integer" in _error(lambda: MoE(D, H, E, top_k=0))
+    for cf in (-1.0, float("nan")):
+        assert "or 0 (dropless" in _error(lambda: MoE(D, H, E, capacity_factor=cf))
+    assert "bias_rate=-0.1 must be" in _error(lambda: MoE(D, H, E, bias_rate=-0.1))
+    assert "grouped='bmm' is not one of" in _error(lambda: MoE(D, H, E, grouped="bmm"))
+    assert "n_shared=-1 must be" in _error(lambda: MoE(D, H, E, n_shared=-1))
+    assert "NoRouter does not keep the MoE contract" in m["no router"]
+    assert "it lacks a `router`" in m["no router"] and "`experts`" not in m["no router"]
+    assert "router returned weights (4, 2) and ids (4, 3)" in m["bad routing"]
     assert "10 tokens do not split into groups=4" in _error(
         lambda: MoE(D, H, E, groups=4)(torch.randn(10, D)))
     assert "needs at least 2 experts" in _error(lambda: MoE(D, H, 1, top_k=2))
@@ -389,30 +553,43 @@ LOOP = dict(steps=4, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_laye
             n_embd=32, n_head=2, mlp_ratio=2, n_experts=4, timeout_s=60)
 
 
-@pytest.mark.parametrize("top_k,capacity_factor", [(1, 4.0), (2, 4.0), (1, 0.5)],
-                         ids=["top-1", "top-2", "top-1 dropping"])
-def test_ep_strategy_follows_single_with_a_group_per_rank(top_k, capacity_factor):
+# DeepSeek's routing in the loop: dropless, top-2 of 4 narrow experts and a shared one, the
+# balancing bias and no auxiliary loss
+DEEPSEEK_LOOP = dict(top_k=2, capacity_factor=0.0, n_shared_experts=1, expert_hidden=16,
+                     expert_bias_rate=0.01, aux_loss_coef=0.0, expert_grouped=GROUPED)
+
+
+@pytest.mark.parametrize("settings", [dict(top_k=1, capacity_factor=4.0),
+                                      dict(top_k=1, capacity_factor=0.5), DEEPSEEK_LOOP],
+                         ids=["top-1", "top-1 dropping", "deepseek"])
+def test_ep_strategy_follows_single_with_a_group_per_rank(settings):
     """`ep` on 2 ranks against `single` with moe_groups=2 (the same tokens per group, so the
-    same capacity, drops and balance loss): parameters within LOOP_ATOL after 4 SGD steps.
-    Capacity factor 0.5 keeps at most half of each group's tokens: drops are certain."""
+    same capacity, drops and balance loss): parameters and the balancing bias within
+    LOOP_ATOL after 4 SGD steps. Capacity factor 0.5 keeps at most half of each group's
+    tokens: drops are certain. Top-2 with capacity is the dispatch-level tests' (above)."""
     from distlab import RunConfig
-    base = RunConfig(**LOOP, top_k=top_k, capacity_factor=capacity_factor)
+    base = RunConfig(**LOOP, **settings)
     single = _loop_run(base.replace(moe_groups=2))[0][0]
     results = _loop_run(base.replace(strategy="ep", world_size=2))
     for r, res in enumerate(results):
         state = res[0]["state"]
         assert state.keys() == single["state"].keys()
         worst = max((state[k] - single["state"][k]).abs().max().item() for k in state)
-        print(f"ep top-{top_k} cf {capacity_factor}, rank {r}: vs single {worst:.1e}")
+        print(f"ep {settings}, rank {r}: vs single {worst:.1e}")
         assert worst <= LOOP_ATOL
+    bias = [v for k, v in single["state"].items() if k.endswith("expert_bias")]
+    assert len(bias) == LOOP["n_layer"]
+    assert any(b.abs().max() > 0 for b in bias) == bool(settings.get("expert_bias_rate"))
 
 
 @pytest.mark.parametrize("fields,says", [
     (dict(strategy="ep", world_size=2, n_experts=0), "set n_experts"),
     (dict(strategy="ep", world_size=4, n_experts=6), "divisible by world_size=4"),
     (dict(strategy="tp", world_size=2), "a mixture of experts runs under"),
-    (dict(top_k=3), "top_k is 1 or 2"),
-    (dict(capacity_factor=0.0), "must be > 0"),
+    (dict(top_k=5), "top_k is at most n_experts"),
+    (dict(capacity_factor=-1.0), "capacity_factor=-1.0 must be"),
+    (dict(expert_bias_rate=-1e-3), "expert_bias_rate=-0.001 must be"),
+    (dict(expert_grouped="bmm"), "expert_grouped"),
     (dict(strategy="allreduce", world_size=2, moe_groups=3), "must be a multiple of the 2"),
 ])
 def test_moe_settings_are_checked_before_anything_starts(fields, says):

@@ -30,12 +30,24 @@ class Model:
     n_experts: int = declare(0, "experts in each block's mixture of experts instead of the "
                              "MLP (0: dense)", at_most=1024,
                              feature=Feature("moe", "n_experts > 0 (a mixture of experts)"))
-    top_k: int = declare(1, "experts per token: 1 is Switch Transformer's routing, 2 GShard's")
+    top_k: int = declare(1, "experts per token: 1 is Switch Transformer's routing, 2 GShard's, "
+                         "more with many small experts (DeepSeekMoE)", at_least=1)
     capacity_factor: float = declare(1.25, "each expert's capacity over an even share of the "
-                                     "tokens; tokens beyond it are dropped")
+                                     "tokens; tokens beyond it are dropped (0: dropless, no "
+                                     "capacity)", at_least=0)
     aux_loss_coef: float = declare(0.01, "Switch's load-balancing loss, added to the loss")
     moe_groups: int = declare(0, "GShard's groups over the global batch (capacity and balance "
                               "loss per group; 0: one per data-parallel rank's rows)")
+    n_shared_experts: int = declare(0, "DeepSeekMoE's shared experts: every token passes "
+                                    "through them besides its top_k", at_least=0, at_most=64)
+    expert_hidden: int = declare(0, "each expert's hidden width (0: mlp_ratio x n_embd); "
+                                 "narrower for DeepSeekMoE's fine-grained experts", at_least=0)
+    expert_bias_rate: float = declare(0.0, "auxiliary-loss-free balance (DeepSeek-V3): each "
+                                      "expert's routing bias moves this much per step against "
+                                      "its load (1e-3 in its report; 0: off)", at_least=0)
+    expert_grouped: str = declare("loop", "the experts on their uneven batches: one after "
+                                  "another (loop) or one grouped product (grouped_mm)",
+                                  choices=("loop", "grouped_mm"))
 
     @property
     def moe_groups_per_rank(self) -> int:
@@ -94,11 +106,15 @@ def _check_experts(cfg) -> None:
         raise ValueError(f"n_experts={cfg.n_experts}: a mixture of experts runs under "
                          f"{', '.join(strategies(supporting='moe'))} (the others split the "
                          f"blocks' MLP by its layer names), not strategy={cfg.strategy!r}")
-    if cfg.n_experts < 2 or cfg.top_k not in (1, 2) or cfg.top_k > cfg.n_experts:
-        raise ValueError(f"n_experts={cfg.n_experts}, top_k={cfg.top_k}: top_k is 1 or 2, "
-                         "and at most n_experts (2 or more)")
-    if not cfg.capacity_factor > 0:
-        raise ValueError(f"capacity_factor={cfg.capacity_factor} must be > 0")
+    if cfg.n_experts < 2 or cfg.top_k > cfg.n_experts:
+        raise ValueError(f"n_experts={cfg.n_experts}, top_k={cfg.top_k}: top_k is at most "
+                         "n_experts (2 or more)")
+    if cfg.expert_grouped == "grouped_mm":
+        import torch.nn.functional as F
+        if not hasattr(F, "grouped_mm"):
+            import torch
+            raise ValueError(f"expert_grouped='grouped_mm' needs torch.nn.functional."
+                             f"grouped_mm, which torch {torch.__version__} lacks; use 'loop'")
     if cfg.lora_rank:
         raise ValueError("lora_rank with n_experts: the adapters target the dense MLP's "
                          "layers; use a dense model (n_experts=0)")

@@ -32,6 +32,14 @@ class GPTConfig:
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
     moe_groups: int = 1  # GShard's groups in one forward's tokens (capacity, balance loss)
+    n_shared_experts: int = 0  # DeepSeekMoE's shared experts, every token through them
+    expert_hidden: int = 0  # each expert's hidden width (0: mlp_ratio x n_embd)
+    expert_bias_rate: float = 0.0  # auxiliary-loss-free balance's bias step (0: off)
+    expert_grouped: str = "loop"  # the experts as a loop or one grouped product
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_hidden or self.mlp_ratio * self.n_embd
 
     @classmethod
     def from_run(cls, cfg, moe_groups: int = 1) -> "GPTConfig":
@@ -41,7 +49,9 @@ class GPTConfig:
                    n_embd=cfg.n_embd, n_head=cfg.n_head, mlp_ratio=cfg.mlp_ratio,
                    n_experts=cfg.n_experts, top_k=cfg.top_k,
                    capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef,
-                   moe_groups=moe_groups)
+                   moe_groups=moe_groups, n_shared_experts=cfg.n_shared_experts,
+                   expert_hidden=cfg.expert_hidden, expert_bias_rate=cfg.expert_bias_rate,
+                   expert_grouped=cfg.expert_grouped)
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,8 +118,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(c.n_embd)
         self.attn = CausalSelfAttention(c)
         self.ln2 = nn.LayerNorm(c.n_embd)
-        self.mlp = (MoE(c.n_embd, c.mlp_ratio * c.n_embd, c.n_experts, c.top_k,
-                        c.capacity_factor, c.aux_loss_coef, c.moe_groups)
+        self.mlp = (MoE(c.n_embd, c.expert_width, c.n_experts, c.top_k, c.capacity_factor,
+                        c.aux_loss_coef, c.moe_groups, n_shared=c.n_shared_experts,
+                        bias_rate=c.expert_bias_rate, grouped=c.expert_grouped)
                     if c.n_experts else MLP(c))
 
     def forward(self, x):
@@ -173,8 +184,10 @@ def gpt_param_count(c: GPTConfig) -> int:
     d, h, L = c.n_embd, c.mlp_ratio * c.n_embd, c.n_layer
     attn = 4 * (d * d + d)                      # q, k, v, o with biases
     mlp = (d * h + h) + (h * d + d)             # fc and proj with biases
-    if c.n_experts:                             # E such MLPs and a router (no bias)
-        mlp = c.n_experts * mlp + d * c.n_experts
+    if c.n_experts:                             # E experts, the shared ones, a router
+        he = c.expert_width
+        mlp = (c.n_experts + c.n_shared_experts) * ((d * he + he) + (he * d + d)) \
+            + d * c.n_experts
     norms = 2 * (2 * d)                         # ln1, ln2: weight and bias
     embeddings = c.vocab_size * d + c.block_size * d
     return embeddings + L * (attn + mlp + norms) + 2 * d + d * c.vocab_size  # ln_f, head

@@ -201,6 +201,12 @@ class Strategy:
         """Extra fields for this step's event (bucket timeline, staleness, ...)."""
         return {}
 
+    def routing_comms(self) -> list:
+        """The groups whose ranks route different tokens through the same MoE layers, in
+        turn: the experts' loads are summed over them before the balancing bias moves
+        (distlab.models.moe.update_expert_bias). Data parallelism: every rank."""
+        return [self.comm]
+
     def between_steps(self, model) -> None:
         """After a step is logged, evaluated and checkpointed, when another follows: start
         what the next step needs first (ZeRO-3: its first all-gathers)."""

@@ -277,7 +277,8 @@ class MeshParallel(Strategy):
                              "fsdp_layout='flat'")
         if s["pp"] > 1 and cfg.aux_loss_coef:
             raise ValueError(f"n_experts with pp={s['pp']}: the pipeline's stages carry no "
-                             "balance loss from their MoE blocks; set aux_loss_coef=0")
+                             "balance loss from their MoE blocks; set aux_loss_coef=0 "
+                             "(expert_bias_rate balances without a loss)")
 
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
@@ -494,6 +495,13 @@ class MeshParallel(Strategy):
         for p in parts:
             out.update(p)
         return out
+
+    def routing_comms(self) -> list:
+        """dp_replicate x dp_shard x cp route different tokens (tp ranks the same ones; pp
+        stages hold different layers): dp_cp's all-reduce, or under ZeRO dp_shard_cp's then
+        dp_replicate's."""
+        c = self.mesh.comms
+        return [c[g] for g in ("dp_cp", "dp_shard_cp", "dp_replicate") if g in c]
 
     def step_info(self) -> dict:
         info = {}

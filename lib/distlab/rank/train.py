@@ -41,6 +41,7 @@ from distlab.models import factory
 from distlab.parallel import make_strategy
 from distlab.rank.build import build_model, build_optimizer
 from distlab.rank.faults import Faults
+from distlab.models.moe import MoE, update_expert_bias
 from distlab.rank.precision import apply_fp32_modules, autocast, finish_step, make_loss_scaler
 from distlab.rank.step_meter import StepMeter
 
@@ -114,6 +115,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         return {"final_loss": None}
 
     losses, comm_per_step = [], []
+    moes = [m for m in model.modules() if isinstance(m, MoE)]  # this rank's (a stage's)
     finetune.evaluate(model, start, log, comm)  # before the first step (0, or a resumed one)
     for step in range(start, cfg.steps):
         faults.before_step(step, model)
@@ -152,6 +154,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
         finetune.after_reduce()  # EWC's penalty gradient, the same on every rank
         probe.before_update(model, x_all)
         precision = finish_step(strategy, model, optimizer, scaler, cfg.grad_clip)
+        update_expert_bias(moes, strategy.routing_comms())  # auxiliary-loss-free balance
         measured = meter.end(strategy, model, optimizer)  # step_s, comm, memory
         diagnosed = probe.after_update(model)
         if bugs.zero_grad:  # forgetting this is a bug (bug="no_zero_grad")

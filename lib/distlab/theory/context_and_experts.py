@@ -12,6 +12,9 @@ Sources:
       number of experts x capacity factor; the auxiliary loss E x sum_i f_i P_i.
   Lepikhin et al. 2020, "GShard": top-2 routing, groups (capacity per group), experts spread
       over the devices with all-to-all dispatch and combine.
+  Dai et al. 2024, "DeepSeekMoE": fine-grained experts (each expert split into m narrower ones,
+      m times as many chosen: the same parameters and FLOPs, far more combinations) and shared
+      experts every token passes through.
   The Ultra-Scale Playbook (Tazi et al., Hugging Face 2025), "Context parallelism" and "Expert
       parallelism": the same accounting, and activations per rank falling as 1/cp while the
       model states do not; experts per rank falling as 1/ep while the FLOPs per token follow
@@ -61,12 +64,32 @@ def ep_dispatch_bytes(tokens: int, h: int, n: int, top_k: int = 1, elem: int = 4
     return {"forward": 2 * per, "backward": 2 * per}
 
 
-def moe_params(h: int, hidden: int, n_experts: int) -> dict:
-    """One MoE layer's parameters: E expert MLPs (Linear h->hidden, Linear hidden->h, with
-    biases) and a router (h x E, no bias), and those one token uses with k = 1, 2."""
+def moe_params(h: int, hidden: int, n_experts: int, n_shared: int = 0) -> dict:
+    """One MoE layer's parameters: E routed and n_shared shared expert MLPs (Linear
+    h->hidden, Linear hidden->h, with biases) and a router (h x E, no bias)."""
     expert = (h * hidden + hidden) + (hidden * h + h)
-    return {"total": n_experts * expert + h * n_experts, "expert": expert,
-            "router": h * n_experts}
+    return {"total": (n_experts + n_shared) * expert + h * n_experts, "expert": expert,
+            "router": h * n_experts, "shared": n_shared * expert}
+
+
+def moe_active(h: int, hidden: int, n_experts: int, top_k: int, n_shared: int = 0) -> dict:
+    """What one token meets in one MoE layer, none dropped: the router, its k routed experts
+    and the shared ones. `params` counts their parameters (biases too); `forward_flops` two
+    per weight of a matrix product (Kaplan et al. 2020), what a FLOP counter of matmuls sees."""
+    p = moe_params(h, hidden, n_experts, n_shared)
+    return {"params": p["router"] + (top_k + n_shared) * p["expert"],
+            "forward_flops": 2 * (h * n_experts + (top_k + n_shared) * 2 * h * hidden)}
+
+
+def fine_grained(h: int, hidden: int, n_experts: int, top_k: int, m: int) -> dict:
+    """DeepSeekMoE's segmentation: each of E experts of width `hidden` split into m of width
+    hidden/m, m*k of the m*E chosen. The weights in all and per token stay (the biases and the
+    router's h x E grow); the choices a token can make grow from C(E, k) to C(mE, mk)."""
+    if hidden % m:
+        raise ValueError(f"fine_grained: hidden={hidden} does not split into m={m} experts")
+    return {"n_experts": m * n_experts, "top_k": m * top_k, "hidden": hidden // m,
+            "combinations": math.comb(m * n_experts, m * top_k),
+            "coarse_combinations": math.comb(n_experts, top_k)}
 
 
 def moe_layer_per_rank(h: int, hidden: int, n_experts: int, ep: int, top_k: int = 1) -> dict:

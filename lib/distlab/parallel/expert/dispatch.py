@@ -38,79 +38,61 @@ import torch
 from torch import nn
 
 from distlab.comm import Comm
-from distlab.parallel.agree import agree, parameter_layout
-from distlab.parallel.all_to_all import AllToAll
-from distlab.parallel.all_to_all import all_to_all as _all_to_all
 from distlab.models.moe import MoE
+from distlab.parallel.agree import agree, parameter_layout
+from distlab.parallel.expert.exchange import KINDS, ExpertParallelLayer, send_to_experts
+from distlab.parallel.expert.user import user_expert_parallel
 
-KINDS = {"counts": "ep.counts", "dispatch": "ep.dispatch", "combine": "ep.combine",
-         "dispatch_grad": "ep.dispatch.grad", "combine_grad": "ep.combine.grad",
-         "grads": "ep.grad_all_reduce", "state": "ep.all_gather"}
 
-
-class ExpertParallelMoE(MoE):
-    """A MoE after expert_parallel (the class is swapped in place, as torch's fully_shard does):
-    `experts` holds this rank's experts only, keyed by their index among all E, so its
-    state_dict keys are one process's; run_experts sends the rows to the experts' ranks."""
+class ExpertParallelMoE(ExpertParallelLayer, MoE):
+    """distlab's MoE after expert_parallel: run_experts sends the rows to the experts' ranks."""
 
     def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        comm, n_local = self.ep_comm, len(self.experts)
-        N = comm.world
-        with torch.no_grad():  # received[j, e]: rows rank j sends for my local expert e
-            received = _all_to_all(comm, counts, [n_local] * N, [n_local] * N,
-                                   KINDS["counts"]).view(N, n_local)
-        send = counts.view(N, n_local).sum(1).tolist()
-        recv = received.sum(1).tolist()
-        xr = AllToAll.apply(xs, comm, recv, send, KINDS["dispatch"], KINDS["dispatch_grad"])
-        comm.note_buffer(max(xs.numel(), xr.numel()) * xs.element_size())
-        # the rows arrive by source rank, then expert; order them by expert, so each expert
-        # runs once on all its rows (stable: source rank 0's first, as one process has them)
-        local = torch.repeat_interleave(torch.arange(n_local).repeat(N), received.view(-1))
-        order = torch.argsort(local, stable=True)
-        chunks = xr[order].split(received.sum(0).tolist())
-        ye = torch.cat([e(c) for e, c in zip(self.experts.values(), chunks)])
-        yr = ye[torch.argsort(order)]  # back to arrival order
-        return AllToAll.apply(yr, comm, send, recv, KINDS["combine"], KINDS["combine_grad"])
-
-    def extra_repr(self) -> str:
-        n_local = len(self.experts)
-        return (super().extra_repr() + f", expert_parallel: experts {self.ep_first}.."
-                f"{self.ep_first + n_local - 1} of {self.n_experts} on rank {self.ep_comm.rank} "
-                f"of {self.ep_comm.world}")
+        return send_to_experts(self.ep_comm, list(self.experts.values()), xs, counts,
+                               self.grouped)
 
 
-def expert_parallel(moe: MoE, comm: Comm | None = None) -> MoE:
+def _spread(layer: nn.Module, comm: Comm, n_experts: int, settings: dict) -> None:
+    """Rank 0's parameters everywhere, then each rank keeps its E/N experts."""
+    N = comm.world
+    if n_experts % N:
+        raise ValueError(f"expert_parallel: n_experts={n_experts} is not divisible by the "
+                         f"group's {N} ranks: each rank holds n_experts / {N} experts")
+    agree(comm, "distlab.expert_parallel", {"parameters": parameter_layout(layer), **settings})
+    if N > 1:
+        with torch.no_grad():
+            comm.broadcast_tensors([p.data for p in layer.parameters()], src=0)
+    first = comm.rank * (n_experts // N)
+    layer.experts = nn.ModuleDict({str(i): layer.experts[i]
+                                   for i in range(first, first + n_experts // N)})
+    layer.ep_comm, layer.ep_first = comm, first
+
+
+def expert_parallel(moe: nn.Module, comm: Comm | None = None) -> nn.Module:
     """Spread a MoE layer's experts over comm's group (default: the world), in place.
 
-    Every rank takes rank 0's router and experts (broadcast), then keeps experts
+    `moe` is distlab's MoE, or your own module that keeps the contract of `distlab.parallel.
+    expert.user` (a `router` returning each token's weights and expert ids, a ModuleList
+    `experts`). Every rank takes rank 0's router and experts (broadcast), then keeps experts
     r·E/N ... (r+1)·E/N - 1 and drops the others' parameters. Each rank feeds its own tokens;
     capacity and the auxiliary loss are per rank (GShard's groups). The rest of the model is
     the caller's to keep alike (same seed, or a broadcast). After backward, call
     reduce_expert_parallel_grads(model) before the optimizer's step."""
-    if not isinstance(moe, MoE):
-        raise TypeError(f"expert_parallel applies to distlab's MoE, not {type(moe).__name__}")
-    if isinstance(moe, ExpertParallelMoE):
+    if isinstance(moe, ExpertParallelLayer):
         raise ValueError("this MoE is already expert-parallel: call expert_parallel once")
     comm = comm if comm is not None else Comm()
-    E, N = moe.n_experts, comm.world
-    if E % N:
-        raise ValueError(f"expert_parallel: n_experts={E} is not divisible by the group's {N} "
-                         f"ranks: each rank holds n_experts / {N} experts")
-    agree(comm, "distlab.expert_parallel",
-          {"parameters": parameter_layout(moe), "top_k": moe.top_k, "groups": moe.groups,
-           "capacity_factor": moe.capacity_factor})
-    if N > 1:
-        with torch.no_grad():
-            comm.broadcast_tensors([p.data for p in moe.parameters()], src=0)
-    first = comm.rank * (E // N)
-    moe.experts = nn.ModuleDict({str(i): moe.experts[i] for i in range(first, first + E // N)})
-    moe.ep_comm, moe.ep_first = comm, first
+    if not isinstance(moe, MoE):
+        return user_expert_parallel(moe, comm, _spread)
+    _spread(moe, comm, moe.n_experts,
+            {"top_k": moe.top_k, "groups": moe.groups, "capacity_factor": moe.capacity_factor,
+             "bias_rate": moe.bias_rate, "grouped": moe.grouped})
     moe.__class__ = ExpertParallelMoE
     return moe
 
 
-def _ep_layers(model: nn.Module) -> dict[str, ExpertParallelMoE]:
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)}
+def _ep_layers(model: nn.Module) -> dict[str, ExpertParallelLayer]:
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, ExpertParallelLayer)}
     if not layers:
         raise ValueError("the model has no expert-parallel MoE layer: call expert_parallel on "
                          "its MoE layers first")
@@ -143,7 +125,7 @@ def reduce_expert_parallel_grads(model: nn.Module, comm: Comm | None = None) -> 
             p.grad.div_(comm.world)
 
 
-def _gather_experts(moe: ExpertParallelMoE, prefix: str) -> dict:
+def _gather_experts(moe: ExpertParallelLayer, prefix: str) -> dict:
     """Every expert's state from every rank (a collective), under one process's keys."""
     comm, n_local = moe.ep_comm, len(moe.experts)
     by_expert: dict[int, dict] = {}

@@ -127,6 +127,32 @@ def test_the_dashboard_reads_3d_bytes_and_pipeline_activations(menu):
     assert one.fig.layout.xaxis3.title.text.endswith("sent nothing: one process")
 
 
+@pytest.mark.slow
+def test_the_dashboard_adds_the_load_per_expert_when_a_mixture_of_experts_runs(menu):
+    """A dense run watched first, then ep's: the figure gains a fourth chart, the dense run's
+    loss line stays, and the bars are each rank's tokens per expert of block 0 at the last
+    step, with each block's MaxVio over all ranks under them."""
+    from distlab.lab.panel import dashboard_for, step_events
+    from distlab.models.moe import max_violation
+    _, runs = menu
+    ep = runs["ep", 2]
+    assert ep.cfg.n_experts
+    dash = dashboard_for(runs["single", 1])
+    assert not dash.experts and "yaxis4" not in dash.fig.layout
+    dash.watch(ep)
+    dash.refresh()
+    assert dash.experts and "yaxis4" in dash.fig.layout
+    dense = runs["single", 1]
+    assert set(dash._loss_traces) == {id(dense), id(ep)}  # the dense run's line added back
+    assert all(len(dash.fig.data[i].x) == r.steps_done()
+               for r, i in ((dense, dash._loss_traces[id(dense)]), (ep, dash._loss_traces[id(ep)])))
+    last = step_events(ep, ep.steps_done() - 1)
+    bars = {t.name: list(t.y) for t in dash.fig.data if t.legend == "legend4"}
+    assert bars == {f"rank {e['rank']}": e["moe"][0]["tokens_per_expert"] for e in last}
+    vio = max_violation([sum(c) for c in zip(*bars.values())])
+    assert f"MaxVio per block {vio:.2f}" in dash.fig.layout.xaxis4.title.text
+
+
 def test_the_knobs_shown_are_the_ones_the_registry_says_each_strategy_reads():
     from distlab.lab.panel import PANEL_FEATURES
     panel = _panel()

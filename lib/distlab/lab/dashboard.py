@@ -1,6 +1,7 @@
 """The live dashboard (LiveDashboard): the loss of every watched run, overlaid, and memory and
-bytes per rank of the latest one; `watch(run)` shows one under a cell, `dashboard_for(run)`
-makes one to display yourself.
+bytes per rank of the latest one; for a mixture of experts, the tokens each expert got from
+each rank; `watch(run)` shows one under a cell, `dashboard_for(run)` makes one to display
+yourself.
 
 Why it is built this way:
 
@@ -67,6 +68,8 @@ class LiveDashboard:
         self._loss_traces: dict[int, int] = {}  # id(run) -> its loss trace
         self._floor_traces: dict[float, int] = {}  # loss floor -> its dashed line
         self._names: dict[int, str] = {}  # id(run) -> a label given to watch()
+        self._expert_traces: dict[int, int] = {}  # rank -> its bar of tokens per expert
+        self.experts = False  # a fourth chart: the load per expert (from the first MoE run)
         self.fig = _make_figure()  # static until a run is watched (_go_live)
         self._view: FigureView | None = FigureView(self.fig)  # None while live
         self.outlives_cell = False  # the run outlasts its cell: the status says so (LIVE_NOTE)
@@ -86,18 +89,14 @@ class LiveDashboard:
             raise ValueError("this dashboard's cell has ended and left a static copy in its "
                              "place: watch the run on a new dashboard (lab.watch(run))")
         with self._lock:
+            if not self.experts and run.cfg is not None and run.cfg.n_experts:
+                self._add_expert_chart()
             self._go_live()
             if run not in self.runs:
                 self.runs.append(run)
                 if label is not None:
                     self._names[id(run)] = label
-                self.fig.add_scatter(
-                    x=[], y=[], mode="lines", name=self._label(run, len(self.runs)),
-                    line=_run_line(len(self.runs) - 1), row=1, col=1)
-                self._loss_traces[id(run)] = len(self.fig.data) - 1
-                units = {loss_axis_title(r.cfg) for r in self.runs}
-                self.fig.update_yaxes(title_text=units.pop() if len(units) == 1 else "loss",
-                                      row=1, col=1)
+                self._add_loss_trace(run, len(self.runs) - 1)
             start = self._thread is None and not run.done
             if start:  # decided under the lock, so the thread cannot exit in between
                 self._thread = threading.Thread(target=self._poll, daemon=True,
@@ -106,6 +105,30 @@ class LiveDashboard:
         if start:
             self._thread.start()
         return run
+
+    def _add_loss_trace(self, run: Run, index: int):
+        self.fig.add_scatter(x=[], y=[], mode="lines", name=self._label(run, index + 1),
+                             line=_run_line(index), row=1, col=1)
+        self._loss_traces[id(run)] = len(self.fig.data) - 1
+        units = {loss_axis_title(r.cfg) for r in self.runs}
+        self.fig.update_yaxes(title_text=units.pop() if len(units) == 1 else "loss",
+                              row=1, col=1)
+
+    def _add_expert_chart(self):
+        """(Under the lock.) The first mixture-of-experts run watched: the figure is made again
+        with a fourth chart, the runs' loss traces added back, in the old one's place."""
+        self.experts = True
+        old = self.fig
+        self.fig = _make_figure(experts=True)
+        self._loss_traces, self._floor_traces, self._expert_traces = {}, {}, {}
+        for i, run in enumerate(self.runs):
+            self._add_loss_trace(run, i)
+        if self._view is None:  # live: a new FigureWidget where the old one was
+            self.fig = go.FigureWidget(self.fig)
+            self.widget.children = (self.fig, *self.widget.children[1:])
+            retire(old)
+        else:
+            self._view.fig = self.fig
 
     def _go_live(self):
         """(Under the lock.) The static figure becomes a FigureWidget in the same place: the
@@ -209,6 +232,9 @@ class LiveDashboard:
             self._draw_losses()
             if self.runs:
                 self._draw_ranks(self.runs[-1], labels[id(self.runs[-1])])
+            moe_runs = [r for r in self.runs if r.cfg is not None and r.cfg.n_experts]
+            if self.experts and moe_runs:
+                self._draw_experts(moe_runs[-1], labels[id(moe_runs[-1])])
             if any(r.steps_done() > 0 for r in self.runs):
                 clear_hint(self.fig)
             elif self.runs and has_hint(self.fig):  # still empty: axes with the first step
@@ -318,20 +344,56 @@ class LiveDashboard:
             self.fig.layout.xaxis2.title.text = where
             self.fig.layout.xaxis3.title.text = _bytes_title(run, label, where, events, blind)
 
+    def _draw_experts(self, run: Run, label: str):
+        """Block 0's tokens per expert at the latest step all ranks finished, stacked by the
+        rank that routed them; each block's MaxVio under the chart."""
+        step = run.steps_done() - 1
+        events = [e for e in (step_events(run, step) if step >= 0 else []) if e.get("moe")]
+        with self.fig.batch_update():
+            for e in sorted(events, key=lambda e: e["rank"]):
+                load = e["moe"][0]["tokens_per_expert"]
+                if e["rank"] not in self._expert_traces:
+                    self.fig.add_bar(x=[], y=[], name=f"rank {e['rank']}", legend="legend4",
+                                     marker_color=RUN_COLORS[e["rank"] % len(RUN_COLORS)],
+                                     row=4, col=1)
+                    self._expert_traces[e["rank"]] = len(self.fig.data) - 1
+                self.fig.data[self._expert_traces[e["rank"]]].update(
+                    x=[f"expert {i}" for i in range(len(load))], y=load,
+                    hovertemplate=f"rank {e['rank']}: %{{y}} tokens to %{{x}}<extra></extra>")
+            self.fig.layout.xaxis4.title.text = expert_title(label, step, events)
+
     def __repr__(self):
         return f"LiveDashboard({len(self.runs)} runs)"
 
 
-def _make_figure() -> go.Figure:
+def expert_title(label: str, step: int, events: list[dict]) -> str:
+    """Under the experts' chart: the run and step, each block's MaxVio (the busiest expert's
+    load over the mean, minus 1; Wang et al. 2024) over all ranks, and the choices dropped."""
+    if not events:
+        return f"{label}: no step yet"
+    from distlab.models.moe import max_violation
+    blocks = range(len(events[0]["moe"]))
+    vio = [max_violation([sum(c) for c in zip(*(e["moe"][b]["tokens_per_expert"]
+                                                for e in events))]) for b in blocks]
+    dropped = sum(m["dropped"] for e in events for m in e["moe"])
+    return (f"{label}, step {step}, block 0 · MaxVio per block "
+            f"{', '.join(f'{v:.2f}' for v in vio)} · dropped {dropped}")
+
+
+def _make_figure(experts: bool = False) -> go.Figure:
     """Three charts, one above the other, each with its legend beside it (plotly's several
     legends): the loss of every run on top, memory and bytes per rank of the latest run
     underneath. Side by side, the lower two would share one legend column at the right, the
-    memory categories beside the bytes chart."""
+    memory categories beside the bytes chart. `experts`: a fourth, the tokens per expert of
+    the latest mixture-of-experts run, stacked by rank."""
+    titles = ("loss per step (mean over ranks)",
+              "memory per rank: bytes by category (the step's peak: track_peak)",
+              "bytes sent per rank in one step")
     fig = make_subplots(
-        rows=3, cols=1, row_heights=[0.44, 0.28, 0.28], vertical_spacing=0.125,
-        subplot_titles=("loss per step (mean over ranks)",
-                        "memory per rank: bytes by category (the step's peak: track_peak)",
-                        "bytes sent per rank in one step"))
+        rows=4 if experts else 3, cols=1, vertical_spacing=0.1 if experts else 0.125,
+        row_heights=[0.34, 0.22, 0.22, 0.22] if experts else [0.44, 0.28, 0.28],
+        subplot_titles=titles + (("tokens routed to each expert, by the rank that sent them",)
+                                 if experts else ()))
     for (key, name), color in zip(MEMORY_CATEGORIES, MEMORY_COLORS):
         fig.add_bar(x=[], y=[], name=name, legend="legend2", marker_color=color,
                     offsetgroup="held", row=2, col=1)
@@ -350,13 +412,16 @@ def _make_figure() -> go.Figure:
     fig.add_bar(x=[], y=[], name=LINK_NAME, legend="legend3", marker_color=LINK_COLOR,
                 offsetgroup="wire", row=3, col=1)
     # Each legend right of its own chart, at the chart's top (plotly >= 5.15: legend2, ...).
-    tops = [fig.layout[f"yaxis{i or ''}"].domain[1] for i in ("", 2, 3)]
-    legends = {name: dict(font=dict(size=11), x=1.02, xanchor="left", y=top, yanchor="top",
-                          # "normal": stacked bars would otherwise list bottom-up
-                          traceorder="normal")
-               for name, top in zip(("legend", "legend2", "legend3"), tops)}
-    fig.update_layout(barmode="stack", height=800, width=960, template="plotly_white",
-                      margin=dict(l=70, r=20, t=40, b=50), **legends)
+    rows = (1, 2, 3, 4) if experts else (1, 2, 3)
+    tops = [fig.layout[f"yaxis{i if i > 1 else ''}"].domain[1] for i in rows]
+    legends = {f"legend{i if i > 1 else ''}": dict(
+        font=dict(size=11), x=1.02, xanchor="left", y=top, yanchor="top",
+        traceorder="normal")  # "normal": stacked bars would otherwise list bottom-up
+        for i, top in zip(rows, tops)}
+    fig.update_layout(barmode="stack", height=1040 if experts else 800, width=960,
+                      template="plotly_white", margin=dict(l=70, r=20, t=40, b=50), **legends)
+    if experts:
+        fig.update_yaxes(title_text="tokens", rangemode="nonnegative", row=4)
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
     fig.update_yaxes(rangemode="nonnegative", row=2)  # bytes are never negative, even when 0

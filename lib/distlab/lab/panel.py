@@ -70,6 +70,9 @@ PANEL_FEATURES = tuple(f for f in FEATURE_FIELDS.values() if declarations()[f].w
 FITTED = ("layout", "schedule", "microbatches", "virtual_stages", "param_dtype")
 MICROBATCHES = declarations()["microbatches"].widget.offer
 VIRTUAL_STAGES = declarations()["virtual_stages"].widget.offer
+# `ep` picked on a dense base: the experts it places, per block (every world size offered, 1, 2
+# and 4, divides it)
+EP_EXPERTS = 4
 
 
 class ControlPanel:
@@ -166,6 +169,8 @@ class ControlPanel:
             if name not in strategy_knobs() or reads(strategy, name):
                 values[name] = widget.value
         values["lr"] = float(f"{values['lr']:.3g}")  # undo the slider's snapping (see _make_knobs)
+        if strategy == "ep" and not values["n_experts"]:  # ep places a mixture's experts
+            values["n_experts"] = EP_EXPERTS
         return values
 
     def run(self, **overrides) -> Run:

@@ -23,14 +23,15 @@ from distlab.lab.runs import launch_together
 LEGEND = dict(orientation="h", yanchor="top", y=-0.25, x=0)
 
 
-def flops_per_token(d: int, hidden: int, n_experts: int, top_k: int, tokens: int = 256) -> float:
+def flops_per_token(d: int, hidden: int, n_experts: int, top_k: int, tokens: int = 256,
+                    n_shared: int = 0) -> float:
     """Forward FLOPs per token of one MoE layer in one process, counted by PyTorch's
-    FlopCounterMode (matmuls), capacity large enough that nothing is dropped."""
+    FlopCounterMode (matmuls), dropless (every choice reaches its expert)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from distlab.models.moe import MoE
     torch.manual_seed(0)
-    moe = MoE(d, hidden, n_experts, top_k=top_k, capacity_factor=float(n_experts))
+    moe = MoE(d, hidden, n_experts, top_k=top_k, capacity_factor=0, n_shared=n_shared)
     x = torch.randn(tokens, d)
     with FlopCounterMode(display=False) as counter:
         moe(x)
@@ -135,26 +136,35 @@ def capacity_figure(rows: list[dict]):
 
 
 class ExpertsExplorer(Explorer):
-    """Top-k, capacity factor and the balance loss; Run trains the MoE GPT under `ep` and
-    draws the tokens each expert got from each rank, live, step by step."""
+    """Top-k, the capacity (or none: dropless), the balancing (Switch's loss, DeepSeek-V3's
+    bias, or nothing) and a shared expert; Run trains the MoE GPT under `ep` and draws the
+    tokens each expert got from each rank, live, step by step."""
 
     LIVE_S = 0.5  # how often the live bars are redrawn while the run goes
+    # the balancing menu: label -> (aux_loss_coef, expert_bias_rate)
+    BALANCE = {"Switch's loss (0.01)": (0.01, 0.0), "bias (1e-3, no loss)": (0.0, 1e-3),
+               "none": (0.0, 0.0)}
 
     def __init__(self, base: RunConfig):
         super().__init__()
         self.base = base
         style = {"description_width": "initial"}
         self.top_k = W.Dropdown(options=[1, 2], value=base.top_k, description="top-k",
-                                style=style)
-        self.cf = W.Dropdown(options=[0.5, 1.0, 1.25, 2.0], value=base.capacity_factor,
-                             description="capacity factor", style=style)
-        self.aux = W.Dropdown(options=[("on (0.01)", 0.01), ("off", 0.0)], value=0.01,
-                              description="balance loss", style=style)
+                                style=style, layout=W.Layout(width="110px"))
+        self.cf = W.Dropdown(options=[("dropless", 0.0)] + [(str(v), v) for v in
+                                                            (0.5, 1.0, 1.25, 2.0)],
+                             value=base.capacity_factor, description="capacity factor",
+                             style=style, layout=W.Layout(width="210px"))
+        self.balance = W.Dropdown(options=list(self.BALANCE), description="balance",
+                                  style=style, layout=W.Layout(width="260px"))
+        self.shared = W.Dropdown(options=[0, 1], value=base.n_shared_experts,
+                                 description="shared experts", style=style,
+                                 layout=W.Layout(width="160px"))
         self.fig = go.Figure()
         self.fig.update_layout(height=330, template="plotly_white", legend=LEGEND)
         self.last: dict | None = None
-        self.widget = self._box([W.HBox([self.top_k, self.cf, self.aux, self.button,
-                                         self.stop_button]), self.status,
+        self.widget = self._box([W.HBox([self.top_k, self.cf, self.balance, self.shared]),
+                                 W.HBox([self.button, self.stop_button]), self.status,
                                  self._view_of(self.fig)])
 
     def _clear(self):
@@ -164,22 +174,28 @@ class ExpertsExplorer(Explorer):
             self.fig.layout.title.text = "running: the load comes at the end"
 
     def _run(self, **values) -> dict:
-        """Set the knobs (top_k=, capacity_factor=, aux_loss_coef=), train, redraw."""
+        """Set the knobs (top_k=, capacity_factor=, balance= a BALANCE label,
+        n_shared_experts=), train, redraw."""
         for key, w in (("top_k", self.top_k), ("capacity_factor", self.cf),
-                       ("aux_loss_coef", self.aux)):
+                       ("balance", self.balance), ("n_shared_experts", self.shared)):
             if key in values:
                 w.value = values[key]
+        coef, rate = self.BALANCE[self.balance.value]
         cfg = self.base.replace(top_k=self.top_k.value, capacity_factor=self.cf.value,
-                                aux_loss_coef=self.aux.value)
-        self._announce(f"training ep: top-{cfg.top_k}, capacity factor {cfg.capacity_factor}, "
-                       f"balance loss {cfg.aux_loss_coef:g} ...")
+                                aux_loss_coef=coef, expert_bias_rate=rate,
+                                n_shared_experts=self.shared.value)
+        capacity = (f"capacity factor {cfg.capacity_factor}" if cfg.capacity_factor
+                    else "dropless")
+        self._announce(f"training ep: top-{cfg.top_k}, {capacity}, balance: "
+                       f"{self.balance.value}, {cfg.n_shared_experts} shared ...")
         run = launch_together({"explorer": cfg}, name="ep-explorer",
                               on_start=self._live)["explorer"]
         self._draw(run, "done")
         last = expert_load(run)[-1]
-        self._say(html.escape(f"last step, block 0: tokens per expert {last} (busiest / mean "
-                              f"{imbalance(last):.2f}); dropped {100 * dropped_fraction(run):.1f}"
-                              f"% of the choices; final loss {run.losses()[-1]:.3f}"))
+        self._say(html.escape(f"last step, block 0: tokens per expert {last} (MaxVio "
+                              f"{imbalance(last) - 1:.2f}); dropped "
+                              f"{100 * dropped_fraction(run):.1f}% of the choices; final loss "
+                              f"{run.losses()[-1]:.3f}"))
         self.last = {"config": cfg, "run": run}
         return self.last
 

@@ -1,0 +1,143 @@
+"""The routers of today's MoE models, measured on real ranks (15's sections 6-8 and
+benchmarks/expert_routing.py): balance with and without an auxiliary loss, dropless against a
+capacity, and what each costs.
+
+Balance. Every run is `ep` on the same data, seed and steps, dropless (capacity_factor 0) so
+that no token dropped hides the load or the loss; only the balancing differs:
+
+    none          no auxiliary loss, no bias
+    Switch c      Switch's loss E x sum f_i P_i at coefficient c (Fedus et al. 2021)
+    bias u        DeepSeek-V3's auxiliary-loss-free bias at rate u (Wang et al. 2024)
+
+The load is MaxVio per step (Wang et al. 2024: the busiest expert's tokens over the mean,
+minus 1), from the tokens each rank routed to each expert (the step events' "moe"), summed over
+the ranks, averaged over the blocks. The quality is the language model's cross-entropy alone:
+the step's loss minus coefficient x each block's auxiliary loss (both logged by the step), so
+the Switch runs are not charged their own balance term.
+
+Dropless against a capacity. Per step and rank: the rows the dispatch sent (bytes booked under
+ep.dispatch) and the activations the step saved for backward; their mean and their worst over
+the run. A capacity bounds them (at most E x C rows reach the experts of a group, whatever the
+router does: the "static shapes" a fixed-size dispatch relies on); dropless bounds them only by
+tokens x k, every choice to a remote expert.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from distlab.config import RunConfig
+from distlab.lab.experts import LEGEND
+from distlab.lab.runs import launch_together
+from distlab.models.moe import max_violation
+
+
+def balance_configs(base: RunConfig, coefs=(1e-3, 1e-2, 1e-1), rates=(1e-3, 1e-2)) -> dict:
+    """The runs of the balance comparison, by name: `base` (an ep config) made dropless, with
+    no balancing, Switch's loss at each coefficient, and the bias at each rate."""
+    plain = base.replace(capacity_factor=0.0, aux_loss_coef=0.0, expert_bias_rate=0.0)
+    runs = {"none": plain}
+    runs.update({f"Switch {c:g}": plain.replace(aux_loss_coef=c) for c in coefs})
+    runs.update({f"bias {u:g}": plain.replace(expert_bias_rate=u) for u in rates})
+    return runs
+
+
+def global_loads(run) -> dict[int, list[list[int]]]:
+    """{step: per block, the tokens routed to each expert, summed over the ranks}."""
+    out: dict[int, list[list[int]]] = {}
+    for e in run.history("step"):
+        for b, m in enumerate(e.get("moe") or []):
+            rows = out.setdefault(e["step"], [])
+            if len(rows) <= b:
+                rows.append([0] * len(m["tokens_per_expert"]))
+            rows[b] = [a + t for a, t in zip(rows[b], m["tokens_per_expert"])]
+    return dict(sorted(out.items()))
+
+
+def max_vio_per_step(run) -> list[float]:
+    """MaxVio of each step, the mean over the blocks of each block's global load."""
+    return [sum(max_violation(b) for b in blocks) / len(blocks)
+            for blocks in global_loads(run).values()]
+
+
+def lm_loss_per_step(run) -> list[float]:
+    """The cross-entropy of each step (mean over the ranks): the loss minus the auxiliary
+    term the step added (its coefficient x each block's auxiliary loss, as logged)."""
+    coef = run.cfg.aux_loss_coef
+    by_step: dict[int, list[float]] = {}
+    for e in run.history("step"):
+        aux = sum(m["aux_loss"] for m in e.get("moe") or [])
+        by_step.setdefault(e["step"], []).append(e["loss"] - coef * aux)
+    return [sum(v) / len(v) for _, v in sorted(by_step.items())]
+
+
+def tail_mean(values: list[float], fraction: float = 0.5) -> float:
+    """The mean of the last `fraction` of the values (the run once the router has settled)."""
+    tail = values[-max(1, round(len(values) * fraction)):]
+    return sum(tail) / len(tail)
+
+
+def balance_rows(runs: dict) -> list[dict]:
+    """Per run: MaxVio over the second half of the steps, the final one, and the LM loss over
+    the last quarter."""
+    rows = []
+    for name, run in runs.items():
+        vio, lm = max_vio_per_step(run), lm_loss_per_step(run)
+        rows.append({"name": name, "max_vio": tail_mean(vio), "max_vio_last": vio[-1],
+                     "lm_loss": tail_mean(lm, 0.25), "aux_loss_coef": run.cfg.aux_loss_coef,
+                     "bias_rate": run.cfg.expert_bias_rate})
+    return rows
+
+
+def balance_figure(runs: dict):
+    """MaxVio step by step, one line per run (log scale: a balanced router sits near 0.1,
+    an unbalanced one near E - 1)."""
+    fig = go.Figure()
+    for name, run in runs.items():
+        vio = max_vio_per_step(run)
+        fig.add_scatter(x=list(range(len(vio))), y=vio, mode="lines", name=name)
+    fig.update_layout(height=360, template="plotly_white", legend=LEGEND,
+                      title="MaxVio per step (the busiest expert over the mean, minus 1)",
+                      xaxis_title="step", yaxis_title="MaxVio, mean over blocks")
+    return fig
+
+
+def run_balance(base: RunConfig, coefs=(1e-3, 1e-2, 1e-1), rates=(1e-3, 1e-2)) -> dict:
+    """Every balance run in one launch: {name: Run}."""
+    return launch_together(balance_configs(base, coefs, rates), name="ep-balance-routers")
+
+
+# -- dropless against a capacity ---------------------------------------------------------------
+def per_step(run, read) -> list[float]:
+    """read(event) for every step event of every rank (a rank's step is one sample)."""
+    return [read(e) for e in run.history("step")]
+
+
+def traffic_rows(runs: dict) -> list[dict]:
+    """Per run: choices dropped, dispatch bytes per rank per step and activations per rank per
+    step, each as mean and worst over the run."""
+    rows = []
+    for name, run in runs.items():
+        sent = per_step(run, lambda e: e["comm"].get("ep.dispatch", {}).get("bytes_sent", 0))
+        acts = per_step(run, lambda e: e["memory"]["activations"])
+        made = sum(sum(m["tokens_per_expert"]) for e in run.history("step") for m in e["moe"])
+        dropped = sum(m["dropped"] for e in run.history("step") for m in e["moe"])
+        rows.append({"name": name, "capacity_factor": run.cfg.capacity_factor,
+                     "dropped": dropped / made, "sent_mean": sum(sent) / len(sent),
+                     "sent_max": max(sent), "acts_mean": sum(acts) / len(acts),
+                     "acts_max": max(acts)})
+    return rows
+
+
+def dispatch_bound(cfg: RunConfig, row_bytes: int) -> int:
+    """The most bytes one rank's dispatch can send in a step, per the router's rules: with a
+    capacity, at most C rows to each of the E - E/N remote experts (and no more than its
+    choices); dropless, every choice (tokens x k) to a remote expert. Summed over the blocks."""
+    from distlab.theory.context_and_experts import expert_capacity
+    tokens = cfg.micro_batch * cfg.seq_len
+    choices = tokens * cfg.top_k
+    remote = cfg.n_experts - cfg.n_experts // cfg.world_size
+    if cfg.capacity_factor:
+        choices = min(choices, remote * expert_capacity(tokens, cfg.n_experts,
+                                                        cfg.capacity_factor, cfg.top_k))
+    return choices * row_bytes * cfg.n_layer

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "your_model.md"
 # the scripts, in the page's order of the features they show
 SCRIPTS = ("train_ddp.py", "train_zero.py", "train_fsdp.py", "train_nanogpt.py", "train_tp.py",
-           "train_pp.py", "train_long.py")
+           "train_pp.py", "train_long.py", "train_mixtral.py")
 MARK = "=== snippet "
-JOB_TIMEOUT_S = 400  # the seven take ~25 s alone, ~60 s inside the loaded suite
+JOB_TIMEOUT_S = 400  # the eight take ~25 s alone, ~60 s inside the loaded suite
 DRIVER = f'''\
 import os, runpy, sys, traceback
 from datetime import timedelta
@@ -118,3 +118,12 @@ def test_the_long_sequence_and_experts_snippet_learns(printed):
     losses = [float(line.split("loss ")[1]) for line in lines_of(printed, "train_long.py")]
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.5 * losses[0], losses  # 2.97 -> 0.05 when written
+
+
+def test_a_users_mixtral_block_under_expert_parallel_learns(printed):
+    """The page's Mixtral-shaped block (the user's router and SwiGLU experts) spread by
+    expert_parallel: finite losses, and it learns the task (each target 3 more than its
+    token: the last loss below half the first)."""
+    losses = [float(line.split("loss ")[1]) for line in lines_of(printed, "train_mixtral.py")]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -46,7 +46,6 @@
 # 8. the closing table: what the papers say, what this run measured.
 
 # %% tags=["parameters"]
-import math
 import os
 
 # CI sets WORKBOOK_QUICK=1: fewer steps and capacity factors, about a minute.
@@ -68,26 +67,19 @@ E, N = 4, 2   # experts, ranks
 # %%
 from distlab import RunConfig
 from distlab.lab.common import claim, claims_table, fmt_bytes, say, table
-from distlab.lab.expert_routing import (
-    balance_figure,
-    balance_rows,
-    dispatch_bound,
-    run_balance,
-    traffic_rows,
-)
+from distlab.lab.expert_routing import balance_figure, balance_study, traffic_study
 from distlab.lab.experts import (
     ExpertsExplorer,
     capacity_figure,
     dispatch_bytes,
     dropped_fraction,
     flops_per_token,
+    layouts_table,
 )
 from distlab.lab.runs import launch_together, worst_param_diff
 from distlab.theory.context_and_experts import (
     ep_dispatch_bytes,
-    expert_capacity,
     fine_grained,
-    moe_active,
     moe_layer_per_rank,
     moe_params,
 )
@@ -173,24 +165,15 @@ assert max(ep_diffs.values()) <= ATOL and ds_dropped == 0
 
 # %%
 DRIFT = EP.replace(lr=3e-3, optimizer="adamw", steps=BALANCE_STEPS)
-balance_by_seed = {seed: run_balance(DRIFT.replace(seed=seed), COEFS, (RATE, 10 * RATE))
-                   for seed in SEEDS}
-balance_figure(balance_by_seed[SEEDS[0]]).show()
-by_seed = {seed: {r["name"]: r for r in balance_rows(runs)}
-           for seed, runs in balance_by_seed.items()}
-names = list(by_seed[SEEDS[0]])
-table(["run"] + [f"MaxVio, seed {s}" for s in SEEDS] + [f"LM loss, seed {s}" for s in SEEDS],
-      [[n] + [f"{by_seed[s][n]['max_vio']:.3f}" for s in SEEDS]
-       + [f"{by_seed[s][n]['lm_loss']:.4f}" for s in SEEDS] for n in names])
+study = balance_study(DRIFT, SEEDS, COEFS, (RATE, 10 * RATE))
+balance_figure(study.runs[SEEDS[0]]).show()
+study.table()
 BIAS = f"bias {RATE:g}"
-best_switch = {s: min((n for n in names if n.startswith("Switch")),
-                      key=lambda n: by_seed[s][n]["max_vio"]) for s in SEEDS}
-lm_cost = {s: by_seed[s][best_switch[s]]["lm_loss"] - by_seed[s][BIAS]["lm_loss"]
-           for s in SEEDS}
+lm_cost = study.lm_cost(BIAS)
 say(f"Switch's best-balancing coefficient per seed: "
-    f"{', '.join(f'seed {s}: {best_switch[s]}' for s in SEEDS)}. Its LM loss minus the "
-    f"bias's: {', '.join(f'{v:+.4f}' for v in lm_cost.values())} (positive: the loss term "
-    "cost quality).")
+    f"{', '.join(f'seed {s}: {study.best_switch(s)}' for s in SEEDS)}. Its LM loss minus "
+    f"the bias's: {', '.join(f'{v:+.4f}' for v in lm_cost)} (positive: the loss term cost "
+    "quality).")
 
 # %% [markdown]
 # ## 4. What the capacity factor trades
@@ -211,26 +194,9 @@ say(f"Switch's best-balancing coefficient per seed: "
 # every choice to a remote one).
 
 # %%
-cap_cfgs = {f"cf {cf}": EP.replace(capacity_factor=cf, steps=LOAD_STEPS) for cf in CFS}
-cap_cfgs["dropless"] = EP.replace(capacity_factor=0.0, steps=LOAD_STEPS)
-all_cap = launch_together(cap_cfgs, name="ep-capacity")
-cap_runs = {k: v for k, v in all_cap.items() if k != "dropless"}
-tokens = EP.micro_batch * EP.seq_len  # per rank per forward
-traffic = {r["name"]: r for r in traffic_rows(all_cap)}
-cap_rows = [{"capacity_factor": cf, "capacity": expert_capacity(tokens, E, cf),
-             "dropped": traffic[name]["dropped"], "dispatch_bytes": traffic[name]["sent_mean"],
-             "activations": traffic[name]["acts_mean"]}
-            for cf, name in zip(CFS, cap_runs)]
-ROW = EP.n_embd * 4  # one token's row, float32
-table(["run", f"capacity per expert ({tokens} tokens, {E} experts)", "choices dropped",
-       "dispatch per rank per step: mean / worst / ceiling",
-       "activations per rank per step: mean / worst"],
-      [[name, expert_capacity(tokens, E, cfg.capacity_factor) if cfg.capacity_factor else
-        "none", f"{100 * traffic[name]['dropped']:.1f}%",
-        f"{fmt_bytes(traffic[name]['sent_mean'])} / {fmt_bytes(traffic[name]['sent_max'])} / "
-        f"{fmt_bytes(dispatch_bound(cfg, ROW))}",
-        f"{fmt_bytes(traffic[name]['acts_mean'])} / {fmt_bytes(traffic[name]['acts_max'])}"]
-       for name, cfg in cap_cfgs.items()])
+traffic = traffic_study(EP, CFS, LOAD_STEPS)
+traffic.table()
+cap_rows = traffic.capacity_rows()
 capacity_figure(cap_rows).show()
 
 # %% [markdown]
@@ -243,8 +209,9 @@ capacity_figure(cap_rows).show()
 # even by hand, `tests/test_expert_parallel.py`).
 
 # %%
+tokens = EP.micro_batch * EP.seq_len  # per rank per forward
 even = ep_dispatch_bytes(tokens, 32, N)["forward"] // 2 * EP.n_layer
-measured_dispatch = dispatch_bytes(cap_runs[f"cf {max(CFS)}"])
+measured_dispatch = dispatch_bytes(traffic.runs[f"cf {max(CFS)}"])
 say(f"dispatch per rank per step, {EP.n_layer} blocks: even routing {fmt_bytes(even)} "
     f"(formula); measured at capacity factor {max(CFS)} {fmt_bytes(measured_dispatch)} "
     f"({measured_dispatch / even:.2f}x).")
@@ -267,16 +234,7 @@ layouts = {"Switch: 4 experts of 256, top-1": (4, 1, 0, hid),
            f"fine-grained: {fg['n_experts']} of {fg['hidden']}, top-{fg['top_k']}":
                (fg["n_experts"], fg["top_k"], 0, fg["hidden"]),
            "DeepSeekMoE: 15 of 64, top-3, 1 shared": (15, 3, 1, fg["hidden"])}
-moe_rows = []
-for name, (e_, k_, s_, h_) in layouts.items():
-    active = moe_active(d, h_, e_, k_, s_)
-    moe_rows.append([name, f"{moe_params(d, h_, e_, s_)['total']:,}", f"{active['params']:,}",
-                     f"{flops_per_token(d, h_, e_, k_, n_shared=s_):,.0f}",
-                     f"{active['forward_flops']:,}", f"{math.comb(e_, k_):,}"])
-table(["layer", "parameters", "active per token (modelled)",
-       "forward FLOPs per token (measured)", "modelled", "expert combinations C(E, k)"],
-      moe_rows)
-fg_flops = [flops_per_token(d, h_, e_, k_, n_shared=s_) for e_, k_, s_, h_ in layouts.values()]
+fg_flops = layouts_table(d, layouts)
 
 # %% [markdown]
 # The three layers do nearly the same work per token: the fine-grained one's extra FLOPs are
@@ -307,9 +265,9 @@ explorer.widget
 
 # %%
 drops = {r["capacity_factor"]: r["dropped"] for r in cap_rows}
-vio = {n: [by_seed[s][n]["max_vio"] for s in SEEDS] for n in names}
-dropless = traffic["dropless"]
-best_vio = [by_seed[s][best_switch[s]]["max_vio"] for s in SEEDS]
+vio = {n: study.max_vio(n) for n in study.names}
+best_vio = [study.rows[s][study.best_switch(s)]["max_vio"] for s in SEEDS]
+dropless, capped = traffic.rows["dropless"], traffic.rows["cf 1.25"]
 rows = [
     claim("an MoE's parameters grow with E while its FLOPs per token do not",
           "Fedus et al. 2021 (Switch Transformer)",
@@ -349,21 +307,20 @@ rows = [
           f"Switch's best of {', '.join(f'{c:g}' for c in COEFS)}: "
           f"{', '.join(f'{v:.3f}' for v in best_vio)} "
           "(yes: at or below it in every seed)",
-          all(by_seed[s][BIAS]["max_vio"] <= by_seed[s][best_switch[s]]["max_vio"]
-              for s in SEEDS)),
+          all(b <= s_ for b, s_ in zip(vio[BIAS], best_vio))),
     claim("the auxiliary loss costs language-model quality that the bias does not",
           "Wang et al. 2024 (its gradient interferes with the LM's); Megatron-Bridge #947: "
           "loss 2.45 -> 2.56", f"LM loss, Switch's best-balancing run minus the bias's, per "
-          f"seed: {', '.join(f'{v:+.4f}' for v in lm_cost.values())} (yes: higher in every "
-          "seed)", all(v > 0 for v in lm_cost.values())),
+          f"seed: {', '.join(f'{v:+.4f}' for v in lm_cost)} (yes: higher in every "
+          "seed)", all(v > 0 for v in lm_cost)),
     claim("dropless drops no token, and its worst step sends more than a capacity of 1.25 "
           "allows (what static shapes buy)", "Megatron-Core and torchtitan's dropless MoE; "
           "GShard's fixed-size dispatch", f"dropless: {100 * dropless['dropped']:.1f}% dropped, "
           f"worst dispatch {fmt_bytes(dropless['sent_max'])} per rank per step; capacity 1.25's "
-          f"ceiling {fmt_bytes(dispatch_bound(EP.replace(capacity_factor=1.25), ROW))}, its "
-          f"worst step {fmt_bytes(traffic['cf 1.25']['sent_max'])}",
-          dropless["dropped"] == 0 and traffic["cf 1.25"]["sent_max"] <= dispatch_bound(
-              EP.replace(capacity_factor=1.25), ROW) < dropless["sent_max"]),
+          f"ceiling {fmt_bytes(traffic.bound('cf 1.25'))}, its worst step "
+          f"{fmt_bytes(capped['sent_max'])}",
+          dropless["dropped"] == 0
+          and capped["sent_max"] <= traffic.bound("cf 1.25") < dropless["sent_max"]),
     claim("fine-grained and shared experts keep the FLOPs per token", "Dai et al. 2024 "
           "(DeepSeekMoE)", "measured forward FLOPs per token: " + ", ".join(
               f"{f:,.0f}" for f in fg_flops) + " (yes: within 10% of the first)",

@@ -24,6 +24,8 @@ tokens x k, every choice to a remote expert.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import plotly.graph_objects as go
 
 from distlab.config import RunConfig
@@ -89,22 +91,71 @@ def balance_rows(runs: dict) -> list[dict]:
     return rows
 
 
-def balance_figure(runs: dict):
-    """MaxVio step by step, one line per run (log scale: a balanced router sits near 0.1,
-    an unbalanced one near E - 1)."""
+def balance_figure(runs: dict, window: int = 10):
+    """MaxVio step by step, one line per run, each point the mean of the last `window` steps
+    (one step's MaxVio swings with its 128 tokens' draw; the mean shows the trend)."""
     fig = go.Figure()
     for name, run in runs.items():
         vio = max_vio_per_step(run)
-        fig.add_scatter(x=list(range(len(vio))), y=vio, mode="lines", name=name)
+        mean = [sum(vio[max(0, i - window + 1):i + 1]) / len(vio[max(0, i - window + 1):i + 1])
+                for i in range(len(vio))]
+        fig.add_scatter(x=list(range(len(vio))), y=mean, mode="lines", name=name)
     fig.update_layout(height=360, template="plotly_white", legend=LEGEND,
-                      title="MaxVio per step (the busiest expert over the mean, minus 1)",
-                      xaxis_title="step", yaxis_title="MaxVio, mean over blocks")
+                      title=f"MaxVio (the busiest expert over the mean, minus 1), mean of the "
+                            f"last {window} steps",
+                      xaxis_title="step", yaxis_title="MaxVio, mean over blocks",
+                      yaxis_rangemode="tozero")
     return fig
 
 
 def run_balance(base: RunConfig, coefs=(1e-3, 1e-2, 1e-1), rates=(1e-3, 1e-2)) -> dict:
     """Every balance run in one launch: {name: Run}."""
     return launch_together(balance_configs(base, coefs, rates), name="ep-balance-routers")
+
+
+@dataclass
+class BalanceStudy:
+    """The balance runs over several seeds (the repeats): runs[seed][name] and
+    rows[seed][name] (balance_rows)."""
+    runs: dict
+    rows: dict
+
+    @property
+    def seeds(self) -> list:
+        return list(self.rows)
+
+    @property
+    def names(self) -> list:
+        return list(self.rows[self.seeds[0]])
+
+    def max_vio(self, name: str) -> list[float]:
+        return [self.rows[s][name]["max_vio"] for s in self.seeds]
+
+    def best_switch(self, seed) -> str:
+        """The Switch coefficient that balanced best in this seed (lowest MaxVio)."""
+        return min((n for n in self.names if n.startswith("Switch")),
+                   key=lambda n: self.rows[seed][n]["max_vio"])
+
+    def lm_cost(self, bias: str) -> list[float]:
+        """Per seed: the LM loss of Switch's best-balancing run minus the bias run's."""
+        return [self.rows[s][self.best_switch(s)]["lm_loss"] - self.rows[s][bias]["lm_loss"]
+                for s in self.seeds]
+
+    def table(self):
+        from distlab.lab.common import table
+        table(["run"] + [f"MaxVio, seed {s}" for s in self.seeds]
+              + [f"LM loss, seed {s}" for s in self.seeds],
+              [[n] + [f"{self.rows[s][n]['max_vio']:.3f}" for s in self.seeds]
+               + [f"{self.rows[s][n]['lm_loss']:.4f}" for s in self.seeds]
+               for n in self.names])
+
+
+def balance_study(base: RunConfig, seeds, coefs=(1e-3, 1e-2, 1e-1),
+                  rates=(1e-3, 1e-2)) -> BalanceStudy:
+    """run_balance once per seed (one launch each)."""
+    runs = {seed: run_balance(base.replace(seed=seed), coefs, rates) for seed in seeds}
+    return BalanceStudy(runs, {seed: {r["name"]: r for r in balance_rows(rs)}
+                               for seed, rs in runs.items()})
 
 
 # -- dropless against a capacity ---------------------------------------------------------------
@@ -127,6 +178,60 @@ def traffic_rows(runs: dict) -> list[dict]:
                      "sent_max": max(sent), "acts_mean": sum(acts) / len(acts),
                      "acts_max": max(acts)})
     return rows
+
+
+@dataclass
+class TrafficStudy:
+    """The capacity runs and a dropless one: cfgs[name], runs[name], rows[name]
+    (traffic_rows)."""
+    cfgs: dict
+    runs: dict
+    rows: dict
+
+    @property
+    def row_bytes(self) -> int:  # one token's row, float32
+        return next(iter(self.cfgs.values())).n_embd * 4
+
+    def bound(self, name: str) -> int:
+        return dispatch_bound(self.cfgs[name], self.row_bytes)
+
+    def capacity_rows(self) -> list[dict]:
+        """The capacity runs as capacity_figure's rows (dropless left out: no factor)."""
+        from distlab.theory.context_and_experts import expert_capacity
+        out = []
+        for name, cfg in self.cfgs.items():
+            if cfg.capacity_factor:
+                r = self.rows[name]
+                out.append({"capacity_factor": cfg.capacity_factor,
+                            "capacity": expert_capacity(cfg.micro_batch * cfg.seq_len,
+                                                        cfg.n_experts, cfg.capacity_factor,
+                                                        cfg.top_k),
+                            "dropped": r["dropped"], "dispatch_bytes": r["sent_mean"],
+                            "activations": r["acts_mean"]})
+        return out
+
+    def table(self):
+        from distlab.lab.common import fmt_bytes, table
+        from distlab.theory.context_and_experts import expert_capacity
+        cfg0 = next(iter(self.cfgs.values()))
+        tokens = cfg0.micro_batch * cfg0.seq_len
+        table(["run", f"capacity per expert ({tokens} tokens, {cfg0.n_experts} experts)",
+               "choices dropped", "dispatch per rank per step: mean / worst / ceiling",
+               "activations per rank per step: mean / worst"],
+              [[name, expert_capacity(tokens, cfg.n_experts, cfg.capacity_factor, cfg.top_k)
+                if cfg.capacity_factor else "none", f"{100 * r['dropped']:.1f}%",
+                f"{fmt_bytes(r['sent_mean'])} / {fmt_bytes(r['sent_max'])} / "
+                f"{fmt_bytes(self.bound(name))}",
+                f"{fmt_bytes(r['acts_mean'])} / {fmt_bytes(r['acts_max'])}"]
+               for name, cfg, r in ((n, c, self.rows[n]) for n, c in self.cfgs.items())])
+
+
+def traffic_study(base: RunConfig, factors, steps: int) -> TrafficStudy:
+    """One launch: `base` at each capacity factor ("cf F") and dropless."""
+    cfgs = {f"cf {cf}": base.replace(capacity_factor=cf, steps=steps) for cf in factors}
+    cfgs["dropless"] = base.replace(capacity_factor=0.0, steps=steps)
+    runs = launch_together(cfgs, name="ep-capacity")
+    return TrafficStudy(cfgs, runs, {r["name"]: r for r in traffic_rows(runs)})
 
 
 def dispatch_bound(cfg: RunConfig, row_bytes: int) -> int:

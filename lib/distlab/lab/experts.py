@@ -38,6 +38,27 @@ def flops_per_token(d: int, hidden: int, n_experts: int, top_k: int, tokens: int
     return counter.get_total_flops() / tokens
 
 
+def layouts_table(d: int, layouts: dict) -> list[float]:
+    """One MoE layer per layout, {name: (experts, top_k, shared, expert width)}: parameters
+    (theory.moe_params), those a token meets and forward FLOPs per token (theory.moe_active)
+    beside the FLOPs FlopCounterMode counts, and the expert combinations C(E, k), as a table.
+    Returns the measured FLOPs per token, in order."""
+    import math
+
+    from distlab.lab.common import table
+    from distlab.theory.context_and_experts import moe_active, moe_params
+    rows, measured = [], []
+    for name, (e, k, s, h) in layouts.items():
+        active, flops = moe_active(d, h, e, k, s), flops_per_token(d, h, e, k, n_shared=s)
+        measured.append(flops)
+        rows.append([name, f"{moe_params(d, h, e, s)['total']:,}", f"{active['params']:,}",
+                     f"{flops:,.0f}", f"{active['forward_flops']:,}", f"{math.comb(e, k):,}"])
+    table(["layer", "parameters", "active per token (modelled)",
+           "forward FLOPs per token (measured)", "modelled", "expert combinations C(E, k)"],
+          rows)
+    return measured
+
+
 def expert_load(run, block: int = 0) -> list[list[int]]:
     """Per step: tokens routed to each expert in `block`, summed over the ranks."""
     by_step: dict[int, list[int]] = {}
@@ -64,12 +85,6 @@ def dropped_fraction(run) -> float:
             dropped += m["dropped"]
             made += sum(m["tokens_per_expert"])
     return dropped / made if made else 0.0
-
-
-def activation_bytes(run) -> float:
-    """Mean saved-for-backward bytes per rank per step (the loop's ActivationMeter)."""
-    acts = [e["memory"]["activations"] for e in run.history("step")]
-    return sum(acts) / len(acts) if acts else 0.0
 
 
 def dispatch_bytes(run) -> float:
@@ -101,20 +116,6 @@ def last_step_events(run) -> list[dict]:
     done = min(max(e["step"] for e in steps if e["rank"] == r)
                for r in {e["rank"] for e in steps})
     return [e for e in steps if e["step"] == done]
-
-
-def load_figure(runs: dict, block: int = 0, fig=None):
-    """The busiest expert over the mean load, step by step, one line per run."""
-    fig = fig if fig is not None else go.Figure()
-    fig.data = ()
-    for name, run in runs.items():
-        loads = expert_load(run, block)
-        fig.add_scatter(x=list(range(len(loads))), y=[imbalance(l_) for l_ in loads],
-                        mode="lines+markers", name=name)
-    fig.update_layout(height=330, template="plotly_white", legend=LEGEND,
-                      title=f"block {block}: busiest expert / mean load, per step",
-                      xaxis_title="step", yaxis_title="max / mean tokens per expert")
-    return fig
 
 
 def capacity_figure(rows: list[dict]):

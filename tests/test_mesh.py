@@ -64,6 +64,11 @@ DP_FIRST = CFG.replace(mesh_order="dp-tp-pp")
 STEPS = 4  # the N-D compositions' steps (a wrong average shows after one)
 ND_BASE = BASE.replace(steps=STEPS)
 NO_DROP = dict(n_experts=4, aux_loss_coef=0.0, capacity_factor=4.0)
+# DeepSeek's routing: dropless, top-2, a shared expert, the balancing bias (its loads summed
+# over dp_shard x cp, then dp_replicate: Strategy.routing_comms), at a rate that moves it in
+# 4 steps
+DEEPSEEK = dict(n_experts=4, top_k=2, aux_loss_coef=0.0, capacity_factor=0.0,
+                n_shared_experts=1, expert_bias_rate=0.01)
 # name: (the mesh's degrees and knobs, what `single` needs to see the same routing groups)
 COMPOSITIONS = {
     "dp2 x cp2 x tp2 (fully_shard)": (dict(dp_shard=2, cp=2, tp=2), {}),
@@ -76,12 +81,12 @@ COMPOSITIONS = {
     # the experts' own ZeRO over edp beside the dense one (distlab.parallel.expert.zero):
     # stage 3 under the pipeline, 2 with TP, 1 with HSDP and the clip; cp2 x dp4 keeps the
     # unsharded path (the experts' gradients all-reduced over edp)
-    "pp2 x dp4 (ep2, zero3, 1f1b)": (dict(pp=2, dp_shard=4, ep=2, zero_stage=3, microbatches=2,
-                                          schedule="1f1b", **NO_DROP),
-                                     dict(moe_groups=8, **NO_DROP)),
-    "HSDP dp_replicate2 x dp_shard2 x cp2 (ep2, zero1), grad_clip": (
-        dict(dp_replicate=2, dp_shard=2, cp=2, ep=2, zero_stage=1, grad_clip=0.05, **NO_DROP),
-        dict(grad_clip=0.05, **NO_DROP)),
+    "pp2 x dp4 (ep2, zero3, 1f1b, DeepSeek's routing)": (
+        dict(pp=2, dp_shard=4, ep=2, zero_stage=3, microbatches=2, schedule="1f1b",
+             **DEEPSEEK), dict(moe_groups=8, **DEEPSEEK)),
+    "HSDP dp_replicate2 x dp_shard2 x cp2 (ep2, zero1, DeepSeek's routing), grad_clip": (
+        dict(dp_replicate=2, dp_shard=2, cp=2, ep=2, zero_stage=1, grad_clip=0.05, **DEEPSEEK),
+        dict(grad_clip=0.05, **DEEPSEEK)),
     # the norm's other groups: cp, and the experts over ep (each held by its edp ranks)
     "cp2 x dp4 (ep2), grad_clip": (dict(cp=2, dp_shard=4, ep=2, zero_stage=0, grad_clip=0.05,
                                         **NO_DROP), dict(grad_clip=0.05, **NO_DROP)),

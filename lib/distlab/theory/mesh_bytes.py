@@ -41,6 +41,9 @@ S = b·T_c·d·4 (one micro-batch's residual stream on one rank), L_s = n_layer 
          under a pipeline: m reduce-scatters); zero3 gathers each expert for every forward
          and again for its backward (the expert is the module fully_shard wraps, so its
          forward's end frees it and prefetches it back): 2m all-gathers, m reduce-scatters
+    moe.load  with the balancing bias (expert_bias_rate): the step's loads, L_s x E counts in
+         float64, all-reduced over the ranks that route different tokens (dp_cp, or
+         dp_shard x cp then dp_replicate), 2(n-1)/n·8·L_s·E each
 """
 
 from __future__ import annotations
@@ -168,6 +171,11 @@ def forward_then_backward(cfg, stage: int) -> int:
     return sum(a[0] == "F" and b[0] == "B" for a, b in zip(ops, ops[1:]))
 
 
+def _group_size(s: dict, group: str) -> int:
+    return {"dp_cp": s["dp_replicate"] * s["dp_shard"] * s["cp"],
+            "dp_shard_cp": s["dp_shard"] * s["cp"], "dp_replicate": s["dp_replicate"]}[group]
+
+
 def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     """{group kind: {collective kind: bytes `rank` sends per step}} (module docstring)."""
     if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule in V_SHAPED:
@@ -231,6 +239,11 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     if "dp_cp" in out:
         n = s["dp_replicate"] * s["dp_shard"] * cp
         out["dp_cp"]["all_reduce"] = ring_allreduce_bytes(FP32 * (sum(held.values()) - experts), n)
+    if cfg.n_experts and cfg.expert_bias_rate:  # the experts' loads, float64, summed
+        for g in ("dp_cp", "dp_shard_cp", "dp_replicate"):  # Strategy.routing_comms' order
+            if g in out:
+                out[g]["moe.load"] = ring_allreduce_bytes(8 * L * cfg.n_experts,
+                                                          _group_size(s, g))
     if "edp" in out:
         E = s["dp_replicate"] * s["dp_shard"] * cp // s["ep"]
         if not _expert_zero(cfg):

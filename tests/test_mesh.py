@@ -402,6 +402,16 @@ def test_training_moved_the_weights(nd):
     assert moved > 100 * ATOL
 
 
+def test_the_balancing_bias_moved_where_it_is_on(nd):
+    """DeepSeek's compositions: the bias each rank holds equals one process's (checked above
+    with the rest of the state), and it moved, so that equality is about loads summed over the
+    routing groups (one rank's own loads give other signs)."""
+    single, _, _ = nd
+    for name, cfg in MESH.items():
+        bias = [v for k, v in single[name]["state"].items() if k.endswith("expert_bias")]
+        assert any(b.abs().max() > 0 for b in bias) == bool(cfg.expert_bias_rate), name
+
+
 @pytest.mark.parametrize("clipped, unclipped", [
     ("pp2 x dp_shard2 x tp2 (zero3, 1f1b), grad_clip", "unclipped dense"),
     ("cp2 x dp4 (ep2), grad_clip", "unclipped experts")])

@@ -237,8 +237,8 @@ layouts = {"Switch: 4 experts of 256, top-1": (4, 1, 0, hid),
 fg_flops = layouts_table(d, layouts)
 
 # %% [markdown]
-# The three layers do nearly the same work per token: the fine-grained one's extra FLOPs are
-# its larger router (d·E). What segmentation buys is choice: 4 ways to route a token become
+# The three layers do nearly the same work per token: the fine-grained layers' extra FLOPs are
+# their larger routers (d·E). What segmentation buys is choice: 4 ways to route a token become
 # 1,820.
 
 # %% [markdown]

@@ -543,43 +543,46 @@ def test_aux_loss_is_switch_by_hand():
 
 
 # -- the ep strategy in the training loop ------------------------------------------------------
-def _loop_run(cfg):
-    from distlab import run_ranks
-    from distlab.rank.train import train_with_state
-    return run_ranks(train_with_state, cfg.world_size, [cfg.to_dict()], timeout_s=120)
-
-
 LOOP = dict(steps=4, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2,
             n_embd=32, n_head=2, mlp_ratio=2, n_experts=4, timeout_s=60)
-
-
 # DeepSeek's routing in the loop: dropless, top-2 of 4 narrow experts and a shared one, the
 # balancing bias and no auxiliary loss
 DEEPSEEK_LOOP = dict(top_k=2, capacity_factor=0.0, n_shared_experts=1, expert_hidden=16,
                      expert_bias_rate=0.01, aux_loss_coef=0.0, expert_grouped=GROUPED)
+LOOP_CASES = {"top-1": dict(top_k=1, capacity_factor=4.0),
+              "top-1 dropping": dict(top_k=1, capacity_factor=0.5), "deepseek": DEEPSEEK_LOOP}
 
 
-@pytest.mark.parametrize("settings", [dict(top_k=1, capacity_factor=4.0),
-                                      dict(top_k=1, capacity_factor=0.5), DEEPSEEK_LOOP],
-                         ids=["top-1", "top-1 dropping", "deepseek"])
-def test_ep_strategy_follows_single_with_a_group_per_rank(settings):
+@pytest.fixture(scope="module")
+def loop_runs():
+    """Every case's `single` (moe_groups=2) in one launch, every case's `ep` in another (each
+    config trained in turn: launches cost seconds): {case: (single's result, ep's per rank)}."""
+    from distlab import RunConfig
+    from distlab.rank.train import train_with_state
+    base = {k: RunConfig(**LOOP, **v) for k, v in LOOP_CASES.items()}
+    single = run_ranks(train_with_state, 1, [c.replace(moe_groups=2).to_dict()
+                                             for c in base.values()], timeout_s=120)[0]
+    ep = run_ranks(train_with_state, 2, [c.replace(strategy="ep", world_size=2).to_dict()
+                                         for c in base.values()], timeout_s=120)
+    return {k: (single[i], [r[i] for r in ep]) for i, k in enumerate(base)}
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_ep_strategy_follows_single_with_a_group_per_rank(loop_runs, case):
     """`ep` on 2 ranks against `single` with moe_groups=2 (the same tokens per group, so the
     same capacity, drops and balance loss): parameters and the balancing bias within
     LOOP_ATOL after 4 SGD steps. Capacity factor 0.5 keeps at most half of each group's
     tokens: drops are certain. Top-2 with capacity is the dispatch-level tests' (above)."""
-    from distlab import RunConfig
-    base = RunConfig(**LOOP, **settings)
-    single = _loop_run(base.replace(moe_groups=2))[0][0]
-    results = _loop_run(base.replace(strategy="ep", world_size=2))
+    single, results = loop_runs[case]
     for r, res in enumerate(results):
-        state = res[0]["state"]
+        state = res["state"]
         assert state.keys() == single["state"].keys()
         worst = max((state[k] - single["state"][k]).abs().max().item() for k in state)
-        print(f"ep {settings}, rank {r}: vs single {worst:.1e}")
+        print(f"ep {case}, rank {r}: vs single {worst:.1e}")
         assert worst <= LOOP_ATOL
     bias = [v for k, v in single["state"].items() if k.endswith("expert_bias")]
     assert len(bias) == LOOP["n_layer"]
-    assert any(b.abs().max() > 0 for b in bias) == bool(settings.get("expert_bias_rate"))
+    assert any(b.abs().max() > 0 for b in bias) == bool(LOOP_CASES[case].get("expert_bias_rate"))
 
 
 @pytest.mark.parametrize("fields,says", [

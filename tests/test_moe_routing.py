@@ -153,3 +153,13 @@ def test_fine_grained_experts_keep_the_weights_and_multiply_the_choices():
         moe_active(D, 4, 16, 4)["forward_flops"] - 2 * D * 16
     with pytest.raises(ValueError, match="does not split into m=3"):
         fine_grained(D, H, E, 1, m=3)
+
+
+@pytest.mark.parametrize("kw", [dict(n_experts=4), dict(n_experts=8, top_k=2, expert_hidden=16,
+                                                       n_shared_experts=2)])
+def test_the_gpt_parameter_formula_counts_experts_shared_and_narrow(kw):
+    """gpt_param_count (the loop's GPT, by formula) against the module: routed experts of
+    expert_hidden width, the shared ones, the routers."""
+    from distlab.models import GPT, GPTConfig, gpt_param_count
+    c = GPTConfig(n_layer=2, n_embd=32, n_head=2, **kw)
+    assert gpt_param_count(c) == GPT(c).num_params()

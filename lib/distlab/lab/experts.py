@@ -19,6 +19,7 @@ import torch
 from distlab.config import RunConfig
 from distlab.lab.panel import Explorer
 from distlab.lab.runs import launch_together
+from distlab.models.moe import max_violation
 
 LEGEND = dict(orientation="h", yanchor="top", y=-0.25, x=0)
 
@@ -69,11 +70,6 @@ def expert_load(run, block: int = 0) -> list[list[int]]:
             for i, n in enumerate(moe[block]["tokens_per_expert"]):
                 row[i] += n
     return [by_step[s] for s in sorted(by_step)]
-
-
-def imbalance(load: list[int]) -> float:
-    """The busiest expert's tokens over the mean (1: perfectly even)."""
-    return max(load) / (sum(load) / len(load))
 
 
 def dropped_fraction(run) -> float:
@@ -194,7 +190,7 @@ class ExpertsExplorer(Explorer):
         self._draw(run, "done")
         last = expert_load(run)[-1]
         self._say(html.escape(f"last step, block 0: tokens per expert {last} (MaxVio "
-                              f"{imbalance(last) - 1:.2f}); dropped "
+                              f"{max_violation(last):.2f}); dropped "
                               f"{100 * dropped_fraction(run):.1f}% of the choices; final loss "
                               f"{run.losses()[-1]:.3f}"))
         self.last = {"config": cfg, "run": run}

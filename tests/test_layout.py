@@ -59,7 +59,7 @@ def _runtime() -> dict[str, pathlib.Path]:
 LAYERS = [
     ("foundation", ["distlab.units", "distlab.modules", "distlab.non_finite", "distlab.wire",
                     "distlab.gloo_exit", "distlab.step_ledger", "distlab.comm", "distlab.memory",
-                    "distlab.events", "distlab.step_event"]),
+                    "distlab.events", "distlab.step_event", "distlab.fp8"]),
     ("data", ["distlab.data"]),
     ("models", ["distlab.models"]),
     ("parallel", ["distlab.parallel"]),

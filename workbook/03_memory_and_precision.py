@@ -36,7 +36,10 @@
 #    each measured: bytes saved, time paid;
 # 5. the interview recipe for *"it fits at batch 1, we need batch 32"*: bf16 →
 #    checkpointing → accumulation → more ranks, every step measured;
-# 6. a closing table: what the textbook says, what these runs measured;
+# 6. **FP8**: e4m3 and e5m2, why they need a scale per group of values, and what an
+#    outlier channel does to each scaling (per tensor, per row, per 1×128 tile, per 128×128
+#    block), measured on the GPT's own activations, with an explorer; then a closing table:
+#    what the textbook says, what these runs measured;
 # 7. **on a GPU**: bf16 against fp32 step time and CUDA's peak memory against the estimate,
 #    measured only where there is a CUDA GPU.
 #
@@ -66,6 +69,10 @@ TARGET_BATCH = 32  # "we need batch 32"
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 MEM_STEPS = 2  # runs with the peak tracker on (it costs time per op)
 TIME_STEPS = 6 if QUICK else 10  # runs timed with the tracker off
+# FP8 (section 6): outlier sizes swept, and the steps of the activation stream that delayed
+# scaling follows (one step of it multiplied by 10: a spike)
+FP8_SIZES = (1, 100, 1e4) if QUICK else (1, 10, 100, 1e3, 1e4, 1e5)
+FP8_STREAM = 12 if QUICK else 30
 # One thread per rank: 2 cores, shared with other work. With 2 threads per
 # rank the runs of section 4 took 109 s on this busy machine, with 1 thread 13 s.
 THREADS = dict(threads_per_rank=1)
@@ -80,8 +87,10 @@ from distlab import RunConfig, RunError, lab, launch
 from distlab.theory import estimate as E
 from distlab import units as U
 from distlab.studies import gpu as G
+from distlab.studies import fp8_scaling as S8
 from distlab.studies import precision_lessons as P
 from distlab.lab.common import MEMORY_CATEGORIES as CATEGORIES
+from distlab.lab import fp8 as F8
 from distlab.lab.common import claim, claims_table, mib, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.interview_code import claim_rows, run_all
@@ -741,6 +750,76 @@ say(f"MiB; GPT {MBASE.n_layer}×{MBASE.n_embd}, {MBASE.n_head} heads, "
 # saving is larger, by the share the scores have at the longer length.
 
 # %% [markdown]
+# ## 6. FP8: eight bits and their scales
+#
+# FP8 keeps 3 mantissa bits (e4m3, for weights and activations) or 2 (e5m2, for gradients),
+# and a range far narrower than bf16's: e4m3's largest value is 448. A tensor is therefore
+# stored **with a scale**, `q = fp8(x · s)`, `s = 448 / amax`, so that its largest magnitude
+# lands on the format's largest value and the rest of the range is used. One scale per
+# tensor is torchao's `tensorwise` float8; one per row its `rowwise`; DeepSeek-V3 (2024,
+# §3.3.2) scales activations per **1×128 tile** and weights per **128×128 block**.
+# Everything below is written in `distlab.fp8` (torchao, the reference library, is not
+# installed here); its products equal `torch._scaled_mm`'s, FP8's matmul, which runs on the
+# CPU (`tests/test_fp8.py`).
+#
+# Why the group matters: LLM activations carry a few channels far larger than the rest
+# (Dettmers et al. 2022). The outlier sets its group's scale, and every other value of the
+# group is scaled down with it: towards e4m3's **subnormals** (below 2^-6 they lose mantissa
+# bits) and, below half of 2^-9, to **zero**. The GPT below (2 blocks, 256 wide, 5 AdamW
+# steps) gives its own activations, every `nn.Linear`'s input; 4 channels of each are made
+# outliers, 1× to 10^5× (full mode), and each scheme's error is measured on the **other**
+# values, the ones the outlier's scale hurts.
+
+# %%
+table(["format", "bits", "eps (spacing above 1)", "smallest normal", "smallest subnormal",
+       "max"], F8.formats_rows())
+fp8_tensors = S8.gpt_tensors()
+fp8_sweep = S8.outlier_sweep(fp8_tensors, sizes=FP8_SIZES)
+F8.sweep_figure(fp8_sweep).show()
+fp8_by = {(r["size"], r["scheme"]): r for r in fp8_sweep}
+table(["outlier size"] + [f"{s}: error / flushed" for s in ("tensorwise", "block1x128")],
+      [[f"{z:g}x"] + [f"{fp8_by[z, s]['rel_error']:.4f} / {100 * fp8_by[z, s]['flushed']:.2f}%"
+                      for s in ("tensorwise", "block1x128")] for z in FP8_SIZES])
+fp8_cross = S8.crossover(fp8_sweep)
+fp8_ratio = max(fp8_by[z, "tensorwise"]["rel_error"] / fp8_by[z, "block1x128"]["rel_error"]
+                for z in FP8_SIZES)
+
+# %% [markdown]
+# FP8 is a floating format: scaling the other values down shifts their exponents and keeps
+# their 3 mantissa bits, so an outlier costs precision only once it pushes them into the
+# subnormals, and only then does a smaller group help. An int8 format, with one step size for
+# the whole range, would lose bits from the first factor of 2. The outliers here sit in whole
+# channels, so every row and most 1×128 tiles hold one; a tile helps only where it does not.
+#
+# **Delayed scaling** (Micikevicius et al. 2022; Transformer Engine's default) takes the
+# scale from the largest amax of the last 16 steps, known before the tensor is: no pass over
+# it before the cast. The first MLP's input, step by step over a run at a high learning
+# rate, cast with the delayed scale and with its own (dynamic); then the same stream with one
+# step's activations ×10, which the history has not seen: beyond 448 a cast saturates.
+
+# %%
+fp8_stream = S8.activation_stream(steps=FP8_STREAM)
+spike = 2 * FP8_STREAM // 3
+fp8_delayed = {"as trained": S8.delayed_vs_dynamic(fp8_stream),
+               f"step {spike} x10": S8.delayed_vs_dynamic(fp8_stream, spikes={spike: 10.0})}
+table(["stream", "delayed: mean error", "dynamic: mean error", "delayed: worst step saturated",
+       "dynamic: worst step saturated"],
+      [[name, f"{sum(r['delayed_error'] for r in d) / len(d):.4f}",
+        f"{sum(r['dynamic_error'] for r in d) / len(d):.4f}",
+        f"{100 * max(r['delayed_saturated'] for r in d):.3f}%",
+        f"{100 * max(r['dynamic_saturated'] for r in d):.3f}%"] for name, d in fp8_delayed.items()])
+
+# %% [markdown]
+# Pick a scaling and an outlier size and press **Run**: the histogram is where the values
+# beside the outliers land once scaled, against e4m3's subnormal and zero thresholds (the
+# first MLP's input; the cell runs it once itself).
+
+# %%
+fp8_explorer = F8.FP8Explorer(fp8_tensors["blocks.0.mlp.fc.input"])
+fp8_explorer.run(scheme="tensorwise", size=10_000)
+fp8_explorer.widget
+
+# %% [markdown]
 # **GPT-3 and bf16.** An interview answer has GPT-3 trained in bf16. Brown et al. 2020
 # (§2.3) trained it on V100 GPUs, "on part of a high-bandwidth cluster provided by
 # Microsoft"; the V100 (Volta) has fp16 tensor cores and no bf16 support, which arrived with
@@ -877,7 +956,36 @@ bf16_rows.append(claim(
 code_rows = claim_rows(run_all(["deepspeed_initialize"]))
 # the answer's "activations ∝ seq_len", against the two lengths measured above
 seq_row = seq_len_row(seq, k_share)
-claims_table(claims + [seq_row] + bf16_rows + code_rows)
+# FP8 (section 6): "survives" = the other values' error within 1.5x of no outlier's and under
+# 1% of them flushed, at every size up to 10^4x (the sizes LLM outlier channels reach)
+fp8_base = fp8_by[FP8_SIZES[0], "tensorwise"]["rel_error"]
+fp8_up_to = [z for z in FP8_SIZES if z <= 1e4]
+fp8_survives = {z: fp8_by[z, "tensorwise"]["rel_error"] <= 1.5 * fp8_base
+                and fp8_by[z, "tensorwise"]["flushed"] < 0.01 for z in fp8_up_to}
+plain, spiked = fp8_delayed.values()
+fp8_rows = [
+    claim("one scale per tensor survives an outlier channel (FP8 e4m3)", "torchao's float8 "
+          "tensorwise recipe; DeepSeek-V3 (2024) §3.3.2 scales per tile for this reason",
+          ", ".join(f"{z:g}x: error {fp8_by[z, 'tensorwise']['rel_error']:.4f}, flushed "
+                    f"{100 * fp8_by[z, 'tensorwise']['flushed']:.2f}% "
+                    f"({'survives' if ok else 'does not'})" for z, ok in fp8_survives.items())
+          + f"; 'survives': within 1.5x of {fp8_base:.4f} and under 1% flushed",
+          all(fp8_survives.values())),
+    claim("scaling per 1x128 tile is 10x more accurate than per tensor beside outliers",
+          "DeepSeek-V3 (2024) §3.3.2",
+          f"the other values' error, tensorwise over 1x128, at most {fp8_ratio:.1f}x over "
+          f"{', '.join(f'{z:g}x' for z in FP8_SIZES)}"
+          + (f"; 10x from {fp8_cross:g}x" if fp8_cross else "; never 10x"),
+          fp8_cross is not None and fp8_cross <= 1e4),
+    claim("delayed scaling costs nothing while activations change slowly, and saturates at a "
+          "spike", "Micikevicius et al. 2022 (FP8 formats); Transformer Engine's delayed "
+          "scaling", f"mean error delayed {sum(r['delayed_error'] for r in plain) / len(plain):.4f}"
+          f" vs dynamic {sum(r['dynamic_error'] for r in plain) / len(plain):.4f}; at a 10x "
+          f"spike {100 * max(r['delayed_saturated'] for r in spiked):.1f}% saturated",
+          sum(r["delayed_error"] for r in plain) <= 1.05 * sum(r["dynamic_error"] for r in plain)
+          and max(r["delayed_saturated"] for r in spiked) > 0.1),
+]
+claims_table(claims + [seq_row] + bf16_rows + code_rows + fp8_rows)
 interview = {4, 5, 8, 12}  # the interview answer's figures and the clipping answer: shown, either way
 assert all(c["holds"] for i, c in enumerate(claims) if i not in interview), \
     [c["claim"] for i, c in enumerate(claims) if i not in interview and not c["holds"]]

@@ -750,6 +750,13 @@ say(f"MiB; GPT {MBASE.n_layer}×{MBASE.n_embd}, {MBASE.n_head} heads, "
 # saving is larger, by the share the scores have at the longer length.
 
 # %% [markdown]
+# **GPT-3 and bf16.** An interview answer has GPT-3 trained in bf16. Brown et al. 2020
+# (§2.3) trained it on V100 GPUs, "on part of a high-bandwidth cluster provided by
+# Microsoft"; the V100 (Volta) has fp16 tensor cores and no bf16 support, which arrived with
+# the A100 (Ampere). The paper does not state the precision it trained in; the hardware
+# rules bf16 out. This is a citation, not a measurement, so it is not a row below.
+
+# %% [markdown]
 # ## 6. FP8: eight bits and their scales
 #
 # FP8 keeps 3 mantissa bits (e4m3, for weights and activations) or 2 (e5m2, for gradients),
@@ -820,12 +827,6 @@ fp8_explorer.run(scheme="tensorwise", size=10_000)
 fp8_explorer.widget
 
 # %% [markdown]
-# **GPT-3 and bf16.** An interview answer has GPT-3 trained in bf16. Brown et al. 2020
-# (§2.3) trained it on V100 GPUs, "on part of a high-bandwidth cluster provided by
-# Microsoft"; the V100 (Volta) has fp16 tensor cores and no bf16 support, which arrived with
-# the A100 (Ampere). The paper does not state the precision it trained in; the hardware
-# rules bf16 out. This is a citation, not a measurement, so it is not a row below.
-#
 # ## What the textbook says, what these runs measured
 #
 # Every figure comes from this notebook's runs, or, marked "modelled", from

@@ -49,8 +49,9 @@ def sweep_figure(rows: list[dict]):
                       xaxis=dict(title="outlier size (x the channel's own values)",
                                  type="log"),
                       yaxis=dict(title="relative error of the others", rangemode="tozero"),
+                      # its own round ticks, not the left axis's grid (13.2, 26.4, ...)
                       yaxis2=dict(title="flushed to zero (%)", overlaying="y", side="right",
-                                  rangemode="tozero", showgrid=False))
+                                  rangemode="tozero", showgrid=False, tickmode="auto"))
     return fig
 
 
@@ -67,13 +68,14 @@ def scaled_histogram(x: torch.Tensor, keep: torch.Tensor, scheme: str, fig=None)
     fig.data = ()
     fig.add_histogram(x=torch.log2(v).tolist(), nbinsx=80, name="the other values, scaled",
                       marker_color=SCHEME_COLORS[scheme])
-    lines = ((facts["smallest_subnormal"] / 2, "zero below"),
-             (facts["smallest_normal"], "subnormal below"), (facts["max"], "max"))
+    lines = ((facts["smallest_subnormal"] / 2, "zero below ", "right"),
+             (facts["smallest_normal"], " subnormal below", "left"), (facts["max"], "max ", "right"))
     fig.layout.shapes = [dict(type="line", xref="x", yref="paper", x0=math.log2(v),
                               x1=math.log2(v), y0=0, y1=1, line=dict(color="#555", dash="dot"))
-                         for v, _ in lines]
+                         for v, _, _ in lines]
     fig.layout.annotations = [dict(xref="x", yref="paper", x=math.log2(v), y=1.02, text=label,
-                                   showarrow=False, font=dict(size=11)) for v, label in lines]
+                                   xanchor=side, showarrow=False, font=dict(size=11))
+                              for v, label, side in lines]
     fig.update_layout(height=330, template="plotly_white", showlegend=False,
                       xaxis_title="log2 |value x scale|", yaxis_title="values",
                       title=f"{scheme}: where the values beside the outliers land in e4m3")

@@ -69,7 +69,8 @@ def scaled_histogram(x: torch.Tensor, keep: torch.Tensor, scheme: str, fig=None)
     fig.add_histogram(x=torch.log2(v).tolist(), nbinsx=80, name="the other values, scaled",
                       marker_color=SCHEME_COLORS[scheme])
     lines = ((facts["smallest_subnormal"] / 2, "zero below ", "right"),
-             (facts["smallest_normal"], " subnormal below", "left"), (facts["max"], "max ", "right"))
+             (facts["smallest_normal"], " subnormal below", "left"),
+             (facts["max"], "max ", "right"))
     fig.layout.shapes = [dict(type="line", xref="x", yref="paper", x0=math.log2(v),
                               x1=math.log2(v), y0=0, y1=1, line=dict(color="#555", dash="dot"))
                          for v, _, _ in lines]

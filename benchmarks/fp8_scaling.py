@@ -63,7 +63,8 @@ def main() -> int:
               f"{sum(r['delayed_error'] for r in d) / len(d):.4f} vs "
               f"{sum(r['dynamic_error'] for r in d) / len(d):.4f}; worst step saturated "
               f"{100 * worst['delayed_saturated']:.3f}% (step {worst['step']}, error "
-              f"{worst['delayed_error']:.4f}) vs dynamic {100 * max(r['dynamic_saturated'] for r in d):.3f}%")
+              f"{worst['delayed_error']:.4f}) vs dynamic "
+              f"{100 * max(r['dynamic_saturated'] for r in d):.3f}%")
     return 0
 
 

@@ -29,14 +29,16 @@ def test_each_scheme_groups_the_values_it_says():
     assert (fp8.group_amax(x, "tensorwise") == 11.0).all()
     assert fp8.group_amax(x, "rowwise")[:, 0].tolist() == [7.0, 11.0]
     tiles = fp8.group_amax(x, "block1x128")
-    assert tiles[0, :128].unique().tolist() == [3.0] and tiles[0, 128:256].unique().tolist() == [7.0]
+    assert tiles[0, :128].unique().tolist() == [3.0]
+    assert tiles[0, 128:256].unique().tolist() == [7.0]
     assert tiles[0, 256:].unique().tolist() == [0.0] and tiles[1, 256:].unique().tolist() == [11.0]
     m = torch.zeros(130, 300)
     m[0, 0], m[129, 299], m[5, 130] = 2.0, 5.0, 4.0
     blocks = fp8.group_amax(m, "block128x128")
     assert blocks[:128, :128].unique().tolist() == [2.0]
     assert blocks[:128, 128:256].unique().tolist() == [4.0]
-    assert blocks[128:, 256:].unique().tolist() == [5.0] and blocks[128:, :128].unique().tolist() == [0.0]
+    assert blocks[128:, 256:].unique().tolist() == [5.0]
+    assert blocks[128:, :128].unique().tolist() == [0.0]
     assert fp8.quantize(x, "block1x128")[1].unique().numel() == 4  # 3 tiles' scales and 1.0
 
 

@@ -144,8 +144,8 @@ def test_the_dashboard_adds_the_load_per_expert_when_a_mixture_of_experts_runs(m
     assert dash.experts and "yaxis4" in dash.fig.layout
     dense = runs["single", 1]
     assert set(dash._loss_traces) == {id(dense), id(ep)}  # the dense run's line added back
-    assert all(len(dash.fig.data[i].x) == r.steps_done()
-               for r, i in ((dense, dash._loss_traces[id(dense)]), (ep, dash._loss_traces[id(ep)])))
+    for r in (dense, ep):
+        assert len(dash.fig.data[dash._loss_traces[id(r)]].x) == r.steps_done()
     last = step_events(ep, ep.steps_done() - 1)
     bars = {t.name: list(t.y) for t in dash.fig.data if t.legend == "legend4"}
     assert bars == {f"rank {e['rank']}": e["moe"][0]["tokens_per_expert"] for e in last}

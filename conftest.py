@@ -40,21 +40,3 @@ def _kernels_on_unix_sockets():
 
 
 _kernels_on_unix_sockets()
-
-
-# The files that take longest, measured (pytest --durations=0 on .ci/run's machine,
-# 2026-11-29: setup + call + teardown summed per file, under the full suite's load), longest
-# first. Under `-n 3 --dist loadfile` each file runs whole on one worker in collection order;
-# started first, the long ones overlap the many short ones instead of running alone at the end
-# (longest-processing-time-first scheduling).
-LONGEST_FIRST = ("tests/test_cluster_run.py", "tests/test_cluster.py",
-                 "workbook/02_data_parallel.ipynb", "tests/test_mesh.py",
-                 "tests/browser/test_lab_ui.py", "tests/test_checkpoint.py",
-                 "tests/test_adversarial.py", "workbook/06_pipeline_parallel.ipynb",
-                 "workbook/03_memory_and_precision.ipynb", "workbook/01_collectives.ipynb",
-                 "workbook/07_3d_parallelism.ipynb", "workbook/13_search_and_time.ipynb")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable

@@ -109,12 +109,9 @@ def _check_experts(cfg) -> None:
     if cfg.n_experts < 2 or cfg.top_k > cfg.n_experts:
         raise ValueError(f"n_experts={cfg.n_experts}, top_k={cfg.top_k}: top_k is at most "
                          "n_experts (2 or more)")
-    if cfg.expert_grouped == "grouped_mm":
-        import torch.nn.functional as F
-        if not hasattr(F, "grouped_mm"):
-            import torch
-            raise ValueError(f"expert_grouped='grouped_mm' needs torch.nn.functional."
-                             f"grouped_mm, which torch {torch.__version__} lacks; use 'loop'")
+    from distlab.models.moe import grouped_unavailable
+    if (why := grouped_unavailable(cfg.expert_grouped)) is not None:
+        raise ValueError(f"expert_{why}")
     if cfg.lora_rank:
         raise ValueError("lora_rank with n_experts: the adapters target the dense MLP's "
                          "layers; use a dense model (n_experts=0)")

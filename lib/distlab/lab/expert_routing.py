@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from distlab.config import RunConfig
-from distlab.lab.experts import LEGEND
+from distlab.lab.experts import LEGEND, dispatch_bytes, dropped_fraction, global_loads
 from distlab.lab.runs import launch_together
 from distlab.models.moe import max_violation
 
@@ -42,18 +42,6 @@ def balance_configs(base: RunConfig, coefs=(1e-3, 1e-2, 1e-1), rates=(1e-3, 1e-2
     runs.update({f"Switch {c:g}": plain.replace(aux_loss_coef=c) for c in coefs})
     runs.update({f"bias {u:g}": plain.replace(expert_bias_rate=u) for u in rates})
     return runs
-
-
-def global_loads(run) -> dict[int, list[list[int]]]:
-    """{step: per block, the tokens routed to each expert, summed over the ranks}."""
-    out: dict[int, list[list[int]]] = {}
-    for e in run.history("step"):
-        for b, m in enumerate(e.get("moe") or []):
-            rows = out.setdefault(e["step"], [])
-            if len(rows) <= b:
-                rows.append([0] * len(m["tokens_per_expert"]))
-            rows[b] = [a + t for a, t in zip(rows[b], m["tokens_per_expert"])]
-    return dict(sorted(out.items()))
 
 
 def max_vio_per_step(run) -> list[float]:
@@ -171,10 +159,8 @@ def traffic_rows(runs: dict) -> list[dict]:
     for name, run in runs.items():
         sent = per_step(run, lambda e: e["comm"].get("ep.dispatch", {}).get("bytes_sent", 0))
         acts = per_step(run, lambda e: e["memory"]["activations"])
-        made = sum(sum(m["tokens_per_expert"]) for e in run.history("step") for m in e["moe"])
-        dropped = sum(m["dropped"] for e in run.history("step") for m in e["moe"])
         rows.append({"name": name, "capacity_factor": run.cfg.capacity_factor,
-                     "dropped": dropped / made, "sent_mean": sum(sent) / len(sent),
+                     "dropped": dropped_fraction(run), "sent_mean": dispatch_bytes(run),
                      "sent_max": max(sent), "acts_mean": sum(acts) / len(acts),
                      "acts_max": max(acts)})
     return rows
@@ -235,14 +221,9 @@ def traffic_study(base: RunConfig, factors, steps: int) -> TrafficStudy:
 
 
 def dispatch_bound(cfg: RunConfig, row_bytes: int) -> int:
-    """The most bytes one rank's dispatch can send in a step, per the router's rules: with a
-    capacity, at most C rows to each of the E - E/N remote experts (and no more than its
-    choices); dropless, every choice (tokens x k) to a remote expert. Summed over the blocks."""
-    from distlab.theory.context_and_experts import expert_capacity
-    tokens = cfg.micro_batch * cfg.seq_len
-    choices = tokens * cfg.top_k
-    remote = cfg.n_experts - cfg.n_experts // cfg.world_size
-    if cfg.capacity_factor:
-        choices = min(choices, remote * expert_capacity(tokens, cfg.n_experts,
-                                                        cfg.capacity_factor, cfg.top_k))
-    return choices * row_bytes * cfg.n_layer
+    """The most bytes one rank's dispatch can send in a step under cfg's router, summed over
+    the blocks (theory.context_and_experts.ep_dispatch_ceiling)."""
+    from distlab.theory.context_and_experts import ep_dispatch_ceiling
+    return cfg.n_layer * ep_dispatch_ceiling(cfg.micro_batch * cfg.seq_len, cfg.n_experts,
+                                             cfg.world_size, cfg.top_k, cfg.capacity_factor,
+                                             row_bytes)

@@ -60,16 +60,21 @@ def layouts_table(d: int, layouts: dict) -> list[float]:
     return measured
 
 
+def global_loads(run) -> dict[int, list[list[int]]]:
+    """{step: per block, the tokens routed to each expert, summed over the ranks}."""
+    out: dict[int, list[list[int]]] = {}
+    for e in run.history("step"):
+        for b, m in enumerate(e.get("moe") or []):
+            rows = out.setdefault(e["step"], [])
+            if len(rows) <= b:
+                rows.append([0] * len(m["tokens_per_expert"]))
+            rows[b] = [a + t for a, t in zip(rows[b], m["tokens_per_expert"])]
+    return dict(sorted(out.items()))
+
+
 def expert_load(run, block: int = 0) -> list[list[int]]:
     """Per step: tokens routed to each expert in `block`, summed over the ranks."""
-    by_step: dict[int, list[int]] = {}
-    for e in run.history("step"):
-        moe = e.get("moe")
-        if moe:
-            row = by_step.setdefault(e["step"], [0] * len(moe[block]["tokens_per_expert"]))
-            for i, n in enumerate(moe[block]["tokens_per_expert"]):
-                row[i] += n
-    return [by_step[s] for s in sorted(by_step)]
+    return [blocks[block] for blocks in global_loads(run).values()]
 
 
 def dropped_fraction(run) -> float:

@@ -111,9 +111,16 @@ def _check(d_model, d_hidden, n_experts, top_k, capacity_factor, groups, n_share
                          "(0: no balancing bias)")
     if grouped not in GROUPED:
         raise ValueError(f"MoE: grouped={grouped!r} is not one of {GROUPED}")
+    if (why := grouped_unavailable(grouped)) is not None:
+        raise ValueError(f"MoE: {why}")
+
+
+def grouped_unavailable(grouped: str) -> str | None:
+    """Why the experts cannot run as `grouped` on this torch (None: they can)."""
     if grouped == "grouped_mm" and not hasattr(F, "grouped_mm"):
-        raise ValueError(f"MoE: grouped='grouped_mm' needs torch.nn.functional.grouped_mm, "
-                         f"which torch {torch.__version__} lacks; use grouped='loop'")
+        return (f"grouped='grouped_mm' needs torch.nn.functional.grouped_mm, which torch "
+                f"{torch.__version__} lacks; use 'loop'")
+    return None
 
 
 class MoE(nn.Module):

@@ -31,17 +31,14 @@ GPT_CFG = RunConfig(n_layer=2, n_embd=256, n_head=4, seq_len=64, global_batch=8,
                     optimizer="adamw", lr=3e-3)
 
 
-def gpt_tensors(cfg: RunConfig = GPT_CFG, steps: int = 5) -> dict[str, torch.Tensor]:
-    """{"<linear>.input": (tokens, in) activations, "<linear>.weight": (out, in)} of every
-    nn.Linear at the last of `steps` training steps (one process, fp32)."""
+def _train(cfg: RunConfig, steps: int, lr: float, watch) -> GPT:
+    """`steps` AdamW steps of cfg's GPT in this process (fp32); watch(model) registers the
+    forward hooks that keep what the caller wants and returns them (removed at the end)."""
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig.from_run(cfg))
     data = make_data(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    seen: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda m, inp, out, name=name: seen.__setitem__(
-                 f"{name}.input", inp[0].detach().reshape(-1, inp[0].shape[-1]).clone()))
-             for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    hooks = watch(model)
     for step in range(steps):
         x, y = data.global_batch(step, cfg.global_batch)
         model(x, y).backward()
@@ -49,6 +46,24 @@ def gpt_tensors(cfg: RunConfig = GPT_CFG, steps: int = 5) -> dict[str, torch.Ten
         opt.zero_grad()
     for h in hooks:
         h.remove()
+    return model
+
+
+def _rows(inp) -> torch.Tensor:
+    """A Linear's input as (tokens, features)."""
+    return inp[0].detach().reshape(-1, inp[0].shape[-1]).clone()
+
+
+def gpt_tensors(cfg: RunConfig = GPT_CFG, steps: int = 5) -> dict[str, torch.Tensor]:
+    """{"<linear>.input": (tokens, in) activations, "<linear>.weight": (out, in)} of every
+    nn.Linear at the last of `steps` training steps (one process, fp32)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def watch(model):
+        return [m.register_forward_hook(
+                    lambda m, inp, out, name=name: seen.__setitem__(f"{name}.input", _rows(inp)))
+                for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    model = _train(cfg, steps, cfg.lr, watch)
     seen.update({f"{name}.weight": m.weight.detach().clone()
                  for name, m in model.named_modules() if isinstance(m, nn.Linear)})
     return seen
@@ -99,22 +114,14 @@ def weight_errors(tensors: dict, schemes=fp8.SCHEMES) -> dict[str, float]:
 
 def activation_stream(cfg: RunConfig = GPT_CFG, steps: int = 30, layer: str = "blocks.0.mlp.fc",
                       lr: float = 3e-2) -> list[torch.Tensor]:
-    """`layer`'s input at every training step (one process, AdamW at `lr`: high enough that
-    the activations grow over the run)."""
-    torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig.from_run(cfg))
-    data = make_data(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    """`layer`'s input at every training step (one process, AdamW at `lr`: a high rate, so
+    the activations move over the run)."""
     stream: list[torch.Tensor] = []
-    module = dict(model.named_modules())[layer]
-    hook = module.register_forward_hook(
-        lambda m, inp, out: stream.append(inp[0].detach().reshape(-1, inp[0].shape[-1]).clone()))
-    for step in range(steps):
-        x, y = data.global_batch(step, cfg.global_batch)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    hook.remove()
+
+    def watch(model):
+        module = dict(model.named_modules())[layer]
+        return [module.register_forward_hook(lambda m, inp, out: stream.append(_rows(inp)))]
+    _train(cfg, steps, lr, watch)
     return stream
 
 

@@ -11,6 +11,7 @@ import torch
 from distlab.comm import Comm
 from distlab.config import RunConfig
 from distlab.data.dataset import make_data
+from distlab.fp8 import format_facts
 from distlab.models import GPT, GPTConfig
 from distlab.rank.precision import DynamicLossScaler
 from distlab.units import DTYPES
@@ -20,12 +21,7 @@ def formats() -> dict:
     """Per format: bits of exponent/mantissa, eps (spacing just above 1.0), smallest normal,
     smallest subnormal, largest finite value. From torch.finfo, plus the subnormal, which
     torch.finfo does not list (smallest normal × eps)."""
-    out = {}
-    for name, dt in DTYPES.items():
-        fi = torch.finfo(dt)
-        out[name] = {"bits": fi.bits, "eps": fi.eps, "smallest_normal": fi.smallest_normal,
-                     "smallest_subnormal": fi.smallest_normal * fi.eps, "max": fi.max}
-    return out
+    return {name: format_facts(dt) for name, dt in DTYPES.items()}
 
 
 def rounding_demo(w: float = 1.0, update: float = 1e-3, steps: int = 100) -> dict:

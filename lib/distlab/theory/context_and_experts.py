@@ -64,6 +64,20 @@ def ep_dispatch_bytes(tokens: int, h: int, n: int, top_k: int = 1, elem: int = 4
     return {"forward": 2 * per, "backward": 2 * per}
 
 
+def ep_dispatch_ceiling(tokens: int, n_experts: int, n: int, top_k: int,
+                        capacity_factor: float, row_bytes: int) -> int:
+    """The most bytes one rank's dispatch can send for one MoE layer, whatever the router
+    does: with a capacity, at most C rows to each of the E - E/N experts on other ranks (and
+    no more than its tokens x k choices): the ceiling a fixed-shape dispatch relies on;
+    dropless (capacity_factor 0), every choice to a remote expert."""
+    choices = tokens * top_k
+    if capacity_factor:
+        remote = n_experts - n_experts // n
+        choices = min(choices, remote * expert_capacity(tokens, n_experts, capacity_factor,
+                                                        top_k))
+    return choices * row_bytes
+
+
 def moe_params(h: int, hidden: int, n_experts: int, n_shared: int = 0) -> dict:
     """One MoE layer's parameters: E routed and n_shared shared expert MLPs (Linear
     h->hidden, Linear hidden->h, with biases) and a router (h x E, no bias)."""

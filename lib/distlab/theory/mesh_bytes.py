@@ -54,7 +54,8 @@ import math
 
 from distlab.comm import ring_allreduce_bytes
 from distlab.models import GPTConfig
-from distlab.parallel.parallelize import coords_of, ep_groups, order_of, sizes, used_groups
+from distlab.parallel.parallelize import (GROUPS, coords_of, ep_groups, order_of, sizes,
+                                         used_groups)
 from distlab.parallel.pipeline.pp import V_SHAPED, make_schedule, stage_blocks
 from distlab.parallel.tensor.tp import plan_table
 from distlab.theory.context_and_experts import ring_attention_bytes, ulysses_bytes
@@ -171,11 +172,6 @@ def forward_then_backward(cfg, stage: int) -> int:
     return sum(a[0] == "F" and b[0] == "B" for a, b in zip(ops, ops[1:]))
 
 
-def _group_size(s: dict, group: str) -> int:
-    return {"dp_cp": s["dp_replicate"] * s["dp_shard"] * s["cp"],
-            "dp_shard_cp": s["dp_shard"] * s["cp"], "dp_replicate": s["dp_replicate"]}[group]
-
-
 def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     """{group kind: {collective kind: bytes `rank` sends per step}} (module docstring)."""
     if (cfg.schedule == "interleaved" and cfg.virtual_stages > 1) or cfg.schedule in V_SHAPED:
@@ -242,8 +238,8 @@ def mesh_bytes(cfg, rank: int) -> dict[str, dict[str, float]]:
     if cfg.n_experts and cfg.expert_bias_rate:  # the experts' loads, float64, summed
         for g in ("dp_cp", "dp_shard_cp", "dp_replicate"):  # Strategy.routing_comms' order
             if g in out:
-                out[g]["moe.load"] = ring_allreduce_bytes(8 * L * cfg.n_experts,
-                                                          _group_size(s, g))
+                out[g]["moe.load"] = ring_allreduce_bytes(
+                    8 * L * cfg.n_experts, math.prod(s[d] for d in GROUPS[g]))
     if "edp" in out:
         E = s["dp_replicate"] * s["dp_shard"] * cp // s["ep"]
         if not _expert_zero(cfg):

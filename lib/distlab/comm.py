@@ -98,7 +98,8 @@ def steps_explained(group):
     except step_ledger.PeersLeft:
         raise  # already says why
     except RuntimeError as e:
-        why = step_ledger.peers_left(group) or step_ledger.disagreement(group)
+        why = (step_ledger.peers_left(group, own_error=str(e))
+               or step_ledger.disagreement(group))
         if why is None:
             raise
         raise RuntimeError(f"{why}.\n{e}") from e

@@ -26,6 +26,7 @@ import weakref
 
 from distlab.config import RunConfig
 from distlab.events import LogTail, rank_log_path, rank_stderr_path, tail
+from distlab.step_ledger import CONNECTION_LOST
 
 POLL_S = 0.1
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports
@@ -44,9 +45,8 @@ SHOW_PROGRESS = False
 PROGRESS_EVERY_S = 1.0
 
 # Errors that are usually consequences of another rank failing, not causes.
-_SECONDARY = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
-                        r"remote worker crash|ECONNRESET|peer has closed|"
-                        r"the cause is rank \d+'s error", re.I)  # step_ledger.peers_left's
+_SECONDARY = re.compile(CONNECTION_LOST.pattern + r"|the cause is rank \d+'s error",
+                        re.I)  # step_ledger.peers_left's
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
 
 _live_runs: "weakref.WeakSet[Run]" = weakref.WeakSet()

@@ -112,6 +112,10 @@ def _check_experts(cfg) -> None:
     from distlab.models.moe import grouped_unavailable
     if (why := grouped_unavailable(cfg.expert_grouped)) is not None:
         raise ValueError(f"expert_{why}")
+    if cfg.precision == "fp8" and cfg.expert_grouped != "loop":
+        raise ValueError("precision='fp8' casts each Linear's operands; "
+                         f"expert_grouped={cfg.expert_grouped!r} multiplies the experts' "
+                         "weights without their Linears: use expert_grouped='loop'")
     if cfg.lora_rank:
         raise ValueError("lora_rank with n_experts: the adapters target the dense MLP's "
                          "layers; use a dense model (n_experts=0)")

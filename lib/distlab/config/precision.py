@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from distlab.config.declare import Feature, Widget, declare
 from distlab.units import DTYPES
 
-PRECISIONS = tuple(DTYPES)  # "fp32", "bf16", "fp16" (distlab.units)
+# "fp32", "bf16", "fp16" (autocast's, distlab.units) and "fp8" (distlab.rank.fp8_linear)
+PRECISIONS = tuple(DTYPES) + ("fp8",)
+FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")  # distlab.rank.fp8_linear
 LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
 
 
@@ -24,6 +26,13 @@ class Precision:
 
     precision: str = declare("fp32", "compute dtype under autocast; the weights stay fp32",
                              choices=PRECISIONS, widget=Widget("precision"))
+    fp8_scaling: str = declare(
+        "tensorwise", "fp8: the groups sharing a scale (blockwise: DeepSeek-V3's 1x128 tiles "
+        "and 128x128 weight blocks)", choices=FP8_SCALINGS, widget=Widget("fp8 scaling"),
+        feature=Feature("fp8", "precision='fp8' (the linear layers in FP8)",
+                        asks=lambda cfg: cfg.precision == "fp8"))
+    fp8_grad_format: str = declare("e5m2", "fp8: the gradients' format (e5m2: range; e4m3: "
+                                   "precision, as DeepSeek-V3)", choices=("e5m2", "e4m3"))
     loss_scale: str = declare(
         "auto", "dynamic loss scaling (auto: dynamic for fp16, none otherwise)",
         choices=LOSS_SCALES,
@@ -38,10 +47,10 @@ class Precision:
     # all-gather and computed in it; gradients reduce-scattered in reduce_dtype; fp32 master
     # shards
     param_dtype: str = declare("fp32", "zero3: parameters cast to this before the all-gather "
-                               "and computed in it", choices=PRECISIONS,
+                               "and computed in it", choices=tuple(DTYPES),
                                widget=Widget("param dtype"))
     reduce_dtype: str = declare("", "zero3: gradients reduce-scattered in this ('': "
-                                "param_dtype)", choices=("",) + PRECISIONS,
+                                "param_dtype)", choices=("",) + tuple(DTYPES),
                                 widget=Widget("reduce dtype", labels=(("", "as param dtype"),)))
 
     def check(self) -> None:
@@ -49,5 +58,9 @@ class Precision:
             raise ValueError(f"param_dtype={self.param_dtype!r} is zero3's mixed precision "
                              f"(parameters cast before the all-gather); precision="
                              f"{self.precision!r} is autocast: pick one (precision='fp32')")
+        if self.precision != "fp8" and (self.fp8_scaling, self.fp8_grad_format) != (
+                "tensorwise", "e5m2"):
+            raise ValueError(f"fp8_scaling and fp8_grad_format are settings of precision='fp8';"
+                             f" precision={self.precision!r} would ignore them")
         if not self.loss_scale_init > 0:
             raise ValueError(f"loss_scale_init={self.loss_scale_init} must be > 0")

@@ -14,6 +14,7 @@ import torch
 from distlab import fp8
 from distlab.lab.explorer import Explorer
 from distlab.studies.fp8_scaling import with_outliers
+from distlab.studies.fp8_training import BASE, precisions
 
 LEGEND = dict(orientation="h", yanchor="top", y=-0.25, x=0)
 SCHEME_COLORS = {"tensorwise": "#c2255c", "rowwise": "#e8590c", "block1x128": "#2b8a3e",
@@ -124,3 +125,26 @@ class FP8Explorer(Explorer):
             f"subnormal {100 * stats['subnormal']:.1f}%; {stats['scales']} scales"))
         self.last = stats
         return stats
+
+
+PRECISION_COLORS = {"fp32": "#495057", "bf16": "#1f5fbf", "fp8 tensorwise": "#c2255c",
+                    "fp8 rowwise": "#e8590c", "fp8 blockwise": "#2b8a3e"}
+
+
+def training_figure(losses: dict[str, list[float]]):
+    """Each precision's loss per step (the mean over the ranks), one line each."""
+    fig = go.Figure()
+    for name, ls in losses.items():
+        fig.add_scatter(x=list(range(len(ls))), y=ls, mode="lines", name=name,
+                        line=dict(color=PRECISION_COLORS.get(name)))
+    fig.update_layout(height=360, template="plotly_white", legend=LEGEND,
+                      title="the same GPT and data in each precision (ddp, 2 ranks)",
+                      xaxis=dict(title="step"), yaxis=dict(title="loss"))
+    return fig
+
+
+def run_precisions(base=BASE, name: str = "fp8-training", on_start=None):
+    """Every precision of distlab.studies.fp8_training.precisions(base) trained in one
+    launch: {name: Run}."""
+    from distlab.lab.runs import launch_together
+    return launch_together(precisions(base), name=name, on_start=on_start)

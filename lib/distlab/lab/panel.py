@@ -33,7 +33,7 @@ import itertools
 import ipywidgets as W
 
 from distlab.models import factory
-from distlab.config import PRECISIONS, SCHEDULES, STRATEGIES, RunConfig, declarations
+from distlab.config import SCHEDULES, STRATEGIES, RunConfig, declarations
 from distlab.config.reads import FEATURE_FIELDS, reads, strategy_knobs
 from distlab.caller.launch import launch
 from distlab.parallel import DEGREES, knobs, strategy_class
@@ -46,6 +46,7 @@ from distlab.lab.live import (LIVE_NOTE, LiveBox, _error_html, _stop_in_backgrou
                               keep_for_reload, live_note, loss_curve, run_label, show_live,
                               status_text, step_events, wire_sent)
 from distlab.step_event import bytes_sent
+from distlab.units import DTYPES
 
 # what distlab.lab.panel has always offered: the control panel's names and, re-exported, the
 # dashboard's, the explorers' and the shared ones
@@ -267,7 +268,7 @@ class ControlPanel:
         if k == "layout":
             layouts = strategy_class(values["strategy"]).layouts(values["world_size"])
             return [d for d in layouts if all(self._can_show(n, d[n]) for n in DEGREES)]
-        base = {"schedule": SCHEDULES, "param_dtype": PRECISIONS,
+        base = {"schedule": SCHEDULES, "param_dtype": tuple(DTYPES),
                 "microbatches": sorted({*MICROBATCHES, self.base.microbatches}),
                 "virtual_stages": sorted({*VIRTUAL_STAGES, self.base.virtual_stages})}[k]
         return [{k: v} for v in base if self._can_show(k, v)]

@@ -13,6 +13,7 @@ from distlab.finetune.lora import inject_lora
 from distlab.models import GPT, GPTConfig, factory
 from distlab.models.bnnet import build_bnnet
 from distlab.parallel.data_parallel.syncbn import convert_sync_batchnorm
+from distlab.rank.fp8_linear import apply_fp8
 from distlab.rank.recompute import apply_checkpointing
 
 
@@ -27,6 +28,10 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
     """cfg's model on this rank, before the strategy wraps it (every rank builds the same
     one from cfg.seed; strategies also broadcast rank 0's)."""
     if factory.is_spec(cfg.model) or cfg.model == "bnnet":
+        if cfg.precision == "fp8":
+            raise ValueError(f"precision='fp8' makes distlab's GPT's Linears FP8 "
+                             f"(distlab.rank.fp8_linear.apply_fp8); model={cfg.model!r} is not "
+                             f"it: call apply_fp8 on your model yourself")
         model = factory.build_model(cfg) if cfg.model != "bnnet" else build_bnnet(cfg)
         # BatchNorm statistics over the global batch (distlab.parallel.data_parallel.syncbn)
         return convert_sync_batchnorm(model) if cfg.sync_bn else model
@@ -37,4 +42,6 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
         inject_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha)
     if cfg.checkpointing != "none":  # per block, by name, from outside (distlab.rank.recompute)
         apply_checkpointing(model, cfg.checkpointing)
+    if cfg.precision == "fp8":  # the blocks' Linears compute in FP8 (distlab.rank.fp8_linear)
+        apply_fp8(model, cfg.fp8_scaling, cfg.fp8_grad_format)
     return model

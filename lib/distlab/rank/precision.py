@@ -55,8 +55,9 @@ from distlab.units import dtype_of
 
 # -- loss scaling --------------------------------------------------------------------------------
 def autocast(cfg, device: torch.device):
-    """The forward's autocast for cfg.precision (bf16/fp16); fp32: none."""
-    if cfg.precision == "fp32":
+    """The forward's autocast for cfg.precision (bf16/fp16); fp32: none; fp8: none either (its
+    Linears cast their own operands, distlab.rank.fp8_linear; the rest stays fp32)."""
+    if cfg.precision in ("fp32", "fp8"):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype_of(cfg.precision))
 

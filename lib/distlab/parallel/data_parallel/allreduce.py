@@ -105,7 +105,7 @@ class ReplicatedDP(Strategy):
     optimizer state on every rank declares: one layout, so their checkpoints are interchangeable,
     and the features written for whole gradients on every rank."""
     replicated = True
-    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval"}
+    supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval", "fp8"}
     checkpoint_layout = "replicated"  # the whole model and optimizer on every rank
 
 

@@ -148,7 +148,7 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
 # -- the strategy ------------------------------------------------------------------------------
 class ZeRO(Strategy):
     """ZeRO stage `stage` (1, 2 or 3); see the module docstring. ZeRO1/ZeRO2/ZeRO3 below."""
-    supports = Strategy.supports | {"lora", "eval", "offload"}
+    supports = Strategy.supports | {"lora", "eval", "offload", "fp8"}
     checkpoint_format = "sharded"
 
     stage = 0

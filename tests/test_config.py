@@ -11,7 +11,7 @@ from distlab.config import STRATEGIES
     ({"world_size": 0}, ["world_size", ">= 1"]),
     ({"strategy": "allreduce", "world_size": 3, "global_batch": 16}, ["global_batch=16", "3"]),
     ({"world_size": 2}, ["world_size=2", "single"]),
-    ({"precision": "fp8"}, ["precision", "'bf16'"]),
+    ({"precision": "fp4"}, ["precision", "'bf16'"]),
     ({"allreduce": "tree"}, ["allreduce", "'ring'", "'naive'"]),
     ({"optimizer": "lamb"}, ["optimizer", "'sgd'"]),
     ({"n_embd": 30, "n_head": 4}, ["n_embd=30", "n_head=4"]),

@@ -121,7 +121,7 @@ def test_the_command_line_groups_flags_by_section_with_help_choices_and_defaults
     assert len(actions) == len(FIELDS) + 2 and all(a.help for a in actions)
     text = p.format_help()
     assert "--strategy {" + ",".join(strategies()) + "}" in text
-    assert "--precision {fp32,bf16,fp16}" in text and "(default: 'single')" in text
+    assert "--precision {fp32,bf16,fp16,fp8}" in text and "(default: 'single')" in text
     assert text.index("\nparallelism:") < text.index("--tp ") < text.index("\ndebugging:")
     # parsing as before: the same flags and types, bools as --x / --no-x, no choice enforced
     # here (RunConfig refuses with its own message)

@@ -105,6 +105,14 @@ def test_settings_that_would_be_ignored_or_cannot_apply_are_refused():
     with pytest.raises(ValueError, match="use expert_grouped='loop'"):
         RunConfig(precision="fp8", strategy="ddp", world_size=2, n_experts=2, top_k=1,
                   expert_grouped="grouped_mm")
+    with pytest.raises(ValueError, match="it needs precision='fp8' and fp8_scaling='tensorwise'"):
+        RunConfig(precision="fp8", fp8_scaling="rowwise", fp8_all_gather=True,
+                  strategy="zero3", world_size=2)
+    with pytest.raises(ValueError, match="fp8_all_gather"):
+        RunConfig(precision="fp8", fp8_all_gather=True, strategy="ddp", world_size=2)
+    with pytest.raises(ValueError, match="fp8_all_gather=True with fsdp_layout='per_param'"):
+        RunConfig(precision="fp8", fp8_all_gather=True, strategy="zero3", world_size=2,
+                  fsdp_layout="per_param")
     with pytest.raises(ValueError, match="fp8_scaling='int8' is not one of"):
         apply_fp8(torch.nn.Linear(2, 2), "int8")
 
@@ -115,15 +123,23 @@ RUNS = {f"{s} {strategy}": BASE.replace(strategy=strategy, world_size=2, fp8_sca
         for s in ("rowwise", "blockwise") for strategy in ("ddp", "zero3")}
 
 
+# zero3's all-gather of the FP8 Linears' weights: in fp32, in bf16 and in e4m3 (tensorwise)
+ZERO3 = BASE.replace(strategy="zero3", world_size=2, steps=2)
+GATHERS = {"fp32": ZERO3, "bf16": ZERO3.replace(param_dtype="bf16"),
+           "fp8": ZERO3.replace(fp8_all_gather=True)}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """One launch at world 2 runs every FP8 config in turn; one process, the references."""
+    """One launch at world 2 runs every FP8 config in turn, then GATHERS; one process, the
+    references."""
     single = run_ranks(train_with_state, 1, [c.replace(strategy="single", world_size=1,
                                                         grad_accum=2).to_dict()
                                               for c in RUNS.values()],
                        timeout_s=60, run_dir=str(tmp_path_factory.mktemp("single")))[0]
-    pair = run_ranks(train_with_state, 2, [c.to_dict() for c in RUNS.values()], timeout_s=60,
-                     run_dir=str(tmp_path_factory.mktemp("pair")))
+    pair = run_ranks(train_with_state, 2, [c.to_dict() for c in [*RUNS.values(),
+                                                                    *GATHERS.values()]],
+                     timeout_s=60, run_dir=str(tmp_path_factory.mktemp("pair")))
     return single, pair
 
 
@@ -136,3 +152,24 @@ def test_fp8_on_two_ranks_equals_one_process_on_the_same_micro_batches(ranks, i,
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, atol=1e-5, rtol=0, msg=lambda m: f"{name} {k}: {m}")
     assert single[i]["losses"][-1] < single[i]["losses"][0]  # it trains
+
+
+def test_zero3_all_gathers_the_fp8_weights_in_one_byte_each_plus_their_scales(ranks):
+    """The FP8 Linears' weights (their own units) on the wire: fp8 is half of bf16's bytes and a
+    quarter of fp32's, exactly, plus one fp32 amax per weight per gather; and the run is
+    bitwise the fp32 gather's: the bytes each rank casts are those the Linear casts."""
+    _, pair = ranks
+    out = {name: pair[0][len(RUNS) + i] for i, name in enumerate(GATHERS)}
+    sent = {name: sum(c["all_gather.fp8_linears"]["bytes_sent"] for c in o["comm"])
+            for name, o in out.items()}
+    assert sent["fp8"] * 2 == sent["bf16"] and sent["fp8"] * 4 == sent["fp32"]
+    calls = sum(c["all_gather.fp8_linears"]["calls"] for c in out["fp8"]["comm"])
+    weights_per_unit = 6  # a block's q, k, v, o, fc and proj
+    # each gather: every rank's amax of each weight, 4 bytes, the ring's (N-1)/N of it
+    assert sum(c["fp8.amax"]["bytes_sent"] for c in out["fp8"]["comm"]) == (
+        calls * weights_per_unit * 2 * 4 // 2)
+    assert "fp8.amax" not in out["bf16"]["comm"][0]
+    for k, v in out["fp32"]["state"].items():
+        assert torch.equal(out["fp8"]["state"][k], v), k
+    assert any(not torch.equal(out["bf16"]["state"][k], v)
+               for k, v in out["fp32"]["state"].items())  # bf16 parameters do differ

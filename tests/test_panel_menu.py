@@ -170,7 +170,7 @@ def test_the_knobs_shown_are_the_ones_the_registry_says_each_strategy_reads():
                      "3d": {"tp", "pp", "schedule", "microbatches", "virtual_stages",
                             "pp_op_delay_s", "mesh_order"},
                      "zero3": {"offload", "param_dtype", "reduce_dtype", "fsdp_units",
-                               "fsdp_prefetch", "fsdp_layout"},
+                               "fsdp_prefetch", "fsdp_layout", "fp8_all_gather"},
                      "ps-async": set()}.items():
         panel.knobs["strategy"].value = s
         assert set(panel.shown()) - set(GENERAL) == knobs, s

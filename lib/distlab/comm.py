@@ -344,10 +344,10 @@ class Comm:
             for t, part in zip(same, flat.split([t.numel() for t in same])):
                 t.copy_(part.view_as(t))
 
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor):
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, kind: str = "all_gather"):
         """out (world × t.numel(), flat) gets every rank's `t`, in rank order."""
         n, S = self.world, tensor_bytes(out)
-        self._call("all_gather", (n - 1) * S / n, (n - 1) * S / n,
+        self._call(kind, (n - 1) * S / n, (n - 1) * S / n,
                    lambda: _all_gather_tensor(out, t, group=self.group, async_op=True))
         return out
 

@@ -28,11 +28,14 @@ class Precision:
                              choices=PRECISIONS, widget=Widget("precision"))
     fp8_scaling: str = declare(
         "tensorwise", "fp8: the groups sharing a scale (blockwise: DeepSeek-V3's 1x128 tiles "
-        "and 128x128 weight blocks)", choices=FP8_SCALINGS, widget=Widget("fp8 scaling"),
+        "and 128x128 weight blocks)", choices=FP8_SCALINGS,
         feature=Feature("fp8", "precision='fp8' (the linear layers in FP8)",
                         asks=lambda cfg: cfg.precision == "fp8"))
     fp8_grad_format: str = declare("e5m2", "fp8: the gradients' format (e5m2: range; e4m3: "
                                    "precision, as DeepSeek-V3)", choices=("e5m2", "e4m3"))
+    fp8_all_gather: bool = declare(
+        False, "zero3 with precision='fp8' (tensorwise): the FP8 Linears' weights all-gathered "
+        "in e4m3, one scale each", widget=Widget("fp8 all-gather", kind="check"))
     loss_scale: str = declare(
         "auto", "dynamic loss scaling (auto: dynamic for fp16, none otherwise)",
         choices=LOSS_SCALES,
@@ -54,7 +57,15 @@ class Precision:
                                 widget=Widget("reduce dtype", labels=(("", "as param dtype"),)))
 
     def check(self) -> None:
-        if self.param_dtype != "fp32" and self.precision != "fp32":
+        if self.fp8_all_gather and (self.precision, self.fp8_scaling) != ("fp8", "tensorwise"):
+            raise ValueError("fp8_all_gather sends the FP8 Linears' weights with one scale each, "
+                             "the one their tensorwise cast takes: it needs precision='fp8' and "
+                             f"fp8_scaling='tensorwise' (got {self.precision!r}, "
+                             f"{self.fp8_scaling!r})")
+        if self.fp8_all_gather and self.param_dtype != "fp32":
+            raise ValueError(f"fp8_all_gather with param_dtype={self.param_dtype!r}: the weights "
+                             "travel in one or the other; pick one")
+        if self.param_dtype != "fp32" and self.precision not in ("fp32", "fp8"):
             raise ValueError(f"param_dtype={self.param_dtype!r} is zero3's mixed precision "
                              f"(parameters cast before the all-gather); precision="
                              f"{self.precision!r} is autocast: pick one (precision='fp32')")

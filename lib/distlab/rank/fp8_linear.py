@@ -22,7 +22,8 @@ softmax. fp8_scaling picks the groups that share a scale (distlab.fp8):
 
 The matmuls multiply the values FP8 reads back (dequantized, exact in fp32) in fp32: what
 torch._scaled_mm computes from the FP8 bytes and their scales, up to the order of the fp32
-sum (tests/test_fp8_training.py compares the two). On a CPU this is slower than fp32, not
+sum (tests/test_fp8_training.py compares the two). The output and the gradients come back in
+the input's and the parameters' dtypes (bf16 under zero3's param_dtype="bf16"). On a CPU this is slower than fp32, not
 faster: the point here is the numerics; the speed is benchmarks/gpu.py's, on a GPU with FP8
 units.
 """
@@ -59,22 +60,32 @@ class FP8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, scaling: str, grad_format: torch.dtype):
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = weight.float()
-        y = cast(x2, scaling, fp8.E4M3, 1) @ cast(w, scaling, fp8.E4M3, 1, weight=True).t()
+        # a weight zero3 all-gathered in FP8 arrives as its e4m3 values over their tensorwise
+        # scale: cast already, and casting it again could move a value by the rounding of
+        # its scale (distlab.parallel.zero.fsdp)
+        ctx.on_grid = on_grid = (scaling == "tensorwise"
+                                 and getattr(weight, "_distlab_fp8_gathered", False))
+        wq = w if on_grid else cast(w, scaling, fp8.E4M3, 1, weight=True)
+        y = cast(x2, scaling, fp8.E4M3, 1) @ wq.t()
         if bias is not None:
-            y = y + bias
+            y = y + bias.float()
         ctx.save_for_backward(x2, w)
         ctx.scaling, ctx.grad_format, ctx.shape, ctx.bias = scaling, grad_format, x.shape, bias
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        ctx.dtypes = x.dtype, weight.dtype
+        # the input's dtype out (bf16 under zero3's bf16 parameters), as torchao's Linear
+        return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
         x2, w = ctx.saved_tensors
         s, fmt = ctx.scaling, ctx.grad_format
         g = grad_y.reshape(-1, w.shape[0]).float()
-        grad_x = cast(g, s, fmt, 1) @ cast(w, s, fp8.E4M3, 0, weight=True)
+        wq = w if ctx.on_grid else cast(w, s, fp8.E4M3, 0, weight=True)
+        grad_x = cast(g, s, fmt, 1) @ wq
         grad_w = cast(g, s, fmt, 0).t() @ cast(x2, s, fp8.E4M3, 0)
-        grad_b = g.sum(0) if ctx.bias is not None else None
-        return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None
+        grad_b = g.sum(0).to(ctx.bias.dtype) if ctx.bias is not None else None
+        x_dtype, w_dtype = ctx.dtypes
+        return grad_x.reshape(ctx.shape).to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
 
 
 def _fp8_forward(module: nn.Linear, scaling: str, grad_format: torch.dtype):
@@ -99,5 +110,6 @@ def apply_fp8(model: nn.Module, scaling: str = "tensorwise", grad_format: str = 
                 and not getattr(module, "_distlab_fp8", False)):
             module.forward = _fp8_forward(module, scaling, fp8.FORMATS[grad_format])
             module._distlab_fp8 = True
+            module.weight._distlab_fp8 = True  # fully_shard may all-gather it in FP8
             done.append(name)
     return done

@@ -33,6 +33,16 @@ param_dtype (floating inputs of the root and each unit are cast to it, as FSDP2'
 cast_forward_inputs). Gradients are reduce-scattered in reduce_dtype (default param_dtype),
 then added to the shard's fp32 gradient.
 
+**FP8 all-gather** (`fp8_weights=True`, torchao's enable_fsdp_float8_all_gather): the weights
+of the Linears that compute in FP8 (distlab.rank.fp8_linear marks them) form units of their own
+(`<unit>.fp8`, under every policy, so runs compare like for like; their gathers are booked as
+"all_gather.fp8_linears"). With fp8_weights each such unit's shard travels as e4m3 bytes, one
+scale per parameter: its amax over every rank's piece (an all-gather of one float per
+parameter, "fp8.amax"), so the scale is the one the Linear's tensorwise cast takes from the
+whole weight, and the bytes each rank casts are those the Linear would cast. The gathered
+bytes are read back into the full (fp32) buffer the forward uses; the Linear's own cast then
+lands on the same FP8 values. One byte per weight on the wire instead of bf16's two.
+
 **The optimizer**, built after fully_shard over `model.parameters()`: distlab.ZeroOptimizer,
 or any elementwise torch optimizer (torch.optim.AdamW, SGD, ...: distlab.parallel.zero.bound
 binds it to the units' shards at construction). Either steps the shards; an optimizer built
@@ -66,6 +76,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from distlab import fp8
 from distlab.comm import Comm
 from distlab.modules import tensors_in
 from distlab.non_finite import detect_nan as nan_detector
@@ -85,6 +96,7 @@ class MixedPrecisionPolicy:
     dtype."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    fp8_weights: bool = False  # the FP8 Linears' weights all-gathered in e4m3 (docstring)
 
 
 # fully_shard's layouts -> the class of the state that shards a module so: FullyShard for
@@ -131,9 +143,10 @@ def fully_shard(module: nn.Module, *, units=None, mp_policy: MixedPrecisionPolic
     _refuse_sharded(module)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {tuple(LAYOUTS)}")
-    if layout == "per_param" and offload:
-        raise ValueError("offload=True with layout='per_param': offload is written for the "
-                         "flat units only; use layout='flat'")
+    if layout == "per_param" and (offload or (mp_policy and mp_policy.fp8_weights)):
+        raise ValueError(f"{'offload' if offload else 'fp8_weights'}=True with "
+                         "layout='per_param': written for the flat units only; use "
+                         "layout='flat'")
     if not (isinstance(prefetch, int) and prefetch >= 0):
         raise ValueError(f"prefetch={prefetch!r} must be an integer >= 0 (units gathered ahead "
                          "of need; 0: none)")
@@ -481,13 +494,17 @@ class FullyShard(ShardedGradients):
     def _flatten(self, name: str, modules: list, params: list, offload: bool) -> list[Unit]:
         """One unit per dtype; its shard is its own copy and its full buffer freed."""
         kinds: dict = {}
-        for p in params:
-            kinds.setdefault((p.dtype, p.device), []).append(p)
+        for p in params:  # an FP8 Linear's weight apart: it may travel in FP8 (docstring)
+            kinds.setdefault((p.dtype, p.device, _fp8_weight(p)), []).append(p)
         units = []
-        for (dtype, device), ps in kinds.items():
-            uname = name if len(kinds) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
+        for (dtype, device, fp8_weight), ps in kinds.items():
+            dtypes = {k[0] for k in kinds}
+            uname = name if len(dtypes) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
+            uname += ".fp8" if fp8_weight else ""
             u = self.add_unit(uname, ps, master_on_cpu=offload and device.type != "cpu")
-            u.modules = list(modules)
+            u.modules, u.fp8 = list(modules), fp8_weight
+            for p in ps if fp8_weight and self.policy.fp8_weights else ():
+                p._distlab_fp8_gathered = True  # the Linear takes it as cast (fp8_linear)
             self._cast_full(u)
             u.grad_dtype = self.policy.reduce_dtype or self.policy.param_dtype
             u.full.untyped_storage().resize_(0)  # from now on parameters exist only while used
@@ -567,21 +584,51 @@ class FullyShard(ShardedGradients):
         u.full.untyped_storage().resize_(u.nbytes)
         u.live = True
         self._track("params", u.nbytes)
-        u.gather_in = u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
-        u.gather = self.comm.all_gather_async(u.full, u.gather_in)
+        kind = "all_gather.fp8_linears" if u.fp8 else "all_gather"
+        if u.fp8 and self.policy.fp8_weights:
+            u.gather_in, u.fp8_scales = self._fp8_shard(u)
+            u.gather = self.comm.all_gather_async(
+                torch.empty(u.padded, dtype=torch.uint8, device=u.full.device), u.gather_in,
+                kind=kind)
+        else:
+            u.gather_in = u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
+            u.gather = self.comm.all_gather_async(u.full, u.gather_in, kind=kind)
         u.gather_record = {"unit": u.name, "phase": phase, "issued": u.gather.issued}
         self.gathers.append(u.gather_record)
+
+    def _fp8_shard(self, u: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shard as e4m3 bytes (uint8, for gloo), each parameter's piece scaled by
+        the parameter's scale from its amax over every rank; and those scales."""
+        rank, n = self.rank, len(u.params)
+        pieces = [u.shard_piece(u.shard, i, rank) for i in range(n)]
+        local = torch.stack([p.detach().abs().max().float() if p.numel() else
+                             torch.zeros((), device=u.shard.device) for p in pieces])
+        every = torch.empty(self.comm.world * n, device=local.device)
+        self.comm.all_gather(every, local, kind="fp8.amax")
+        scales = fp8.scale_for(every.view(self.comm.world, n).amax(0))
+        out = torch.zeros(u.shard.numel(), dtype=fp8.E4M3, device=u.shard.device)
+        fmax = torch.finfo(fp8.E4M3).max
+        with torch.no_grad():
+            for i, s in enumerate(scales):
+                u.shard_piece(out, i, rank).copy_(
+                    (pieces[i].float() * s).clamp(-fmax, fmax).to(fp8.E4M3))
+        return out.view(torch.uint8), scales
 
     def _gather(self, u: Unit, phase: str):
         """Unit u's full parameters, now: wait for its prefetch, or gather them."""
         needed = time.perf_counter()
         self._prefetch(u, phase)
         if u.gather is not None:
-            u.gather.wait()
+            gathered = u.gather.wait()
             rec = u.gather_record
             rec.update(prefetched=rec["issued"] < needed, blocked_s=u.gather.waited - needed,
                        needed=needed, waited=u.gather.waited)
-            u.gather = u.gather_in = None
+            if getattr(u, "fp8_scales", None) is not None:  # e4m3 bytes and scales into full
+                with torch.no_grad():
+                    for i, s in enumerate(u.fp8_scales):
+                        u.piece(u.full, i).copy_(
+                            u.piece(gathered.view(fp8.E4M3), i).float() / s)
+            u.gather = u.gather_in = u.fp8_scales = None
 
     def _free(self, u: Unit):
         """Drop unit u's full parameters: only its shard stays on this rank."""
@@ -589,7 +636,7 @@ class FullyShard(ShardedGradients):
             return
         if u.gather is not None:
             u.gather.wait()
-            u.gather = u.gather_in = None
+            u.gather = u.gather_in = u.fp8_scales = None
         u.full.untyped_storage().resize_(0)
         u.live = False
         self._track("params", -u.nbytes)
@@ -723,3 +770,8 @@ class FullyShard(ShardedGradients):
 
 
 LAYOUTS["flat"] = FullyShard
+
+
+def _fp8_weight(p: nn.Parameter) -> bool:
+    """Whether p is the weight of a Linear computing in FP8 (distlab.rank.fp8_linear)."""
+    return getattr(p, "_distlab_fp8", False)

@@ -86,6 +86,8 @@ class Unit:
     grad_dtype: torch.dtype | None = None  # grad_full's dtype (fully_shard's reduce_dtype)
     gather: Pending | None = None  # zero3: an all-gather into full in flight
     gather_in: torch.Tensor | None = None  # its input: the shard, cast to full's dtype
+    fp8: bool = False  # zero3: an FP8 Linear's weights (fully_shard's FP8 all-gather)
+    fp8_scales: torch.Tensor | None = None  # an FP8 all-gather in flight: each param's scale
     gather_record: dict = field(default_factory=dict)  # its entry in the step's timeline
     reduce: Pending | None = None  # a reduce-scatter of grad_full in flight
     reduce_out: torch.Tensor | None = None  # where it lands (grad_shard, or a scratch to add)

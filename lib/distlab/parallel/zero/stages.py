@@ -142,7 +142,8 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy:
     """RunConfig's param_dtype and reduce_dtype as fully_shard's policy (fp32: no cast)."""
     param = None if cfg.param_dtype == "fp32" else dtype_of(cfg.param_dtype)  # fp32: no cast
     reduce = dtype_of(cfg.reduce_dtype) if cfg.reduce_dtype else param
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce,
+                                fp8_weights=cfg.fp8_all_gather)
 
 
 # -- the strategy ------------------------------------------------------------------------------
@@ -370,7 +371,7 @@ class ZeRO3(ZeRO):
     distlab.parallel.zero.per_param: the run's torch optimizer steps them directly)."""
     name = "zero3"
     knobs = frozenset({"param_dtype", "reduce_dtype", "fsdp_units", "fsdp_prefetch",
-                       "fsdp_layout"})
+                       "fsdp_layout", "fp8_all_gather"})
     checkpoint_layout = "ZeRO units: one per block"
 
     stage = zero_stage = 3
@@ -379,7 +380,7 @@ class ZeRO3(ZeRO):
     def check_config(cls, cfg) -> None:
         if cfg.fsdp_layout != "per_param":
             return
-        for field, value in (("offload", cfg.offload), ("checkpoint_every", cfg.checkpoint_every),
+        for field, value in (("fp8_all_gather", cfg.fp8_all_gather), ("offload", cfg.offload), ("checkpoint_every", cfg.checkpoint_every),
                              ("resume_from", cfg.resume_from)):
             if value:
                 raise ValueError(f"{field}={value!r} with fsdp_layout='per_param': written for "

@@ -93,7 +93,7 @@ from distlab.studies import precision_lessons as P
 from distlab.lab.common import MEMORY_CATEGORIES as CATEGORIES
 from distlab.lab import fp8 as F8
 from distlab.studies import fp8_training as S8T
-from distlab.lab.common import claim, claims_table, mib, say, table
+from distlab.lab.common import claim, claims_table, fmt_bytes, mib, say, table
 from distlab.lab.data_parallel import loss_figure
 from distlab.lab.interview_code import claim_rows, run_all
 from distlab.lab.memory_and_precision import (
@@ -841,15 +841,28 @@ fp8_explorer.widget
 # in fp32, bf16 and FP8 with each scaling, in one launch. `tests/test_fp8_training.py`
 # checks the three matmuls against `torch._scaled_mm` on the same FP8 bytes, and ddp and
 # zero3 on 2 ranks against one process on the same micro-batches.
+#
+# The same launch then runs **zero3** two steps three times, all-gathering the FP8 Linears'
+# weights in fp32, in bf16 (FSDP's `param_dtype`) and in e4m3 with one scale per weight
+# (`fp8_all_gather=True`, torchao's float8 all-gather: each weight's amax over every rank's
+# shard travels first, 4 bytes a weight, so every rank casts its piece with the scale the
+# Linear's tensorwise cast takes from the whole weight).
 
 # %%
-fp8_train = F8.run_precisions(S8T.BASE.replace(steps=FP8_TRAIN_STEPS))
-fp8_losses = {name: run.losses() for name, run in fp8_train.items()}
+fp8_train = F8.run_precisions(S8T.BASE.replace(steps=FP8_TRAIN_STEPS), with_gathers=True)
+fp8_losses = {name: run.losses() for name, run in fp8_train.items()
+              if not name.startswith("zero3")}
 F8.training_figure(fp8_losses).show()
 fp8_gaps = S8T.gap_rows(fp8_losses)
 table(["precision", "final loss (mean of the last quarter)", "gap to bf16"],
       [[r["precision"], f"{r['final_loss']:.4f}", f"{100 * r['gap_to_bf16']:+.2f}%"]
        for r in fp8_gaps])
+fp8_gather = S8T.gather_rows(F8.gather_bytes(fp8_train))
+table(["zero3, FP8 Linears' weights", "all-gather bytes per step (rank 0)",
+       "amax bytes per step", "total / bf16's"],
+      [[r["gather"], fmt_bytes(r["weights"]), fmt_bytes(r["scales"]),
+        f"{r['ratio_to_bf16']:.4f}"] for r in fp8_gather])
+fp8_e4m3 = next(r for r in fp8_gather if r["gather"] == "zero3 fp8 gather")
 
 # %% [markdown]
 # ## What the textbook says, what these runs measured
@@ -1017,6 +1030,12 @@ fp8_rows = [
           + f" from bf16's {S8T.final_loss(fp8_losses['bf16']):.4f} after {FP8_TRAIN_STEPS} "
           "steps",
           all(abs(r["gap_to_bf16"]) <= 0.02 for r in fp8_gaps)),
+    claim("all-gathering FP8 weights halves FSDP's bytes against bf16 (the scales cost next to "
+          "nothing)", "torchao's float8 all-gather for FSDP2 (as torchtitan trains with it)",
+          f"FP8 weights plus amaxes: {fp8_e4m3['ratio_to_bf16']:.4f} of the bf16 "
+          f"gather's bytes ({fmt_bytes(fp8_e4m3['scales'])} of amaxes a step); within 2% of "
+          "half",
+          abs(fp8_e4m3["ratio_to_bf16"] - 0.5) <= 0.01),
 ]
 claims_table(claims + [seq_row] + bf16_rows + code_rows + fp8_rows)
 interview = {4, 5, 8, 12}  # the interview answer's figures and the clipping answer: shown, either way

@@ -14,7 +14,7 @@ import torch
 from distlab import fp8
 from distlab.lab.explorer import Explorer
 from distlab.studies.fp8_scaling import with_outliers
-from distlab.studies.fp8_training import BASE, precisions
+from distlab.studies.fp8_training import BASE, gathers, precisions
 
 LEGEND = dict(orientation="h", yanchor="top", y=-0.25, x=0)
 SCHEME_COLORS = {"tensorwise": "#c2255c", "rowwise": "#e8590c", "block1x128": "#2b8a3e",
@@ -143,8 +143,22 @@ def training_figure(losses: dict[str, list[float]]):
     return fig
 
 
-def run_precisions(base=BASE, name: str = "fp8-training", on_start=None):
+def run_precisions(base=BASE, name: str = "fp8-training", on_start=None,
+                   with_gathers: bool = False):
     """Every precision of distlab.studies.fp8_training.precisions(base) trained in one
-    launch: {name: Run}."""
+    launch, and with_gathers, zero3's three all-gathers of the FP8 weights after them:
+    {name: Run}."""
     from distlab.lab.runs import launch_together
-    return launch_together(precisions(base), name=name, on_start=on_start)
+    cfgs = {**precisions(base), **(gathers(base) if with_gathers else {})}
+    return launch_together(cfgs, name=name, on_start=on_start)
+
+
+def gather_bytes(runs: dict) -> dict[str, tuple[float, float]]:
+    """{gather: (the FP8 Linears' all-gather bytes, the amaxes' bytes)} per step, rank 0's
+    median over the steps, for the "zero3 ... gather" runs of run_precisions."""
+    import statistics
+
+    from distlab.lab.runs import bytes_per_step
+    return {name: (statistics.median(bytes_per_step(run, "all_gather.fp8_linears")),
+                   statistics.median(bytes_per_step(run, "fp8.amax")))
+            for name, run in runs.items() if name.startswith("zero3")}

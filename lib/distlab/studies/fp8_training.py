@@ -25,6 +25,22 @@ def precisions(base: RunConfig = BASE, scalings=FP8_SCALINGS) -> dict[str, RunCo
     return out
 
 
+def gathers(base: RunConfig = BASE, steps: int = 2) -> dict[str, RunConfig]:
+    """zero3 on base's ranks with the FP8 Linears' weights all-gathered in fp32, bf16 (FSDP's
+    param_dtype) and e4m3 (fp8_all_gather): {"zero3 <dtype> gather": config}."""
+    z = base.replace(strategy="zero3", precision="fp8", fp8_scaling="tensorwise", steps=steps)
+    return {"zero3 fp32 gather": z, "zero3 bf16 gather": z.replace(param_dtype="bf16"),
+            "zero3 fp8 gather": z.replace(fp8_all_gather=True)}
+
+
+def gather_rows(bytes_per_step: dict[str, tuple[float, float]]) -> list[dict]:
+    """Per gather dtype, from (the FP8 Linears' all-gather bytes, the amaxes' bytes) per step
+    on one rank: the total and its ratio to the bf16 gather's."""
+    bf16 = sum(bytes_per_step["zero3 bf16 gather"])
+    return [{"gather": name, "weights": w, "scales": a, "ratio_to_bf16": (w + a) / bf16}
+            for name, (w, a) in bytes_per_step.items()]
+
+
 def final_loss(losses: list[float]) -> float:
     """The mean of the last quarter of the per-step losses."""
     tail = losses[-max(1, len(losses) // 4):]

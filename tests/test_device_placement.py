@@ -68,6 +68,10 @@ def test_datasheet_peaks():
     assert F.datasheet_peak("NVIDIA H100 PCIe", "bf16")[0] == 756e12
     assert F.datasheet_peak("NVIDIA H100 NVL", "fp32")[0] == 60e12
     assert F.datasheet_peak("NVIDIA H200", "bf16")[0] == 989e12
+    # fp8: the sheets' figures with sparsity, halved
+    assert F.datasheet_peak("NVIDIA H100 80GB HBM3", "fp8")[0] == 3958e12 / 2
+    assert F.datasheet_peak("NVIDIA H100 PCIe", "fp8")[0] == 3026e12 / 2
+    assert F.datasheet_peak("NVIDIA H200 NVL", "fp8")[0] == 3341e12 / 2
     assert F.datasheet_peak("NVIDIA A10G", "bf16") is None
     assert F.datasheet_peak("NVIDIA H100 80GB HBM3", "fp16") is None
     assert G.mfu({"precision": "bf16", "flops_per_s": 1.0}, "cpu") == \

@@ -215,6 +215,8 @@ ACTIVATION_CONFIGS = {
     "r2-8heads-accum2-rank1": SMALL.replace(strategy="allreduce", world_size=2, mlp_ratio=2,
                                             n_head=8, n_embd=64, grad_accum=2, global_batch=16,
                                             seq_len=24),
+    # FP8's Linears save their fp32 input and weight, as fp32's do (distlab.rank.fp8_linear)
+    "small fp8": SMALL.replace(precision="fp8"),
 }
 
 

@@ -57,7 +57,8 @@ def achieved(cfg: RunConfig, steps: int = 6, repeats: int = 1, threads: int = 1)
     if device == "cuda":
         result = time_training(cfg, device, steps=steps, warmup=2)
         name = torch.cuda.get_device_name()
-        peak = datasheet_peak(name, "bf16" if cfg.precision == "bf16" else "fp32")
+        peak = datasheet_peak(name, cfg.precision if cfg.precision in ("bf16", "fp8")
+                              else "fp32")
         if peak is None:
             return {**result, "device": name, "peak": None, "peak_source": "unknown GPU",
                     "mfu": None, "mfus": []}

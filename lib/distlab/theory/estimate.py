@@ -361,7 +361,9 @@ def gpt_activation_bytes(cfg, checkpointing: str | None = None, micro_batch: int
     """
     if cfg.model != "gpt":
         raise ValueError("gpt_activation_bytes is derived for the GPT model only")
-    if cfg.precision != "fp32":
+    # fp8 saves what fp32 saves: its Linears keep their fp32 input and weight for backward
+    # and cast them again there (distlab.rank.fp8_linear), the casts living one matmul long
+    if cfg.precision not in ("fp32", "fp8"):
         raise NotImplementedError(f"precision={cfg.precision!r}: derived for fp32 only (under "
                                   "autocast some saved tensors are bf16/fp16 copies); measure "
                                   "it with ActivationMeter")
@@ -456,8 +458,9 @@ def autocast_weight_copy_bytes(cfg: RunConfig) -> int:
     """Bytes of the low-precision weight copies autocast makes in our GPT's forward, by
     formula: every nn.Linear's weight (q, k, v, o: 4h² per layer; fc, proj: 2rh²; the head hV)
     cast to 2 bytes, except in modules kept fp32 (cfg.fp32_modules). Biases are copied too but
-    not saved for backward (addmm's gradient for the bias needs none). 0 in fp32."""
-    if cfg.precision == "fp32":
+    not saved for backward (addmm's gradient for the bias needs none). 0 in fp32, and in fp8
+    (no autocast: its Linears' casts are not saved, distlab.rank.fp8_linear)."""
+    if cfg.precision in ("fp32", "fp8"):
         return 0
     h, r, V, L = cfg.n_embd, cfg.mlp_ratio, cfg.vocab_size, cfg.n_layer
     fp32 = {n.strip() for n in cfg.fp32_modules.split(",") if n.strip()}

@@ -83,8 +83,13 @@ Sources:
            optimizer step are not timed. `mfu` is held constant across layouts: the lower
            matmul efficiency of small micro-batches or thin tensor-parallel shards is not
            modelled, so near-ties in the ranking (within a few %) are not meaningful.
+  FP8      Cluster(peak_flops=H100_FP8_FLOPS) and gather_bytes=1: the matmuls at the FP8 peak,
+           ZeRO-3's two all-gathers at one byte a parameter (torchao's float8 all-gather;
+           the per-weight scales, 4 bytes a weight, are left out), its reduce-scatter still
+           at value_bytes. The model states stay `bpp`'s (FP8 training keeps higher-precision
+           masters, gradients and optimizer state: pass the recipe's bytes).
   Peaks    A100 SXM bf16 dense 312 TFLOP/s, 80 GB HBM2e; H100 SXM bf16 dense 989 TFLOP/s,
-           80 GB HBM3 (NVIDIA datasheets). InfiniBand HDR 200 Gb/s per port, one port per GPU
+           fp8 dense 1979, 80 GB HBM3 (NVIDIA datasheets). InfiniBand HDR 200 Gb/s per port, one port per GPU
            on a DGX A100 (NVIDIA DGX A100 datasheet: 8× ConnectX-6 200 Gb/s).
 
     from distlab.theory.plan import Model, Cluster, plan, best, training_time, GPT3_175B
@@ -104,6 +109,7 @@ from distlab.units import GB
 
 A100_BF16_FLOPS = 312e12  # NVIDIA A100 datasheet: bf16 tensor core, dense
 H100_BF16_FLOPS = 989e12  # NVIDIA H100 SXM datasheet: bf16 tensor core, dense
+H100_FP8_FLOPS = 1979e12  # NVIDIA H100 SXM datasheet: fp8 tensor core, dense (3958 sparse)
 IB_HDR = Link("InfiniBand HDR", 5e-6, 25e9,
               "InfiniBand HDR: 200 Gb/s per port (ConnectX-6); DGX A100: one port per GPU")
 RECOMPUTE = ("none", "selective", "full")
@@ -287,17 +293,22 @@ def memory_per_gpu(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, ze
 
 
 def dp_comm_time(model: Model, cluster: Cluster, dp: int, tp: int, pp: int, zero: int,
-                 micro_batches: int, grad_bytes: int = 2, params: float | None = None) -> float:
+                 micro_batches: int, grad_bytes: int = 2, params: float | None = None,
+                 gather_bytes: int | None = None) -> float:
     """Seconds of DP communication per step (ring α-β, whole buffer as one collective) over
-    `dp` replicas of `params` (default: the whole model)."""
+    `dp` replicas of `params` (default: the whole model). gather_bytes: bytes per parameter
+    ZeRO-3's all-gathers carry (default grad_bytes; 1: FP8 weights)."""
     if dp == 1:
         return 0.0
     link = cluster.inter if tp * dp > cluster.gpus_per_node else cluster.intra
-    S = (model.params if params is None else params) / (tp * pp) * grad_bytes
+    n = (model.params if params is None else params) / (tp * pp)
     if zero < 3:
-        return ring_allreduce_time(S, dp, link)
-    # all-gather (fwd) + all-gather (bwd) + reduce-scatter per micro-batch: 3 half all-reduces
-    return micro_batches * 1.5 * ring_allreduce_time(S, dp, link)
+        return ring_allreduce_time(n * grad_bytes, dp, link)
+    # all-gather (fwd) + all-gather (bwd) + reduce-scatter per micro-batch, each half an
+    # all-reduce
+    gathered = n * (grad_bytes if gather_bytes is None else gather_bytes)
+    return micro_batches * 0.5 * (2 * ring_allreduce_time(gathered, dp, link)
+                                  + ring_allreduce_time(n * grad_bytes, dp, link))
 
 
 def tp_comm_time(model: Model, cluster: Cluster, tp: int, pp: int, micro_batch: int,
@@ -374,9 +385,12 @@ def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int
              zero: int, micro_batch: int, recompute: str, mfu: float, dp_overlap: float = 0.0,
              sequence_parallel: bool = True, schedule: str = "1f1b",
              bpp: BytesPerParam = MIXED_ADAM, offload=(), cp: int = 1, ep: int = 1,
-             cp_overlap: float = 0.0, value_bytes: int = 2) -> Row | None:
+             cp_overlap: float = 0.0, value_bytes: int = 2,
+             gather_bytes: int | None = None) -> Row | None:
     """One candidate's memory and step time; None when the batch does not split evenly.
-    value_bytes: bytes of each gradient and activation value sent (2: bf16; 4: fp32)."""
+    value_bytes: bytes of each gradient and activation value sent (2: bf16; 4: fp32).
+    gather_bytes: bytes per parameter of ZeRO-3's all-gathers (default value_bytes; 1: FP8
+    weights, as torchao's float8 all-gather)."""
     if dp * tp * pp * cp != cluster.gpus or global_batch % (dp * micro_batch):
         return None
     m = global_batch // (dp * micro_batch)
@@ -391,10 +405,11 @@ def evaluate(model: Model, cluster: Cluster, global_batch: int, dp: int, tp: int
     compute = ideal * (1 + recompute_overhead(model, recompute))
     bubble = compute * share
     dense = model.params - model.expert_params
-    dpc = dp_comm_time(model, cluster, dp * cp, tp, pp, zero, m, value_bytes, params=dense)
+    dpc = dp_comm_time(model, cluster, dp * cp, tp, pp, zero, m, value_bytes, params=dense,
+                       gather_bytes=gather_bytes)
     if model.experts:  # the experts' gradients over their replicas only
         dpc += dp_comm_time(model, cluster, dp * cp // ep, tp, pp, zero, m, value_bytes,
-                            params=model.expert_params / ep)
+                            params=model.expert_params / ep, gather_bytes=gather_bytes)
     dpc *= 1 - dp_overlap
     tpc = tp_comm_time(model, cluster, tp, pp, micro_batch, m, recompute, value_bytes)
     ppc = pp_comm_time(model, cluster, dp, tp, pp, micro_batch, m, value_bytes)
@@ -418,7 +433,7 @@ def plan(model: Model, cluster: Cluster, global_batch: int, mfu: float = 0.5,
     (fits_only), fastest first (ties: less memory). micro_batches: candidate sizes (default
     powers of two up to the per-replica batch). cps, eps: the context- and expert-parallel
     sizes to try (default 1: the 3D search). kw: dp_overlap, cp_overlap, sequence_parallel,
-    schedule, bpp, offload."""
+    schedule, bpp, offload, value_bytes, gather_bytes."""
     if schedules is not None:
         return sorted((r for sc in schedules for r in plan(
             model, cluster, global_batch, mfu, zero_stages, recomputes, micro_batches,

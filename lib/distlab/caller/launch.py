@@ -169,17 +169,10 @@ def preload() -> list[str]:
     """What the fork server imports once, so each rank forked from it starts with them loaded:
     torch, the training loop and every strategy's module (with FSDP2, DTensor and pipelining
     behind the torch variants), and torch._dynamo, which the first torch.optim optimizer
-    imports (2.2 s of a rank's 2.4 s setup, measured on the 2-core machine).
-
-    And distlab.lab when the launching process has imported it (a notebook, a test of the
-    workbook): the rank functions the notebooks run live there, and importing it (plotly.io,
-    ipywidgets, nbformat's schema checks) cost each rank 2.2 s of CPU, every launch (measured:
-    tests/test_mesh.py's world-8 launch used 49 CPU-seconds without it, 35 with it; a 4-rank
-    launch of 01's first cell took 3.0 s without it, 0.1 s with it)."""
+    imports (2.2 s of a rank's 2.4 s setup, measured on the 2-core machine)."""
     from distlab.parallel import REGISTRY
-    lab = ["distlab.lab"] if "distlab.lab" in sys.modules else []
     return (["torch", "torch.distributed", "torch._dynamo", "distlab.rank.train",
-             "distlab.caller.launch"] + lab
+             "distlab.caller.launch"]
             + sorted({path.split(":")[0] for path in REGISTRY.values()}))
 START_ENV = "DISTLAB_START"  # "spawn" forces a fresh interpreter per rank
 

@@ -22,10 +22,10 @@ imports it, and it is the only part that needs the [lab] extra (plotly, ipywidge
 May import: all of distlab. Nothing else in distlab imports it.
 """
 
-import sys
 
 from distlab.caller import run as _run
 from distlab.lab.common import MEMORY_CATEGORIES, MiB
+from distlab.lab.live import in_a_kernel
 from distlab.lab.panel import (
     ControlPanel,
     Explorer,
@@ -44,14 +44,6 @@ __all__ = ["ControlPanel", "Explorer", "LiveDashboard", "MEMORY_CATEGORIES", "Mi
 
 
 
-def _in_a_kernel() -> bool:
-    """True in a Jupyter kernel (a notebook), False in scripts and tests, even those that have
-    imported ipykernel (nbval does)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
 class NotebookProgress:
     """wait()'s progress in a notebook: one output, updated in place, so the saved notebook
     holds only its final state ("done: 435 steps in 47.1 s, 2,530 tokens/s"), where each
@@ -68,6 +60,6 @@ class NotebookProgress:
             self.handle.update({"text/plain": line}, raw=True)
 
 
-if _in_a_kernel():  # in a notebook: a cell that waits on a run shows its progress
+if in_a_kernel():  # in a notebook: a cell that waits on a run shows its progress
     _run.SHOW_PROGRESS = True
     _run.PROGRESS_OUT = NotebookProgress

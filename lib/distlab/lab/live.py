@@ -11,6 +11,7 @@ import html
 import json
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -289,4 +290,16 @@ def retire(widget) -> None:
     widget.close()
 
 
-use_page_copies()
+def in_a_kernel() -> bool:
+    """True in a Jupyter kernel (a notebook), False in scripts and tests, even those that have
+    imported ipykernel (nbval does), and in the ranks and the fork server they start from."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+# Only in a kernel, where figures are shown: plotly's renderers import nbformat, whose schema
+# checks cost 2 s of CPU at import (rfc3987_syntax builds its grammar), which every rank that
+# ran a lab function, every fork server and every test worker paid otherwise
+if in_a_kernel():
+    use_page_copies()

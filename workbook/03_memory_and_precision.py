@@ -839,9 +839,10 @@ fp8_explorer.widget
 # master weights, the optimizer and every other op stay fp32, and the embeddings, the norms,
 # the output head and an MoE's router stay out of FP8, as in DeepSeek-V3 (§3.3.1). The same
 # GPT (256 wide, so a row holds two 1×128 tiles) and the same data, on 2 ranks under `ddp`,
-# in fp32, bf16 and FP8 with each scaling, in one launch. `tests/test_fp8_training.py`
-# checks the three matmuls against `torch._scaled_mm` on the same FP8 bytes, and ddp and
-# zero3 on 2 ranks against one process on the same micro-batches.
+# in fp32, bf16 and FP8 with each scaling, in one launch; the figure is each loss minus
+# bf16's, step by step (the curves themselves lie on top of each other).
+# `tests/test_fp8_training.py` checks the three matmuls against `torch._scaled_mm` on the same
+# FP8 bytes, and ddp and zero3 on 2 ranks against one process on the same micro-batches.
 #
 # The same launch then runs **zero3** two steps three times, all-gathering the FP8 Linears'
 # weights in fp32, in bf16 (FSDP's `param_dtype`) and in e4m3 with one scale per weight

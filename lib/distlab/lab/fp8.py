@@ -131,15 +131,19 @@ PRECISION_COLORS = {"fp32": "#495057", "bf16": "#1f5fbf", "fp8 tensorwise": "#c2
                     "fp8 rowwise": "#e8590c", "fp8 blockwise": "#2b8a3e"}
 
 
-def training_figure(losses: dict[str, list[float]]):
-    """Each precision's loss per step (the mean over the ranks), one line each."""
+def training_figure(losses: dict[str, list[float]], ref: str = "bf16"):
+    """Each precision's loss minus `ref`'s, step by step: the curves themselves lie on top of
+    each other at this scale, their differences show how far apart they run."""
     fig = go.Figure()
+    base = losses[ref]
     for name, ls in losses.items():
-        fig.add_scatter(x=list(range(len(ls))), y=ls, mode="lines", name=name,
-                        line=dict(color=PRECISION_COLORS.get(name)))
+        fig.add_scatter(x=list(range(len(ls))), y=[a - b for a, b in zip(ls, base)],
+                        mode="lines", name=name, line=dict(color=PRECISION_COLORS.get(name),
+                                                           dash="dot" if name == ref else None))
     fig.update_layout(height=360, template="plotly_white", legend=LEGEND,
-                      title="the same GPT and data in each precision (ddp, 2 ranks)",
-                      xaxis=dict(title="step"), yaxis=dict(title="loss"))
+                      title=f"the same GPT and data in each precision (ddp, 2 ranks): loss minus "
+                            f"{ref}'s, per step",
+                      xaxis=dict(title="step"), yaxis=dict(title=f"loss - {ref}'s loss"))
     return fig
 
 

@@ -43,7 +43,7 @@ def _scaled_mm(a, b_t, scheme, fmt_a, fmt_b):
 
 
 def _close(got, want, rel):
-    got = got.detach()
+    got, want = got.detach(), want.detach()
     return float((got - want).abs().max() / want.abs().max()) <= rel
 
 

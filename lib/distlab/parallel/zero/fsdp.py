@@ -496,9 +496,8 @@ class FullyShard(ShardedGradients):
         kinds: dict = {}
         for p in params:  # an FP8 Linear's weight apart: it may travel in FP8 (docstring)
             kinds.setdefault((p.dtype, p.device, _fp8_weight(p)), []).append(p)
-        units = []
+        units, dtypes = [], {k[0] for k in kinds}
         for (dtype, device, fp8_weight), ps in kinds.items():
-            dtypes = {k[0] for k in kinds}
             uname = name if len(dtypes) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
             uname += ".fp8" if fp8_weight else ""
             u = self.add_unit(uname, ps, master_on_cpu=offload and device.type != "cpu")
@@ -605,14 +604,12 @@ class FullyShard(ShardedGradients):
                              torch.zeros((), device=u.shard.device) for p in pieces])
         every = torch.empty(self.comm.world * n, device=local.device)
         self.comm.all_gather(every, local, kind="fp8.amax")
-        scales = fp8.scale_for(every.view(self.comm.world, n).amax(0))
+        amaxes = every.view(self.comm.world, n).amax(0)
         out = torch.zeros(u.shard.numel(), dtype=fp8.E4M3, device=u.shard.device)
-        fmax = torch.finfo(fp8.E4M3).max
-        with torch.no_grad():
-            for i, s in enumerate(scales):
-                u.shard_piece(out, i, rank).copy_(
-                    (pieces[i].float() * s).clamp(-fmax, fmax).to(fp8.E4M3))
-        return out.view(torch.uint8), scales
+        with torch.no_grad():  # the Linear's own cast: distlab.fp8.quantize, tensorwise
+            for i, amax in enumerate(amaxes):
+                u.shard_piece(out, i, rank).copy_(fp8.quantize(pieces[i], amax=amax)[0])
+        return out.view(torch.uint8), fp8.scale_for(amaxes)
 
     def _gather(self, u: Unit, phase: str):
         """Unit u's full parameters, now: wait for its prefetch, or gather them."""
@@ -627,7 +624,7 @@ class FullyShard(ShardedGradients):
                 with torch.no_grad():
                     for i, s in enumerate(u.fp8_scales):
                         u.piece(u.full, i).copy_(
-                            u.piece(gathered.view(fp8.E4M3), i).float() / s)
+                            fp8.dequantize(u.piece(gathered.view(fp8.E4M3), i), s))
             u.gather = u.gather_in = u.fp8_scales = None
 
     def _free(self, u: Unit):

@@ -39,7 +39,8 @@ TINY = RunConfig(strategy="ddp", world_size=2, steps=8, global_batch=8, seq_len=
 # The preemption drill's run: AdamW and fp16 with the dynamic loss scaler (state to restore).
 FP16 = TINY.replace(strategy="allreduce", optimizer="adamw", lr=1e-2, precision="fp16",
                     steps=12, checkpoint_every=100)
-REFS = {"ddp": TINY, "zero3": TINY.replace(strategy="zero3", keep_last=2),
+REFS = {"ddp": TINY, "ddp async": TINY.replace(checkpoint_async=True),
+        "zero3": TINY.replace(strategy="zero3", keep_last=2),
         "fsdp": TINY.replace(strategy="fsdp-torch"),
         "allreduce": TINY.replace(strategy="allreduce"), "fp16": FP16}
 
@@ -100,6 +101,49 @@ def test_keep_last_prunes_and_leaves_no_temporaries(refs):
     assert [s for s, _ in list_checkpoints(refs["ddp"]["root"])] == [3, 6, 8]  # keep_last=10
     assert [s for s, _ in list_checkpoints(refs["zero3"]["root"])] == [6, 8]  # keep_last=2
     assert not [n for n in os.listdir(refs["ddp"]["root"]) if n.startswith(".")]
+
+
+def test_asynchronous_saves_equal_synchronous_ones_and_resume_bitwise(refs):
+    """checkpoint_async: the periodic saves (after steps 3 and 6) staged and written by a
+    thread while training went on, the final one synchronous. Every checkpoint holds the
+    synchronous run's tensors bitwise, and a run resumed from step 6's ends as the
+    uninterrupted one."""
+    sync, bg = refs["ddp"], refs["ddp async"]
+    assert [s for s, _ in list_checkpoints(bg["root"])] == [3, 6, 8]
+    for (s1, a), (s2, b) in zip(list_checkpoints(sync["root"]), list_checkpoints(bg["root"])):
+        assert s1 == s2 and sorted(os.listdir(a)) == sorted(os.listdir(b))  # no records left
+        assert set(verify(b)["files"]) == {"state.pt", "rng/rank0.pt", "rng/rank1.pt"}
+        assert_bitwise(load_full(a)["tensors"], load_full(b)["tensors"])
+    saves = [e for e in bg["events"][0] if e["kind"] == "checkpoint"]
+    assert [e["background"] for e in saves] == [True, True, False]
+    written = [e["steps_done"] for e in bg["events"][0] if e["kind"] == "checkpoint_written"]
+    assert written == [3, 6]
+    resumed = launch(bg["cfg"].replace(resume_from=os.path.join(bg["root"], "step_000006"),
+                                       checkpoint_dir=bg["root"] + "-resumed")).wait(timeout=120)
+    assert resumed.history("resume")[0]["steps_done"] == 6
+    assert_bitwise(final_tensors(bg["root"] + "-resumed"), final_tensors(sync["root"]))
+
+
+def test_a_background_save_that_fails_commits_nothing_and_says_so(tmp_path):
+    """The writer's error reaches the loop at the next wait, naming the step; nothing is
+    committed, so the checkpoint before it stays the newest. A rank whose records never come
+    leaves rank 0's commit waiting only its timeout."""
+    from distlab.checkpoint.async_save import WRITTEN, BackgroundSave
+    meta = {"format": "full"}
+    gone = BackgroundSave({"state.pt": {"x": torch.ones(2)}}, str(tmp_path / "missing"), 0, 1,
+                          9, 5.0, {"final": str(tmp_path / "step_000009"),
+                                   "root": str(tmp_path), "meta": meta, "keep_last": 2})
+    with pytest.raises(RuntimeError, match="background save of step 9 failed: "
+                                           "FileNotFoundError"):
+        gone.wait()
+    tmp = tmp_path / ".step_000012.tmp"
+    (tmp / WRITTEN).mkdir(parents=True)
+    alone = BackgroundSave({"state.pt": {"x": torch.ones(2)}}, str(tmp), 0, 2, 12, 0.3,
+                           {"final": str(tmp_path / "step_000012"), "root": str(tmp_path),
+                            "meta": meta, "keep_last": 2})
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not finish writing within 0.3 s"):
+        alone.wait()
+    assert not (tmp_path / "step_000012").exists() and not (tmp_path / "step_000009").exists()
 
 
 def test_sigkill_mid_run_is_reported_and_resume_is_bitwise(refs):
@@ -313,3 +357,5 @@ def test_config_says_which_strategies_and_steps_checkpoint():
         TINY.replace(fault="kill_in_save", fault_step=3)
     with pytest.raises(ValueError, match="set checkpoint_every > 0"):
         TINY.replace(checkpoint_every=0, fault="kill_in_save", fault_step=2)
+    with pytest.raises(ValueError, match="checkpoint_async is written for the full format"):
+        TINY.replace(strategy="zero3", checkpoint_async=True)

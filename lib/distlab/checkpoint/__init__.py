@@ -65,6 +65,8 @@ Where each part lives:
                     is distlab.parallel.state: checkpoint/ reads parallel/, never the reverse)
     preemption.py   SIGTERM as a preemption notice
     checkpointer.py the training loop's side: save when due, restore at the start
+    async_save.py   checkpoint_async: the state staged (copied), then written by a thread while
+                    training goes on; rank 0's thread commits once every rank's files are in
     distlab.caller.resume  the caller's side: launch a run again from its checkpoint
 
 May import: the foundation, data/, models/, parallel/ and config. Never the reverse: what a

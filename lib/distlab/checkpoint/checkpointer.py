@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from distlab.checkpoint.async_save import WRITTEN, BackgroundSave, staged_copy
 from distlab.checkpoint.preemption import PreemptionNotice
 from distlab.checkpoint.state import rng_state, scaler_tensors, set_rng_state
 from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, CheckpointError,
@@ -69,6 +70,7 @@ class Checkpointer:
         self.root = checkpoint_root(cfg, os.path.dirname(os.path.abspath(log.path)))
         self.format = strategy.checkpoint_format
         self.notice = PreemptionNotice() if cfg.checkpoint_every else None
+        self.pending: BackgroundSave | None = None  # an asynchronous save being written
 
     @classmethod
     def for_run(cls, cfg, *args):
@@ -101,20 +103,37 @@ class Checkpointer:
         return bool(flag.item() > 0)
 
     def close(self):
+        self.finish_pending()
         if self.notice is not None:
             self.notice.close()
             self.notice = None
+
+    def finish_pending(self) -> float:
+        """Wait for an asynchronous save still being written (its error is raised here) and log
+        that it was written; the seconds waited."""
+        if self.pending is None:
+            return 0.0
+        t0, save = time.perf_counter(), self.pending
+        self.pending = None
+        write_s = save.wait()
+        self.log.write("checkpoint_written", steps_done=save.steps_done, write_s=write_s)
+        return time.perf_counter() - t0
 
     # -- save --------------------------------------------------------------------------------
     def save(self, step: int, reason: str = "periodic") -> str:
         """Write the state after `step` as <root>/step_<step+1>: every rank its files into a
         temporary folder, then rank 0 commits it (meta.json, rename). A collective."""
         t0 = time.perf_counter()
+        waited = self.finish_pending()  # one save at a time: the previous one first
         steps_done = step + 1
         name = f"step_{steps_done:06d}"
         final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".{name}.tmp")
+        background = self.cfg.checkpoint_async and reason == "periodic"  # the run goes on
         try:
-            self._write(step, reason, final, tmp)
+            if background:
+                self._stage(step, reason, final, tmp)
+            else:
+                self._write(step, reason, final, tmp)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             # a full disk, said by errno or not (torch's zip writer reports "unexpected pos")
             full = no_space_left(e) or _free_bytes(self.root) < FULL_DISK_BYTES
@@ -129,16 +148,41 @@ class Checkpointer:
                     "space or set checkpoint_dir to a larger disk; the partial save was "
                     "removed") from e
             raise
+        # seconds: what the step was blocked for (a synchronous save: all of it)
         self.log.write("checkpoint", step=step, steps_done=steps_done, reason=reason,
                        format=self.format, seconds=time.perf_counter() - t0,
-                       bytes=self._bytes, files=self._files, path=final)
+                       bytes=self._bytes, files=self._files, path=final,
+                       background=background, waited_s=waited)
         return final
 
-    def _write(self, step: int, reason: str, final: str, tmp: str) -> None:
+    def _stage(self, step: int, reason: str, final: str, tmp: str) -> None:
+        """An asynchronous save: the folder made, the state copied, a thread to write it."""
+        self._prepare(tmp, background=True)
+        state = self.strategy.checkpoint_state(self.model, self.optimizer)  # may gather
+        files = {f"{RNG_DIR}/rank{self.rank}.pt": rng_state(self.device)}
+        commit_to = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of this step
+            state["scaler"] = self.scaler.state_dict() if self.scaler.enabled else None
+            files[STATE] = staged_copy(state)
+            commit_to = {"final": final, "root": self.root, "keep_last": self.cfg.keep_last,
+                         "meta": self._meta(step, reason, [])}
+        self.pending = BackgroundSave(files, tmp, self.rank, self.world, step + 1,
+                                      self.cfg.timeout_s, commit_to)
+        self._bytes = sum(t.numel() * t.element_size() for t in _tensors(files))
+        self._files = {}  # known once written (checkpoint_written, meta.json)
+
+    def _prepare(self, tmp: str, background: bool = False) -> None:
+        """Rank 0 makes the temporary folder (a crashed save of this step removed), then all
+        meet: nobody writes into a folder that is not there."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, RNG_DIR))
+            if background:  # where the ranks' threads leave their records (async_save)
+                os.makedirs(os.path.join(tmp, WRITTEN))
         dist.barrier()
+
+    def _write(self, step: int, reason: str, final: str, tmp: str) -> None:
+        self._prepare(tmp)
         kill = (self.cfg.fault == "kill_in_save" and self.rank == self.cfg.fault_rank
                 and step == self.cfg.fault_step
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
@@ -300,6 +344,17 @@ class Checkpointer:
             self.scaler.load_state_dict({k.split("/", 1)[1]: v.item() for k, v in state.items()
                                          if k.startswith("scaler/")})
         self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 class NoCheckpoints:

@@ -21,6 +21,9 @@ class Checkpoints:
                                   may_change=True)
     resume_from: str = declare("", "a checkpoint, a folder of them, or 'auto' (the newest that "
                                "verifies)", may_change=True)
+    checkpoint_async: bool = declare(False, "periodic saves stage a copy in memory and write it "
+                                     "from a thread while training goes on (full format)",
+                                     may_change=True)
 
     def check(self) -> None:
         if not (self.checkpoint_every or self.resume_from):
@@ -38,6 +41,12 @@ class Checkpoints:
         if self.join:
             raise ValueError("join=True: a rank out of data shadows the others' steps without "
                              "ending them, so it would miss their checkpoints; use drop_last")
+        if self.checkpoint_async and (
+                strategy_class(self.strategy).checkpoint_format != "full"
+                or self.fault == "kill_in_save"):
+            raise ValueError("checkpoint_async is written for the full format (single, allreduce, "
+                             "ddp, ddp-torch, zero1-torch) and without fault='kill_in_save'; "
+                             f"strategy={self.strategy!r}, fault={self.fault!r}")
         k = self.checkpoint_every
         if self.fault == "kill_in_save" and not (
                 k and ((self.fault_step + 1) % k == 0 or self.fault_step == self.steps - 1)):

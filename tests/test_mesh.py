@@ -7,7 +7,7 @@ Launches (2): one single-process launch trains every reference, and ONE world-8 
 (dp=tp=pp=2) builds a Mesh and returns its groups, then trains `3d` in both rank orders and every
 composition of the N-D mesh below in turn (distlab.lab.parallelism_3d.mesh_ranks).
 
-Tolerance: atol=1e-5 on every (gathered) parameter after 6 SGD steps in float32, and on the
+Tolerance: atol=1e-5 on every (gathered) parameter after 4 SGD steps in float32, and on the
 loss. 3d computes `single`'s sums split into tp partial sums, m micro-batch means and dp
 averages: only the summation order differs (~1e-7 relative per step). A lost micro-batch,
 an unaveraged dp gradient or a doubled bias moves parameters by >1e-3.
@@ -52,7 +52,7 @@ from distlab.theory.mesh_bytes import mesh_bytes
 
 ATOL = 1e-5
 DP, TP, PP, M = 2, 2, 2, 2
-BASE = RunConfig(steps=6, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2 * PP,
+BASE = RunConfig(steps=4, optimizer="sgd", lr=0.1, global_batch=8, seq_len=16, n_layer=2 * PP,
                  n_embd=32, n_head=4, mlp_ratio=4, timeout_s=60)
 CFG = BASE.replace(strategy="3d", world_size=DP * TP * PP, tp=TP, pp=PP, microbatches=M,
                    schedule="1f1b")
@@ -61,12 +61,12 @@ CFG = BASE.replace(strategy="3d", world_size=DP * TP * PP, tp=TP, pp=PP, microba
 DP_FIRST = CFG.replace(mesh_order="dp-tp-pp")
 
 # the N-D mesh's compositions (distlab.parallel.parallelize), trained in the same launch
-STEPS = 4  # the N-D compositions' steps (a wrong average shows after one)
+STEPS = 3  # the N-D compositions' steps (a wrong average shows after one)
 ND_BASE = BASE.replace(steps=STEPS)
 NO_DROP = dict(n_experts=4, aux_loss_coef=0.0, capacity_factor=4.0)
 # DeepSeek's routing: dropless, top-2, a shared expert, the balancing bias (its loads summed
 # over dp_shard x cp, then dp_replicate: Strategy.routing_comms), at a rate that moves it in
-# 4 steps
+# 3 steps
 DEEPSEEK = dict(n_experts=4, top_k=2, aux_loss_coef=0.0, capacity_factor=0.0,
                 n_shared_experts=1, expert_bias_rate=0.01)
 # name: (the mesh's degrees and knobs, what `single` needs to see the same routing groups)

@@ -2,6 +2,8 @@
 theory, and the α-β model behaves as its formulas say."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -142,3 +144,26 @@ def test_a_new_group_times_out_as_the_world_does():
     got = run_ranks(wait_in_a_new_group, 2, 4.5, timeout_s=3)
     assert got[1] == "slept"
     assert got[0].startswith("raised:") and "imed out" in got[0], got[0]
+
+
+NEW_GROUPS = """
+import tempfile
+import torch.distributed as dist
+from distlab.comm import new_group
+made = []
+for _ in range(2):  # two worlds, one after the other
+    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0,
+                            world_size=1)
+    made.append((new_group([0]), new_group([0])))
+    dist.destroy_process_group()
+(a, b), (c, d) = made
+print(a is b, c is d, a is not c)
+"""
+
+
+def test_new_group_is_made_once_per_world():
+    """A launch of several configs asks for the same groups again: the same group comes back;
+    after destroy_process_group and a new world, a new one."""
+    out = subprocess.run([sys.executable, "-c", NEW_GROUPS], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["True", "True", "True"]

@@ -159,7 +159,7 @@ _state = {"mine": "", "watching": False}
 # gloo's words when the other end of a connection went away: the echo of a failure elsewhere
 CONNECTION_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
                              r"remote worker crash|ECONNRESET|peer has closed", re.I)
-_TIMED_OUT = re.compile(r"time[sd]? ?out", re.I)
+TIMED_OUT = re.compile(r"time[sd]? ?out", re.I)  # a wait that timed out, as gloo says it
 _blocked: dict = {}  # the point-to-point wait the main thread is in: what, since, published
 
 
@@ -319,7 +319,7 @@ def peers_left(group=None, states: dict | None = None, own_error: str = "") -> s
     (measured: 1 run in 10 of 02's uneven-inputs hang under load named the peer's
     "Connection closed by peer" as the cause of this rank's own timeout)."""
     states = _states(group) if states is None else states
-    if _TIMED_OUT.search(own_error):
+    if TIMED_OUT.search(own_error):
         states = {r: v for r, v in states.items()
                   if not (v.startswith("failed") and CONNECTION_LOST.search(v))}
     me = dist.get_rank()

@@ -171,8 +171,7 @@ def preload() -> list[str]:
     behind the torch variants), and torch._dynamo, which the first torch.optim optimizer
     imports (2.2 s of a rank's 2.4 s setup, measured on the 2-core machine)."""
     from distlab.parallel import REGISTRY
-    return (["torch", "torch.distributed", "torch._dynamo", "distlab.rank.train",
-             "distlab.caller.launch"]
+    return (["torch", "torch.distributed", "torch._dynamo", "distlab.rank.train", "distlab.caller.launch"]
             + sorted({path.split(":")[0] for path in REGISTRY.values()}))
 START_ENV = "DISTLAB_START"  # "spawn" forces a fresh interpreter per rank
 

@@ -21,7 +21,8 @@ from distlab.checkpoint.store import (DCP_DIR, FORMAT_VERSION, RNG_DIR, STATE, C
                                       check_compatible, checkpoint_root, commit, read_meta,
                                       record, resolve, storage_writer, torch_load, verify,
                                       write_file)
-from distlab.units import FULL_DISK_BYTES
+from distlab.modules import tensors_in
+from distlab.units import FULL_DISK_BYTES, tensor_bytes
 
 
 def no_space_left(e: BaseException) -> bool:
@@ -168,7 +169,7 @@ class Checkpointer:
                          "meta": self._meta(step, reason, [])}
         self.pending = BackgroundSave(files, tmp, self.rank, self.world, step + 1,
                                       self.cfg.timeout_s, commit_to)
-        self._bytes = sum(t.numel() * t.element_size() for t in _tensors(files))
+        self._bytes = sum(tensor_bytes(t) for t in tensors_in(files))
         self._files = {}  # known once written (checkpoint_written, meta.json)
 
     def _prepare(self, tmp: str, background: bool = False) -> None:
@@ -344,17 +345,6 @@ class Checkpointer:
             self.scaler.load_state_dict({k.split("/", 1)[1]: v.item() for k, v in state.items()
                                          if k.startswith("scaler/")})
         self.strategy.load_checkpoint_state(self.model, self.optimizer, state)
-
-
-def _tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 class NoCheckpoints:

@@ -11,6 +11,7 @@ from distlab.units import DTYPES
 # "fp32", "bf16", "fp16" (autocast's, distlab.units) and "fp8" (distlab.rank.fp8_linear)
 PRECISIONS = tuple(DTYPES) + ("fp8",)
 FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")  # distlab.rank.fp8_linear
+FP8_GRAD_FORMATS = ("e5m2", "e4m3")
 LOSS_SCALES = ("auto", "dynamic", "none")  # auto: dynamic for fp16, none otherwise
 
 
@@ -32,7 +33,7 @@ class Precision:
         feature=Feature("fp8", "precision='fp8' (the linear layers in FP8)",
                         asks=lambda cfg: cfg.precision == "fp8"))
     fp8_grad_format: str = declare("e5m2", "fp8: the gradients' format (e5m2: range; e4m3: "
-                                   "precision, as DeepSeek-V3)", choices=("e5m2", "e4m3"))
+                                   "precision, as DeepSeek-V3)", choices=FP8_GRAD_FORMATS)
     fp8_all_gather: bool = declare(
         False, "zero3 with precision='fp8' (tensorwise): the FP8 Linears' weights all-gathered "
         "in e4m3, one scale each", widget=Widget("fp8 all-gather", kind="check"))

@@ -23,9 +23,8 @@ softmax. fp8_scaling picks the groups that share a scale (distlab.fp8):
 The matmuls multiply the values FP8 reads back (dequantized, exact in fp32) in fp32: what
 torch._scaled_mm computes from the FP8 bytes and their scales, up to the order of the fp32
 sum (tests/test_fp8_training.py compares the two). The output and the gradients come back in
-the input's and the parameters' dtypes (bf16 under zero3's param_dtype="bf16"). On a CPU this is slower than fp32, not
-faster: the point here is the numerics; the speed is benchmarks/gpu.py's, on a GPU with FP8
-units.
+the input's and the parameters' dtypes (bf16 under zero3's param_dtype="bf16"). On a CPU this
+is slower than fp32, not faster: the point here is the numerics.
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ import torch
 import torch.nn as nn
 
 from distlab import fp8
+from distlab.config.precision import FP8_GRAD_FORMATS, FP8_SCALINGS
 
-FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
-GRAD_FORMATS = ("e5m2", "e4m3")
 KEPT_OUT = ("head", "router")  # Linears that stay fp32 (DeepSeek-V3 §3.3.1)
 
 
@@ -70,8 +68,8 @@ class FP8Matmul(torch.autograd.Function):
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2, w)
-        ctx.scaling, ctx.grad_format, ctx.shape, ctx.bias = scaling, grad_format, x.shape, bias
-        ctx.dtypes = x.dtype, weight.dtype
+        ctx.scaling, ctx.grad_format, ctx.shape = scaling, grad_format, x.shape
+        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
         # the input's dtype out (bf16 under zero3's bf16 parameters), as torchao's Linear
         return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
 
@@ -83,8 +81,8 @@ class FP8Matmul(torch.autograd.Function):
         wq = w if ctx.on_grid else cast(w, s, fp8.E4M3, 0, weight=True)
         grad_x = cast(g, s, fmt, 1) @ wq
         grad_w = cast(g, s, fmt, 0).t() @ cast(x2, s, fp8.E4M3, 0)
-        grad_b = g.sum(0).to(ctx.bias.dtype) if ctx.bias is not None else None
-        x_dtype, w_dtype = ctx.dtypes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad_b = g.sum(0).to(b_dtype) if b_dtype is not None else None
         return grad_x.reshape(ctx.shape).to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
 
 
@@ -102,8 +100,8 @@ def apply_fp8(model: nn.Module, scaling: str = "tensorwise", grad_format: str = 
     Returns the names of the layers made FP8."""
     if scaling not in FP8_SCALINGS:
         raise ValueError(f"fp8_scaling={scaling!r} is not one of {FP8_SCALINGS}")
-    if grad_format not in GRAD_FORMATS:
-        raise ValueError(f"fp8_grad_format={grad_format!r} is not one of {GRAD_FORMATS}")
+    if grad_format not in FP8_GRAD_FORMATS:
+        raise ValueError(f"fp8_grad_format={grad_format!r} is not one of {FP8_GRAD_FORMATS}")
     done = []
     for name, module in model.named_modules():
         if (isinstance(module, nn.Linear) and not name.split(".")[-1] in kept_out

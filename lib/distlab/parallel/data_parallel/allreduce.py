@@ -40,7 +40,6 @@ buffers under Join from the highest rank still training; we use the lowest.
 from __future__ import annotations
 
 import contextlib
-import re
 
 import torch
 
@@ -48,6 +47,7 @@ from distlab.data.sampler import shard_reader, uneven_inputs_report
 from distlab import wire
 from distlab.parallel.base import Strategy
 from distlab.parallel.data_parallel.syncbn import attach_comm
+from distlab.step_ledger import TIMED_OUT
 
 
 def read_batch(strategy, data, step: int):
@@ -93,7 +93,7 @@ def explain_uneven_inputs(strategy, where: str = "in a step's collectives"):
         yield
     except RuntimeError as e:
         cfg = strategy.cfg
-        if cfg.dataset_size and not cfg.join and re.search(r"time[sd]? ?out", str(e), re.I):
+        if cfg.dataset_size and not cfg.join and TIMED_OUT.search(str(e)):
             report = uneven_inputs_report(cfg, strategy.world)
             if report.startswith("uneven"):
                 raise RuntimeError(f"rank {strategy.rank} timed out {where}: {report}.\n{e}") from e

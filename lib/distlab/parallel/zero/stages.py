@@ -380,7 +380,8 @@ class ZeRO3(ZeRO):
     def check_config(cls, cfg) -> None:
         if cfg.fsdp_layout != "per_param":
             return
-        for field, value in (("fp8_all_gather", cfg.fp8_all_gather), ("offload", cfg.offload), ("checkpoint_every", cfg.checkpoint_every),
+        for field, value in (("fp8_all_gather", cfg.fp8_all_gather), ("offload", cfg.offload),
+                             ("checkpoint_every", cfg.checkpoint_every),
                              ("resume_from", cfg.resume_from)):
             if value:
                 raise ValueError(f"{field}={value!r} with fsdp_layout='per_param': written for "

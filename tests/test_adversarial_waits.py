@@ -108,3 +108,35 @@ def test_a_timeout_is_not_blamed_on_the_peer_whose_connection_it_closed(tmp_path
     assert out[1].startswith("rank 1 failed (RuntimeError: [pair.cc:553] Connection closed")
     assert out[2].startswith("rank 1 failed (ValueError: boom in step 2; before any step)")
     assert out[2].endswith("the cause is rank 1's error")
+
+
+def _report_after(run_dir, rank, delay_s, error):
+    """A stand-in rank: after delay_s, log an error event (as launch's rank body does) and exit 1."""
+    from distlab.events import EventLog, rank_log_path
+    time.sleep(delay_s)
+    EventLog(rank_log_path(run_dir, rank), rank).write("error", step=2, error=error, traceback="")
+    os._exit(1)
+
+
+def test_the_caller_waits_past_an_echo_for_the_report_that_caused_it(tmp_path):
+    """Rank 0 reports a lost connection at once; rank 1, whose timeout closed it, takes 2.5 s
+    to write its own report (a loaded machine: it reads the ledger first). The caller waits
+    past its 1 s grace while every report is an echo, and names rank 1's. Before: rank 0's
+    "Connection closed by peer" was the run's error, and the uneven-inputs report was lost."""
+    import multiprocessing as mp
+    from distlab import RunConfig
+    from distlab.caller.run import FAILURE_GRACE_S, Run
+    ctx = mp.get_context("fork")
+    said = "RuntimeError: rank 1 timed out at its end-of-data barrier: uneven inputs"
+    procs = [ctx.Process(target=_report_after, args=(str(tmp_path), 0, 0.0,
+                         "RuntimeError: Connection closed by peer [127.0.0.1]:1")),
+             ctx.Process(target=_report_after, args=(str(tmp_path), 1, 2.5 * FAILURE_GRACE_S,
+                                                     said))]
+    for p in procs:
+        p.start()
+    run = Run(str(tmp_path), RunConfig(strategy="ddp", world_size=2, timeout_s=3), procs)
+    procs[0].join(10)
+    run._read()
+    run._fail()
+    assert run.error.rank == 1 and said in run.error.message, run.error
+    assert all(p.exitcode is not None for p in procs)

@@ -130,6 +130,8 @@ NOTEBOOK = [
     "panel = lab.ControlPanel(steps=2)\npanel",
     "go.Figure(go.Scatter(x=[0, 1], y=[1, 2]))",
     "run = launch(RunConfig(steps=2, timeout_s=120))\ndash = lab.watch(run)\nrun.wait()",
+    "go.Figure(go.Bar(x=[0, 1], y=[2, 1])).show()\nimport sys\n"
+    "print('nbformat imported:', 'nbformat' in sys.modules)",
 ]
 
 
@@ -213,4 +215,15 @@ def test_the_site_keeps_no_widget_state_and_draws_the_widgets_picture(executed):
     assert "widgets" not in nb.metadata
     panel = [o for o in _outputs(nb, 1) if "site-note" in o.get("data", {}).get("text/html", "")]
     assert len(panel) == 1 and "Plotly.newPlot" in panel[0].data["text/html"]
-    assert figures == 3  # the panel's picture, the plain figure, the watched run's copy
+    assert figures == 4  # the panel's picture, the plain figure, the watched run's copy, the
+    # shown one
+
+
+def test_show_draws_without_importing_nbformat(executed):
+    """fig.show() in a kernel gives plotly's output type and the HTML copy, and nbformat (1.2 s
+    of CPU to import, for a version check) stays unimported (live._renderers_without_nbformat)."""
+    nb = nbformat.read(executed, as_version=4)
+    shown = [o for o in _outputs(nb, 4) if o.get("data")]
+    assert any(PLOTLY_MIME in o.data and "text/html" in o.data for o in shown), shown
+    printed = "".join(o.get("text", "") for o in _outputs(nb, 4) if o.output_type == "stream")
+    assert "nbformat imported: False" in printed, printed

@@ -204,11 +204,47 @@ class _PageRenderer(MimetypeRenderer):
         return {"text/html": page_html(fig_dict)}
 
 
+class _NbformatVersion:
+    """What plotly's show() reads of nbformat (its version), from the package's metadata; any
+    other attribute imports nbformat itself."""
+
+    def __init__(self, version: str):
+        self.__version__ = version
+
+    def __getattr__(self, name):
+        import importlib
+        return getattr(importlib.import_module("nbformat"), name)
+
+
+def _renderers_without_nbformat() -> None:
+    """Import plotly's renderers without importing nbformat, whose only use there is show()'s
+    version check: the import costs 1.2 s of CPU in every kernel (jsonschema builds
+    rfc3987_syntax's grammar), 30 s over CI's 26 kernels. Where plotly's internals differ from
+    the version read here (7.1), plotly imports nbformat as it always did."""
+    from importlib.metadata import PackageNotFoundError, version
+    from _plotly_utils import optional_imports
+    skip = getattr(optional_imports, "_not_importable", None)
+    if "plotly.io._renderers" in sys.modules or "nbformat" in sys.modules or skip is None:
+        return
+    try:
+        stand_in = _NbformatVersion(version("nbformat"))
+    except PackageNotFoundError:
+        return  # not installed: plotly says so at show()
+    skip.add("nbformat")
+    try:
+        import plotly.io._renderers as renderers
+    finally:
+        skip.discard("nbformat")
+    if getattr(renderers, "nbformat", False) is None:
+        renderers.nbformat = stand_in
+
+
 def use_page_copies() -> None:
     """In a kernel, figures carry an HTML copy beside plotly's output type: JupyterLab draws
     plotly's (its renderer ranks first), nbconvert and GitHub the copy. Only where plotly chose
     its plain kernel default: an environment's own choice (PLOTLY_RENDERER, VS Code, Colab)
     stands."""
+    _renderers_without_nbformat()
     pio.renderers["distlab_page"] = _PageRenderer()
     if pio.renderers.default == "plotly_mimetype":
         pio.renderers.default = "plotly_mimetype+distlab_page"
@@ -298,8 +334,8 @@ def in_a_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-# Only in a kernel, where figures are shown: plotly's renderers import nbformat, whose schema
-# checks cost 2 s of CPU at import (rfc3987_syntax builds its grammar), which every rank that
-# ran a lab function, every fork server and every test worker paid otherwise
+# Only in a kernel, where figures are shown: plotly's renderers cost 0.1 s to import (and, but
+# for _renderers_without_nbformat, nbformat's 1.2 s), which every rank that ran a lab function,
+# every fork server and every test worker paid otherwise
 if in_a_kernel():
     use_page_copies()

@@ -11,6 +11,7 @@ References come from one launch that trains every config to the end (train_with_
 saving its own checkpoints, so the drills compare against them without launching them again.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,11 +22,12 @@ import torch
 from test_process_safety import assert_all_gone, wait_for_step
 
 from distlab import CheckpointError, RunConfig, RunError, launch, resume, run_ranks
+from distlab.checkpoint.reshard import canonical, trainable_names
 from distlab.checkpoint.store import crc32_file
 from distlab.checkpoint import (Checkpointer, check_compatible, latest_checkpoint,
                                 list_checkpoints, load_full, read_meta, verify)
 from distlab.comm import Comm
-from distlab.events import LogTail, rank_log_path
+from distlab.events import LogTail, rank_log_path, step_events_per_run
 from distlab.lab.checkpoints_and_faults import attempts, torchrun
 from distlab.parallel import make_strategy
 from distlab.rank.precision import make_loss_scaler
@@ -229,39 +231,72 @@ def load_here_save_again_and_train_on(rank, world, device, log, cfg_dicts, copy_
     return out
 
 
+# checkpoints resumed under another strategy (distlab.checkpoint.reshard), at 2 ranks: written
+# at 4 by the first, read by the second
+ACROSS = [("zero3", "ddp"), ("ddp", "zero3"), ("zero1", "zero2"), ("fsdp-torch", "ddp")]
+
+
 def test_resume_at_another_world_size_4_to_2(tmp_path):
     # every checkpointing strategy, AdamW (moments to re-cut), saves at 4 ranks after 2 of 4
-    # steps; 2 ranks load it, save it again, and train the other 2 steps
+    # steps; 2 ranks load it (under its own strategy, and under another: ACROSS), save it
+    # again, and train the other 2 steps
     names = ["zero1", "zero2", "zero3", "fsdp-torch", "ddp", "zero1-torch"]
     cfgs = [TINY.replace(strategy=s, world_size=4, optimizer="adamw", lr=1e-2, steps=4,
                          checkpoint_every=2, checkpoint_dir=str(tmp_path / s)) for s in names]
+    # and a finite dataset under ddp (a sampler's position to carry over): 40 rows, 5 global
+    # batches of 8 a pass, at 4 ranks (2 rows each) and at 2 (4 each)
+    names.append("ddp-finite")
+    cfgs.append(cfgs[4].replace(dataset_size=40, epochs=2, steps=8,
+                                checkpoint_dir=str(tmp_path / "ddp-finite")))
     at4 = run_ranks(train_with_state, 4, [c.to_dict() for c in cfgs], timeout_s=60,
-                    wall_timeout_s=300)
+                    wall_timeout_s=300, run_dir=str(tmp_path / "at4"))
     saved = [str(tmp_path / s / "step_000002") for s in names]
-    resumed = [c.replace(world_size=2, checkpoint_every=0, resume_from=src)
-               for c, src in zip(cfgs, saved)]
+    pairs = [(n, c.strategy) for n, c in zip(names, cfgs)] + ACROSS  # (written by, read by)
+    resumed = [cfgs[names.index(src)].replace(strategy=dst, world_size=2, checkpoint_every=0,
+                                              resume_from=saved[names.index(src)])
+               for src, dst in pairs]
+    copies = [str(tmp_path / f"{src}-as-{dst}-at-2") for src, dst in pairs]
     at2 = run_ranks(load_here_save_again_and_train_on, 2, [c.to_dict() for c in resumed],
-                    [str(tmp_path / f"{s}-at-2") for s in names], timeout_s=60,
-                    wall_timeout_s=300)
-    for i, name in enumerate(names):
+                    copies, timeout_s=60, wall_timeout_s=300, run_dir=str(tmp_path / "at2"))
+    # the samples each step read (the union of the ranks' row ids): resumed at 2 ranks after 2
+    # steps, the finite run reads exactly what the uninterrupted run at 4 read in steps 2..7
+    # (across the pass's end at step 5)
+    finite = names.index("ddp-finite")
+    ids = {w: [sorted(r for rank in range(w)
+                      for r in step_events_per_run(str(tmp_path / f"at{w}"), rank)[finite][k]["rows"])
+               for k in range(len(step_events_per_run(str(tmp_path / f"at{w}"), 0)[finite]))]
+           for w in (4, 2)}
+    assert len(ids[4]) == 8 and len(ids[2]) == 6 and ids[2] == ids[4][2:], ids
+    trainable = trainable_names(build_model(TINY))
+    for j, (src, name) in enumerate(pairs):
         # re-cut for 2 ranks and saved again, the checkpoint holds the same tensors, bit for bit
-        copy = load_full(str(tmp_path / f"{name}-at-2" / "step_000002"))
-        assert copy["meta"]["world_size"] == 2
-        assert_bitwise(copy["tensors"], load_full(saved[i])["tensors"])
+        copy = load_full(os.path.join(copies[j], "step_000002"))
+        assert copy["meta"]["world_size"] == 2 and copy["meta"]["strategy"] == name
+        original = saved[names.index(src)]
+        if name == read_meta(original)["strategy"]:
+            assert_bitwise(copy["tensors"], load_full(original)["tensors"])
+        else:  # under another layout: the same numbers, parameter by parameter
+            a, b = (canonical(p, read_meta(p), trainable) for p in
+                    (os.path.join(copies[j], "step_000002"), original))
+            assert a["optim"].keys() == b["optim"].keys() == set(trainable)
+            assert_bitwise(a["model"], b["model"])
+            for n in trainable:
+                assert_bitwise(a["optim"][n], b["optim"][n])
+        i = names.index(src)  # the uninterrupted run: the source's, at 4 ranks
         # trained on at 2 ranks: 2 ranks sum gradients in another order than 4, and AdamW's
         # m/sqrt(v) amplifies that rounding where v is tiny (measured on torch 2.13 CPU: up to 4e-5 after 5
         # steps at lr 1e-3, as large as fp32 vs fp64). Measured here 1.7e-5..2.1e-5 after 4 steps
         # at lr 1e-2 (2 of them at 2 ranks), so 2e-4; a moment cut at the wrong offset would move
         # parameters by ~lr = 1e-2 per step.
-        a, b = at4[0][i], at2[0][i]
+        a, b = at4[0][i], at2[0][j]
         for k in a["state"]:
             torch.testing.assert_close(b["state"][k], a["state"][k], atol=2e-4, rtol=0,
-                                       msg=f"{name} {k}")
+                                       msg=f"{src} as {name} {k}")
         # losses: the mean over ranks of each rank's mean (2 rows at 4 ranks, 4 rows at 2); with
         # parameters 2e-5 apart they measured <= 1.2e-7 apart, so 1e-5
-        loss4, loss2 = (torch.tensor([o[i]["losses"] for o in out]).double().mean(0)
-                        for out in (at4, at2))
-        torch.testing.assert_close(loss2, loss4[2:], atol=1e-5, rtol=0, msg=name)
+        loss4 = torch.tensor([o[i]["losses"] for o in at4]).double().mean(0)
+        loss2 = torch.tensor([o[j]["losses"] for o in at2]).double().mean(0)
+        torch.testing.assert_close(loss2, loss4[2:], atol=1e-5, rtol=0, msg=f"{src} as {name}")
 
 
 def test_torchrun_restarts_workers_that_resume_on_their_own(refs, tmp_path):
@@ -332,14 +367,22 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
     with pytest.raises(CheckpointError) as e:
         check_compatible(meta, TINY.replace(n_embd=64, lr=0.5), ddp_ckpt)
     assert "n_embd: saved 32, now 64" in str(e.value) and "lr: saved 0.1, now 0.5" in str(e.value)
-    with pytest.raises(CheckpointError, match=r"strategy 'zero3' cannot read it\. Strategies "
-                                              r"that can: single, allreduce, ddp, ddp-torch"):
-        check_compatible(meta, TINY.replace(strategy="zero3"), ddp_ckpt)
+    with pytest.raises(CheckpointError, match=r"strategy 'zero1-torch' cannot read it\. "
+                                              r"Strategies that can: single, allreduce, ddp, "
+                                              r"ddp-torch, zero1, zero2, zero3, cp$"):
+        check_compatible(meta, TINY.replace(strategy="zero1-torch"), ddp_ckpt)
+    check_compatible(meta, TINY.replace(strategy="zero3"), ddp_ckpt)  # per parameter: reshard
     # what may change does not count: world size, steps, timeouts
     check_compatible(meta, TINY.replace(strategy="single", world_size=1, steps=50, timeout_s=9))
-    finite = dict(meta, config={**meta["config"], "dataset_size": 64})
-    with pytest.raises(CheckpointError, match="sampler's shards depend on the world size"):
-        check_compatible(finite, TINY.replace(dataset_size=64, world_size=4))
+    # a finite dataset: the world size may change where each step left reads the same sample
+    # ids. 64 rows: 8 global batches of 8 a pass at 2 ranks and at 4. 66 rows: at 2 ranks a
+    # pass has 9 steps (33 rows each, the last batch short), at 4 it has 8 (2 rows dropped), so
+    # the passes part at step 8
+    for rows, why in ((64, None), (66, r"step 8 reads other samples at 4 ranks than at 2")):
+        finite = dict(meta, config={**meta["config"], "dataset_size": rows, "epochs": 2})
+        with pytest.raises(CheckpointError, match=why) if why else contextlib.nullcontext():
+            check_compatible(finite, TINY.replace(dataset_size=rows, epochs=2, steps=16,
+                                                  world_size=4))
     # resume() checks in the caller, before any process starts
     t0 = time.time()
     with pytest.raises(CheckpointError, match="n_head: saved 2, now 4"):

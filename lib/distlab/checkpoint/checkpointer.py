@@ -258,7 +258,9 @@ class Checkpointer:
             return 0
         meta = read_meta(path)
         rng_file = self._rng_file(meta)
-        if meta["format"] == "full":
+        if meta["layout"] != self.strategy.checkpoint_layout:
+            self._load_canonical(path, meta)
+        elif meta["format"] == "full":
             self._load_full(path)
         else:
             self._load_sharded(path, meta)
@@ -276,7 +278,7 @@ class Checkpointer:
         meta = read_meta(path)
         check_compatible(meta, self.cfg, path)
         rng_file = self._rng_file(meta)
-        verify(path, meta, only=lambda rel, rec: self._reads(rel, rec, rng_file))
+        verify(path, meta, only=lambda rel, rec: self._reads(rel, rec, rng_file, meta))
 
     def _newest_that_verifies(self) -> str | None:
         """resume_from="auto": the newest checkpoint under root that every rank verified (each
@@ -316,11 +318,14 @@ class Checkpointer:
         """This rank's own RNG states; at another world size, those of rank r mod the old N."""
         return f"{RNG_DIR}/rank{self.rank % meta['world_size']}.pt"
 
-    def _reads(self, rel: str, rec: dict, rng_file: str) -> bool:
+    def _reads(self, rel: str, rec: dict, rng_file: str, meta: dict) -> bool:
         """The files this rank checks before loading: the ones everyone reads, its RNG file,
-        and the shards of saved ranks r with r mod N = this rank (the work split N ways)."""
+        and the shards of saved ranks r with r mod N = this rank (the work split N ways);
+        under another layout, every shard (each rank reads them all: reshard.canonical)."""
         if rel in (STATE, f"{DCP_DIR}/.metadata", rng_file):
             return True
+        if meta["layout"] != self.strategy.checkpoint_layout:
+            return rel.startswith(DCP_DIR + "/")
         return rel.startswith(DCP_DIR + "/") and rec["rank"] % self.world == self.rank
 
     def _load_full(self, path):
@@ -331,6 +336,20 @@ class Checkpointer:
             raise CheckpointError(f"{os.path.join(path, STATE)} does not fit this model or "
                                   f"optimizer: {e}") from None
         if self.scaler.enabled:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _load_canonical(self, path, meta):
+        """A checkpoint of another layout: read whole, named per parameter, and this strategy
+        takes its part (distlab.checkpoint.reshard)."""
+        from distlab.checkpoint.reshard import canonical, trainable_names
+        state = canonical(path, meta, trainable_names(self.model))
+        try:
+            self.strategy.load_canonical(self.model, self.optimizer, state)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path} (layout {meta['layout']!r}) does not fit this model "
+                                  f"under strategy {self.cfg.strategy!r}: "
+                                  f"{type(e).__name__}: {e}") from None
+        if self.scaler.enabled and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
 
     def _load_sharded(self, path, meta):

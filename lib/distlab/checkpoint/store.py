@@ -126,11 +126,16 @@ def verify(path: str, meta: dict | None = None, only=None) -> dict:
 
 def check_compatible(meta: dict, cfg: RunConfig, path: str = "checkpoint"):
     """Raise CheckpointError unless `cfg` can resume this checkpoint, naming what differs."""
+    from distlab.checkpoint.reshard import family  # it reads this module
     saved_strategy = meta["strategy"]
     saved_layout = strategy_class(saved_strategy).checkpoint_layout
-    if strategy_class(cfg.strategy).checkpoint_layout != saved_layout:
-        readers = [s for s in strategies("checkpoint")
-                   if strategy_class(s).checkpoint_layout == saved_layout]
+
+    def reads(s: str) -> bool:  # its own layout, or any with a per-parameter reader
+        c = strategy_class(s)
+        return c.checkpoint_layout == saved_layout or (c.loads_canonical
+                                                       and family(saved_layout) is not None)
+    if not reads(cfg.strategy):
+        readers = [s for s in strategies("checkpoint") if reads(s)]
         raise CheckpointError(
             f"{path}: written by strategy {saved_strategy!r} (layout: "
             f"{saved_layout}); strategy {cfg.strategy!r} cannot read it. Strategies "
@@ -149,11 +154,14 @@ def check_compatible(meta: dict, cfg: RunConfig, path: str = "checkpoint"):
                               f"resume must keep: {'; '.join(diffs)}. Fields that may change: "
                               f"{', '.join(sorted(MAY_CHANGE))}")
     if cfg.dataset_size and meta["world_size"] != cfg.world_size:
-        raise CheckpointError(
-            f"{path}: dataset_size={cfg.dataset_size}: the sampler's shards depend on the world "
-            f"size (saved at {meta['world_size']}, now {cfg.world_size}), so the data position "
-            f"would not carry over; resume at world_size={meta['world_size']} or use endless "
-            "data (dataset_size=0)")
+        from distlab.data.sampler import resume_changes_samples
+        why = resume_changes_samples(cfg, meta["world_size"], meta["steps_done"])
+        if why:
+            raise CheckpointError(
+                f"{path}: dataset_size={cfg.dataset_size}: the data position would not carry "
+                f"over from {meta['world_size']} ranks to {cfg.world_size}: {why}. Resume at "
+                f"world_size={meta['world_size']}, pick a dataset_size that divides into "
+                f"global batches, or use endless data (dataset_size=0)")
 
 def torch_load(path: str, map_location="cpu"):
     try:
@@ -176,14 +184,20 @@ def load_full(path: str) -> dict:
         tensors = _flatten(state)
         model = dict(state["model"])
     else:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(os.path.join(path, DCP_DIR), os.path.join(tmp, "all.pt"))
-            tensors = _flatten(torch_load(os.path.join(tmp, "all.pt")))
+        tensors = dcp_tensors(os.path.join(path, DCP_DIR))
         model = _model_from_sharded(tensors, meta)
     rng = {int(re.search(r"(\d+)", os.path.basename(f)).group(1)): torch_load(f)
            for f in glob.glob(os.path.join(path, RNG_DIR, "rank*.pt"))}
     return {"meta": meta, "tensors": tensors, "model": model, "rng": rng}
+
+
+def dcp_tensors(dcp_dir: str) -> dict:
+    """Every tensor a DCP checkpoint holds, by its flattened key ("optim/u0/exp_avg"), read in
+    this process (torch's dcp_to_torch_save, through a temporary file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(dcp_dir, os.path.join(tmp, "all.pt"))
+        return _flatten(torch_load(os.path.join(tmp, "all.pt")))
 
 
 def _flatten(d, prefix="") -> dict:

@@ -102,6 +102,38 @@ def shard_reader(cfg, data, rank: int, world: int) -> ShardReader:
                        cfg.global_batch // world, cfg.epochs)
 
 
+def global_rows(cfg, world: int) -> list[list[int]]:
+    """The row numbers (sample ids) of each step's global batch at `world` ranks, sorted: the
+    union of every rank's batch. Rank r takes positions r, r+N, ... of the epoch's permutation,
+    so a step's union is a run of consecutive positions whatever N is, save where drop_last
+    trims a different tail or the epochs cut into a different number of steps."""
+    readers = [ShardReader(None, DistributedSampler(cfg.dataset_size, world, r, cfg.seed,
+                                                    cfg.drop_last),
+                           cfg.global_batch // world, cfg.epochs) for r in range(world)]
+    steps = max(len(reader) for reader in readers)
+    return [sorted(i for reader in readers for i in (reader.rows(s) or [])) for s in range(steps)]
+
+
+def resume_changes_samples(cfg, saved_world: int, steps_done: int) -> str | None:
+    """Why resuming a finite-data run saved at `saved_world` ranks after `steps_done` steps, at
+    cfg.world_size ranks, would not read the samples the uninterrupted run reads in its steps
+    left (the first step whose sample ids differ); None when each of them reads the same."""
+    before, now = global_rows(cfg, saved_world), global_rows(cfg, cfg.world_size)
+    for step in range(steps_done, cfg.steps):
+        a, b = (rows[step] if step < len(rows) else None for rows in (before, now))
+        if a == b:
+            continue
+        if a is None or b is None:
+            short = saved_world if a is None else cfg.world_size
+            return (f"at {short} ranks the data runs out before step {step} (dataset_size="
+                    f"{cfg.dataset_size}, drop_last={cfg.drop_last}, global_batch="
+                    f"{cfg.global_batch})")
+        differ = sorted(set(a) ^ set(b))
+        return (f"step {step} reads other samples at {cfg.world_size} ranks than at "
+                f"{saved_world} (rows {differ[:4]} are in one and not the other)")
+    return None
+
+
 def uneven_inputs_report(cfg, world: int) -> str:
     """One line naming which ranks run out of data first, for error messages and notebooks."""
     counts = batches_per_rank(cfg.dataset_size, world, cfg.global_batch // world, cfg.drop_last,

@@ -231,3 +231,18 @@ class Strategy:
         """What meta.json records about this strategy's layout, to read it without the
         strategy (distlab.checkpoint.load_full)."""
         return {"units": []}
+
+    # strategies that take a checkpoint of another layout (distlab.checkpoint.reshard) say so
+    loads_canonical = False
+
+    def load_canonical(self, model, optimizer, state: dict) -> None:
+        """Load a checkpoint written under another layout, named per parameter
+        (distlab.checkpoint.reshard.canonical). A replica: the whole of it."""
+        module = getattr(model, "module", model)
+        module.load_state_dict(state["model"])
+        if state["optim"]:
+            names = [n for n, p in module.named_parameters() if p.requires_grad]
+            saved = optimizer.state_dict()
+            saved["state"] = {i: {k: v.clone() for k, v in state["optim"][n].items()}
+                              for i, n in enumerate(names)}
+            optimizer.load_state_dict(saved)

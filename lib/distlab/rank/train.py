@@ -161,7 +161,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, log,
             optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum)
         comm_per_step.append(measured["comm"])
+        reader = getattr(strategy, "reader", None)  # a finite dataset's: its sample ids
         log.write("step", step=step, loss=loss_sum, tokens=y_all.numel(), lr=cfg.lr_at(step),
+                  **({"rows": reader.rows(step)} if reader is not None else {}),
                   **measured, **precision, **strategy.step_info(), **diagnosed)
         finetune.evaluate(model, step + 1, log, comm)
         if ckpt.after_step(step):

@@ -107,6 +107,7 @@ class ReplicatedDP(Strategy):
     replicated = True
     supports = Strategy.supports | {"finite_data", "lora", "ewc", "eval", "fp8"}
     checkpoint_layout = "replicated"  # the whole model and optimizer on every rank
+    loads_canonical = True  # a ZeRO or FSDP2 checkpoint too (distlab.checkpoint.reshard)
 
 
 class NotesBuffersAtStart:

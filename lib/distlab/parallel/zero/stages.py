@@ -341,6 +341,34 @@ class ZeRO(Strategy):
             if self.stage < 3:  # every rank's full parameters from the loaded shards
                 self.comm.all_gather(u.full, u.shard)
 
+    loads_canonical = True  # a replicated or FSDP2 checkpoint too (distlab.checkpoint.reshard)
+
+    def load_canonical(self, model, optimizer, state: dict) -> None:
+        """A checkpoint of another layout, per parameter: each unit's parameters (and their
+        optimizer state) side by side, padded as the unit is, and this rank's block of that."""
+        materialize_optimizer_state(optimizer)
+        optimizer.zero_grad()  # that step's (zero) gradients are not the next step's
+        names = {id(p): n for n, p in model.named_parameters()}
+        for u in self.units:
+            order = [names[id(p)] for p in u.params]
+            S = u.master.numel()
+
+            def block(tensors):  # this rank's S entries of the unit's padded flat vector
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                flat = torch.nn.functional.pad(flat, (0, S * self.world - flat.numel()))
+                return flat[self.rank * S:(self.rank + 1) * S]
+            with torch.no_grad():
+                u.master.copy_(block([state["model"][n] for n in order]))
+                for key, v in optimizer.state.get(u.master, {}).items():
+                    saved = [state["optim"][n][key] for n in order]
+                    v.copy_(block(saved) if v.shape == u.master.shape else saved[0])
+        with torch.no_grad():
+            for p in self.frozen:
+                p.copy_(state["model"][names[id(p)]])
+            for name, b in persistent_buffers(model).items():
+                b.copy_(state["model"][name])
+        self.load_checkpoint_state(model, optimizer, {})
+
     def checkpoint_meta(self, model) -> dict:
         """Each unit's parameters (name, shape) in flat order, so load_full can cut the flat
         vectors back into parameters without this strategy."""

@@ -90,6 +90,7 @@ class TorchZeRO1(TorchDDP):
     knobs = frozenset()  # nor TorchDDP's knobs (bucket_mb, compress): tested for ddp-torch only
     supports = Strategy.supports  # not TorchDDP's extras: written and tested for ddp-torch only
     checkpoint_layout = "ZeroRedundancyOptimizer, consolidated"
+    loads_canonical = False  # its optimizer's state is partitioned: not written for it
 
     def build_optimizer(self, model, make):
         probe = make([torch.nn.Parameter(torch.zeros(1))])  # RunConfig's class and settings

@@ -25,19 +25,9 @@ import os
 import numpy as np
 import torch
 
-from distlab.checkpoint.store import DCP_DIR, STATE, dcp_tensors, torch_load
+from distlab.checkpoint.store import (DCP_DIR, FSDP2, REPLICATED, STATE, dcp_tensors, family,
+                                      torch_load)
 from distlab.parallel.state import CheckpointError
-
-REPLICATED, ZERO_UNITS, FSDP2 = "replicated", "ZeRO units", "FSDP2 DTensors"
-
-
-def family(layout: str) -> str | None:
-    """The canonical reader of a layout ("ZeRO units: one per block" and "...: the whole model"
-    cut their units differently; the meta says how), or None when there is none."""
-    for name in (REPLICATED, ZERO_UNITS, FSDP2):
-        if layout.startswith(name):
-            return name
-    return None
 
 
 def canonical(path: str, meta: dict, trainable: list[str]) -> dict:

@@ -33,6 +33,19 @@ MAY_CHANGE = frozenset(name for name, d in declarations().items() if d.may_chang
 _NAME = re.compile(r"^step_(\d{6,})$")
 
 
+# the layouts distlab.checkpoint.reshard reads per parameter, so that another strategy resumes them
+REPLICATED, ZERO_UNITS, FSDP2 = "replicated", "ZeRO units", "FSDP2 DTensors"
+
+
+def family(layout: str) -> str | None:
+    """The per-parameter reader of a layout ("ZeRO units: one per block" and "...: the whole
+    model" cut their units differently; the meta says how), or None when there is none."""
+    for name in (REPLICATED, ZERO_UNITS, FSDP2):
+        if layout.startswith(name):
+            return name
+    return None
+
+
 # -- finding checkpoints ---------------------------------------------------------------------
 def checkpoint_root(cfg: RunConfig, run_dir: str) -> str:
     return os.path.abspath(cfg.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
@@ -126,7 +139,6 @@ def verify(path: str, meta: dict | None = None, only=None) -> dict:
 
 def check_compatible(meta: dict, cfg: RunConfig, path: str = "checkpoint"):
     """Raise CheckpointError unless `cfg` can resume this checkpoint, naming what differs."""
-    from distlab.checkpoint.reshard import family  # it reads this module
     saved_strategy = meta["strategy"]
     saved_layout = strategy_class(saved_strategy).checkpoint_layout
 

@@ -214,13 +214,14 @@ def file_rows(meta: dict) -> list[list]:
             for rel, rec in sorted(meta["files"].items())]
 
 
-def reshard_row(strategy: str, saved: str, resumed: Run, diff: float) -> list:
-    """One row of the resharding table: the strategy, the shard files (.distcp) of the
-    checkpoint at `saved`, the ranks that saved it (as the resumed run read it), the ranks that
-    resumed it, and the worst parameter diff given."""
-    shards = [rel for rel in read_meta(saved)["files"] if rel.endswith(".distcp")]
-    return [strategy, len(shards), resumed.history("resume")[0]["saved_world_size"],
-            resumed.cfg.world_size, f"{diff:.1e}"]
+def reshard_row(saved: str, resumed: Run, diff: float) -> list:
+    """One row of the resharding table: the strategy that wrote the checkpoint at `saved`, its
+    shard files (.distcp), the ranks that saved it (as the resumed run read it), the strategy
+    and ranks that resumed it, and the worst parameter diff given."""
+    meta = read_meta(saved)
+    shards = [rel for rel in meta["files"] if rel.endswith(".distcp")]
+    return [meta["strategy"], len(shards), resumed.history("resume")[0]["saved_world_size"],
+            resumed.cfg.strategy, resumed.cfg.world_size, f"{diff:.1e}"]
 
 
 def save_cost(runs: dict[str, Run]) -> dict[str, dict[int, dict]]:

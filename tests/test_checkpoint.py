@@ -233,7 +233,8 @@ def load_here_save_again_and_train_on(rank, world, device, log, cfg_dicts, copy_
 
 # checkpoints resumed under another strategy (distlab.checkpoint.reshard), at 2 ranks: written
 # at 4 by the first, read by the second
-ACROSS = [("zero3", "ddp"), ("ddp", "zero3"), ("zero1", "zero2"), ("fsdp-torch", "ddp")]
+ACROSS = [("zero3", "ddp"), ("ddp", "zero3"), ("zero1", "zero2"), ("fsdp-torch", "ddp"),
+          ("zero3", "tp"), ("ddp", "tp")]  # tp saves whole, in ddp's layout
 
 
 def test_resume_at_another_world_size_4_to_2(tmp_path):
@@ -253,7 +254,8 @@ def test_resume_at_another_world_size_4_to_2(tmp_path):
     saved = [str(tmp_path / s / "step_000002") for s in names]
     pairs = [(n, c.strategy) for n, c in zip(names, cfgs)] + ACROSS  # (written by, read by)
     resumed = [cfgs[names.index(src)].replace(strategy=dst, world_size=2, checkpoint_every=0,
-                                              resume_from=saved[names.index(src)])
+                                              resume_from=saved[names.index(src)],
+                                              tp=2 if dst == "tp" else 1)
                for src, dst in pairs]
     copies = [str(tmp_path / f"{src}-as-{dst}-at-2") for src, dst in pairs]
     at2 = run_ranks(load_here_save_again_and_train_on, 2, [c.to_dict() for c in resumed],
@@ -369,7 +371,7 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
     assert "n_embd: saved 32, now 64" in str(e.value) and "lr: saved 0.1, now 0.5" in str(e.value)
     with pytest.raises(CheckpointError, match=r"strategy 'zero1-torch' cannot read it\. "
                                               r"Strategies that can: single, allreduce, ddp, "
-                                              r"ddp-torch, zero1, zero2, zero3, cp$"):
+                                              r"ddp-torch, zero1, zero2, zero3, tp, cp$"):
         check_compatible(meta, TINY.replace(strategy="zero1-torch"), ddp_ckpt)
     check_compatible(meta, TINY.replace(strategy="zero3"), ddp_ckpt)  # per parameter: reshard
     # what may change does not count: world size, steps, timeouts
@@ -395,7 +397,7 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
 
 def test_config_says_which_strategies_and_steps_checkpoint():
     with pytest.raises(ValueError, match="checkpointing is written for single, allreduce"):
-        TINY.replace(strategy="tp", tp=2)
+        TINY.replace(strategy="pp", pp=2)
     with pytest.raises(ValueError, match="no checkpoint is written after that step"):
         TINY.replace(fault="kill_in_save", fault_step=3)
     with pytest.raises(ValueError, match="set checkpoint_every > 0"):

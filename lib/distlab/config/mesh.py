@@ -20,8 +20,8 @@ class Mesh:
     schedule, and the mesh's world = pp x dp_replicate x dp_shard x cp x tp. Degrees named
     without a strategy pick "mesh"; world_size left at 1 becomes their product."""
 
-    tp: int = declare(1, "tensor-parallel degree", at_least=1, at_most=4096,
-                      widget=Widget("tp (tensor-parallel ranks)"))
+    tp: int = declare(1, "tensor-parallel degree", at_least=1, at_most=4096, may_change=True,
+                      widget=Widget("tp (tensor-parallel ranks)"))  # tp saves whole weights
     sp: bool = declare(False, "sequence parallelism in the tensor-parallel regions' "
                        "LayerNorm/dropout", widget=Widget("sequence parallel (sp)", "check"),
                        feature=Feature("sp", "sp=True (sequence parallelism)"))

@@ -235,6 +235,25 @@ def full_state_dict(module: nn.Module, sd: dict | None = None) -> dict:
     return sd
 
 
+def local_block(module: nn.Module, name: str, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's block of `whole`, the tensor `single` names `name` (a weight, a bias, or
+    optimizer state shaped like one): full_state_dict's gather undone. Replicated tensors come
+    back whole."""
+    state = getattr(module, "_distlab_tp", None)
+    layer, _, pname = name.rpartition(".")
+    style = state.sharded.get(layer) if state is not None else None
+    if style is None or (style == "rowwise" and pname == "bias"):
+        return whole
+    if layer in state.transposed and pname == "weight":
+        whole = whole.t()  # Conv1D's (in, out) to the (out, in) the blocks are cut from
+    if layer in state.fused:  # [q | k | v] to rank-major [q_0 k_0 v_0 | q_1 ...]
+        order = torch.cat([fused_rows(state.fused[layer], r, state.comm.world)
+                           for r in range(state.comm.world)])
+        whole = whole.index_select(0, order.to(whole.device))
+    dim = 0 if style == "colwise" else -1
+    return whole.chunk(state.comm.world, dim)[state.comm.rank].contiguous()
+
+
 def _gather_block(comm, x, dim):
     x = x.contiguous()
     out = torch.empty(comm.world * x.numel(), dtype=x.dtype, device=x.device)

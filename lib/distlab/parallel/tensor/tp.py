@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from distlab.parallel.base import Strategy
 from distlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, fused_rows
 from distlab.parallel.tensor.operators import (KINDS, F_Copy, G_Reduce, GatherSeq,
                                                GatherSeqToReplicated, ReduceScatterSeq, SplitSeq)
+from distlab.parallel.state import materialize_optimizer_state
 from distlab.parallel.tensor.parallelize import (TensorParallelState, clip_by_global_norm,
-                                                 full_state_dict, parallelize_module,
-                                                 sharded_ids)
+                                                 full_state_dict, local_block,
+                                                 parallelize_module, sharded_ids)
 from distlab.parallel.tensor.plans import HF_STYLES, gpt_plan, plan_table, tp_plan
 from distlab.parallel.tensor.styles import (FUSED_NAMES, LAYOUTS, ColwiseParallel,
                                             PrepareModuleInput, RowwiseParallel,
@@ -106,3 +109,43 @@ class TensorParallel(Strategy):
     def full_state_dict(self, model) -> dict:
         """The unsharded weights under the names `single` uses (a collective: every rank)."""
         return full_state_dict(model)
+
+    # -- training checkpoints: written whole, as a replica writes them ------------------------
+    checkpoint_layout = "replicated"  # ddp reads it as its own; ZeRO per parameter
+    loads_canonical = True  # and tp reads theirs (distlab.checkpoint.reshard)
+
+    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
+        """A replica's full format: each split weight and its optimizer state gathered whole
+        (a collective: every rank), under single's names; the state by parameter index."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        whole = full_state_dict(model)
+        keys = list(optimizer.state[params[0][1]]) if optimizer.state else []
+        gathered = {k: full_state_dict(model, {n: optimizer.state[p][k] for n, p in params})
+                    for k in keys  # AdamW's moments, shaped like their parameters
+                    if all(optimizer.state[p][k].shape == p.shape for _, p in params)}
+        if self.rank != 0:
+            return {}
+        state = {i: {k: gathered[k][n] if k in gathered else optimizer.state[p][k]
+                     for k in keys} for i, (n, p) in enumerate(params)}
+        return {"model": whole, "optimizer": {
+            "state": state if keys else {},
+            "param_groups": optimizer.state_dict()["param_groups"]}}
+
+    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
+        """A replica's full format (its own, or ddp's): this rank's blocks of it."""
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        optim = {names[int(i)]: s for i, s in state["optimizer"]["state"].items()}
+        self.load_canonical(model, optimizer, {"model": state["model"], "optim": optim})
+
+    def load_canonical(self, model, optimizer, state: dict) -> None:
+        """Any checkpoint named per parameter: this rank's block of each split tensor."""
+        model.load_state_dict({n: local_block(model, n, t) for n, t in state["model"].items()})
+        if not state["optim"]:
+            return
+        materialize_optimizer_state(optimizer)
+        optimizer.zero_grad()  # that step's (zero) gradients are not the next step's
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                for key, v in optimizer.state.get(p, {}).items():
+                    saved = state["optim"][n][key]
+                    v.copy_(local_block(model, n, saved) if v.shape == p.shape else saved)

@@ -404,3 +404,16 @@ def test_config_says_which_strategies_and_steps_checkpoint():
         TINY.replace(checkpoint_every=0, fault="kill_in_save", fault_step=2)
     with pytest.raises(ValueError, match="checkpoint_async is written for the full format"):
         TINY.replace(strategy="zero3", checkpoint_async=True)
+
+
+def test_a_resumed_config_counts_the_steps_it_trains(ddp_ckpt, tmp_path):
+    """launch_together's progress line cuts rank 0's steps into configs by the steps each trains:
+    a resumed one trains those after its checkpoint (09's resumed runs were cut at cfg.steps and
+    read "3 configs" for 4)."""
+    from distlab.lab.runs import steps_to_train
+    done = read_meta(ddp_ckpt)["steps_done"]
+    assert 0 < done < TINY.steps
+    assert steps_to_train(TINY.replace(resume_from=ddp_ckpt)) == TINY.steps - done
+    assert steps_to_train(TINY) == steps_to_train(TINY.replace(resume_from="auto")) == TINY.steps
+    (tmp_path / "empty").mkdir()
+    assert steps_to_train(TINY.replace(resume_from=str(tmp_path / "empty"))) == TINY.steps

@@ -18,6 +18,7 @@ from typing import Callable
 from distlab.config import RunConfig
 from distlab.caller.launch import new_run_dir, run_ranks, runs_root
 from distlab.caller.run import Run
+from distlab.parallel.state import CheckpointError
 
 
 def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
@@ -42,11 +43,11 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
 
     first = next(iter(cfgs.values()))
     run_dir = new_run_dir(runs_root(first.runs_root), f"{name}-w{world}")
-    total = sum(c.steps for c in cfgs.values())
+    each = [steps_to_train(c) for c in cfgs.values()]
 
     def started(run: Run):
-        run.total_steps = total  # rank 0 logs every config's steps in turn
-        run.config_steps = [c.steps for c in cfgs.values()]  # the line says which runs
+        run.total_steps = sum(each)  # rank 0 logs every config's steps in turn
+        run.config_steps = each  # the line says which runs
         if on_start is not None:
             on_start(run)
 
@@ -63,6 +64,18 @@ def launch_together(cfgs: dict[str, RunConfig], name: str = "together",
         run.states = [results[r][i]["state"] for r in range(world)]
         runs[label] = run
     return runs
+
+
+def steps_to_train(cfg) -> int:
+    """The steps a config trains: all of them, or those after the checkpoint it resumes (its
+    meta says how many were done; "auto" resolves when the ranks start, so it counts all)."""
+    from distlab.checkpoint.store import read_meta, resolve
+    if not cfg.resume_from or cfg.resume_from == "auto":
+        return cfg.steps
+    try:
+        return cfg.steps - read_meta(resolve(cfg.resume_from, ""))["steps_done"]
+    except (CheckpointError, OSError):
+        return cfg.steps  # the ranks will say what is wrong with it
 
 
 def split_configs(events: list[dict], n_configs: int) -> list[list[dict]]:

@@ -341,8 +341,8 @@ class Checkpointer:
     def _load_canonical(self, path, meta):
         """A checkpoint of another layout: read whole, named per parameter, and this strategy
         takes its part (distlab.checkpoint.reshard)."""
-        from distlab.checkpoint.reshard import canonical, trainable_names
-        state = canonical(path, meta, trainable_names(self.model))
+        from distlab.checkpoint.reshard import canonical
+        state = canonical(path, meta, self.strategy.trainable_order(self.model))
         try:
             self.strategy.load_canonical(self.model, self.optimizer, state)
         except (KeyError, RuntimeError, ValueError) as e:

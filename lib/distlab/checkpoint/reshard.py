@@ -70,8 +70,3 @@ def canonical(path: str, meta: dict, trainable: list[str]) -> dict:
             offset += n
     return {"model": model, "optim": optim, "scaler": scaler or None}
 
-
-def trainable_names(model) -> list[str]:
-    """The names of the parameters an optimizer steps, in the model's order (a wrapper's
-    "module." prefix dropped)."""
-    return [n.removeprefix("module.") for n, p in model.named_parameters() if p.requires_grad]

@@ -25,9 +25,10 @@ class Mesh:
     sp: bool = declare(False, "sequence parallelism in the tensor-parallel regions' "
                        "LayerNorm/dropout", widget=Widget("sequence parallel (sp)", "check"),
                        feature=Feature("sp", "sp=True (sequence parallelism)"))
-    pp: int = declare(1, "pipeline stages (ranks)", at_least=1, at_most=4096,
-                      widget=Widget("pp (pipeline stages)"))
+    pp: int = declare(1, "pipeline stages (ranks)", at_least=1, at_most=4096, may_change=True,
+                      widget=Widget("pp (pipeline stages)"))  # pp saves whole weights
     microbatches: int = declare(1, "pipeline micro-batches per step", at_least=1,
+                                may_change=True,  # as grad_accum: the same update
                                 widget=Widget("micro-batches", offer=(1, 2, 4, 8, 16)))
     schedule: str = declare("gpipe", "the pipeline's schedule", choices=SCHEDULES,
                             widget=Widget("schedule"))

@@ -237,12 +237,23 @@ class Strategy:
 
     def load_canonical(self, model, optimizer, state: dict) -> None:
         """Load a checkpoint written under another layout, named per parameter
-        (distlab.checkpoint.reshard.canonical). A replica: the whole of it."""
+        (distlab.checkpoint.reshard.canonical): every tensor this rank's model holds, whole
+        (a replica: all of them; a pipeline stage: its own)."""
         module = getattr(model, "module", model)
-        module.load_state_dict(state["model"])
+        mine = module.state_dict()
+        missing = [k for k in mine if k not in state["model"]]
+        if missing:
+            raise KeyError(f"the checkpoint has no {', '.join(missing[:4])}")
+        module.load_state_dict({k: state["model"][k] for k in mine})
         if state["optim"]:
             names = [n for n, p in module.named_parameters() if p.requires_grad]
             saved = optimizer.state_dict()
             saved["state"] = {i: {k: v.clone() for k, v in state["optim"][n].items()}
                               for i, n in enumerate(names)}
             optimizer.load_state_dict(saved)
+
+    def trainable_order(self, model) -> list[str]:
+        """The names of the parameters `single`'s optimizer steps, in its order: a replicated
+        checkpoint's optimizer state is by index into them. This rank's model holds them all,
+        unless a strategy splits it into stages."""
+        return [n.removeprefix("module.") for n, p in model.named_parameters() if p.requires_grad]

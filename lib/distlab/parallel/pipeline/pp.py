@@ -739,6 +739,45 @@ class PipelineParallel(Strategy):
     def step_info(self):
         return {"pipeline": self.sched.info}
 
+    # -- training checkpoints: the stages merged into a replica's full format -----------------
+    checkpoint_layout = "replicated"  # ddp reads it as its own; ZeRO and tp per parameter
+    loads_canonical = True  # and each stage takes its own tensors of theirs
+
+    def _whole(self) -> nn.Module:
+        """The unsplit GPT's structure, without memory (the meta device): single's names in
+        single's order."""
+        from distlab.models.gpt import GPT, GPTConfig
+        with torch.device("meta"):
+            return GPT(GPTConfig.from_run(self.cfg, moe_groups=self.cfg.moe_groups_per_rank))
+
+    def trainable_order(self, model) -> list[str]:
+        return [n for n, p in self._whole().named_parameters() if p.requires_grad]
+
+    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
+        """Every stage's weights and optimizer state, gathered (all_gather_object: a
+        collective) and merged on rank 0 in single's order, the state by single's index."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine = {"model": model.state_dict(),
+                "optim": {names[id(p)]: dict(s) for p, s in optimizer.state.items()}}
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.comm.group)
+        if self.rank != 0:
+            return {}
+        merged = {k: v for part in parts for k, v in part["model"].items()}
+        optim = {k: v for part in parts for k, v in part["optim"].items()}
+        order = self.trainable_order(model)
+        groups = optimizer.state_dict()["param_groups"]
+        groups[0]["params"] = list(range(len(order)))  # a replica's one group: every parameter
+        return {"model": {k: merged[k] for k in self._whole().state_dict()},
+                "optimizer": {"state": {i: optim[n] for i, n in enumerate(order)} if optim
+                              else {}, "param_groups": groups[:1]}}
+
+    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
+        """A replica's full format (its own, or ddp's, or tp's): this stage's tensors of it."""
+        order = self.trainable_order(model)
+        optim = {order[int(i)]: s for i, s in state["optimizer"]["state"].items()}
+        self.load_canonical(model, optimizer, {"model": state["model"], "optim": optim})
+
 
 class _SavedBytes:
     """Bytes of the tensors autograd saves for backward during one stage forward (storages

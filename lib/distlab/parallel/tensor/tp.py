@@ -133,7 +133,7 @@ class TensorParallel(Strategy):
 
     def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
         """A replica's full format (its own, or ddp's): this rank's blocks of it."""
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        names = self.trainable_order(model)
         optim = {names[int(i)]: s for i, s in state["optimizer"]["state"].items()}
         self.load_canonical(model, optimizer, {"model": state["model"], "optim": optim})
 

@@ -69,4 +69,3 @@ def canonical(path: str, meta: dict, trainable: list[str]) -> dict:
                            for key, v in flats.items()}  # AdamW's step: one per unit
             offset += n
     return {"model": model, "optim": optim, "scaler": scaler or None}
-

@@ -234,8 +234,9 @@ def load_here_save_again_and_train_on(rank, world, device, log, cfg_dicts, copy_
 # checkpoints resumed under another strategy (distlab.checkpoint.reshard), at 2 ranks: written
 # at 4 by the first, read by the second
 ACROSS = [("zero3", "ddp"), ("ddp", "zero3"), ("zero1", "zero2"), ("fsdp-torch", "ddp"),
-          ("zero3", "tp"), ("ddp", "tp"), ("zero3", "pp"), ("ddp", "pp")]  # tp and pp save
-# whole, in ddp's layout
+          ("zero3", "tp"), ("ddp", "tp"), ("zero3", "pp"), ("ddp", "pp"), ("3d", "ddp"),
+          ("ddp", "3d")]  # tp, pp and 3d save whole, in ddp's layout
+DEGREES = {"tp": {"tp": 2}, "pp": {"pp": 2}, "3d": {"pp": 2}}  # at 2 ranks
 
 
 def test_resume_at_another_world_size_4_to_2(tmp_path):
@@ -250,15 +251,18 @@ def test_resume_at_another_world_size_4_to_2(tmp_path):
     names.append("ddp-finite")
     cfgs.append(cfgs[4].replace(dataset_size=40, epochs=2, steps=8,
                                 checkpoint_dir=str(tmp_path / "ddp-finite")))
+    # and 3d: tp2 x dp2 (ZeRO-1's optimizer shards over dp, tp's blocks), resumed by itself at
+    # tp2, by ddp, and (a ddp checkpoint) by 3d at pp2
+    names.append("3d")
+    cfgs.append(cfgs[4].replace(strategy="3d", tp=2, checkpoint_dir=str(tmp_path / "3d")))
     at4 = run_ranks(train_with_state, 4, [c.to_dict() for c in cfgs], timeout_s=60,
                     wall_timeout_s=300, run_dir=str(tmp_path / "at4"))
     saved = [str(tmp_path / s / "step_000002") for s in names]
     pairs = [(n, c.strategy) for n, c in zip(names, cfgs)] + ACROSS  # (written by, read by)
-    resumed = [cfgs[names.index(src)].replace(strategy=dst, world_size=2, checkpoint_every=0,
-                                              resume_from=saved[names.index(src)],
-                                              tp=2 if dst == "tp" else 1,
-                                              pp=2 if dst == "pp" else 1)
-               for src, dst in pairs]
+    resumed = [cfgs[names.index(src)].replace(
+        strategy=dst, world_size=2, checkpoint_every=0, resume_from=saved[names.index(src)],
+        **({"tp": 2, "pp": 1} if src == dst == "3d" else {"tp": 1, "pp": 1, **DEGREES.get(dst, {})}))
+        for src, dst in pairs]
     copies = [str(tmp_path / f"{src}-as-{dst}-at-2") for src, dst in pairs]
     at2 = run_ranks(load_here_save_again_and_train_on, 2, [c.to_dict() for c in resumed],
                     copies, timeout_s=60, wall_timeout_s=300, run_dir=str(tmp_path / "at2"))
@@ -374,7 +378,7 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
     assert "n_embd: saved 32, now 64" in str(e.value) and "lr: saved 0.1, now 0.5" in str(e.value)
     with pytest.raises(CheckpointError, match=r"strategy 'zero1-torch' cannot read it\. "
                                               r"Strategies that can: single, allreduce, ddp, "
-                                              r"ddp-torch, zero1, zero2, zero3, tp, pp, cp$"):
+                                              r"ddp-torch, zero1, zero2, zero3, tp, pp, 3d, cp$"):
         check_compatible(meta, TINY.replace(strategy="zero1-torch"), ddp_ckpt)
     check_compatible(meta, TINY.replace(strategy="zero3"), ddp_ckpt)  # per parameter: reshard
     # what may change does not count: world size, steps, timeouts
@@ -400,7 +404,7 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
 
 def test_config_says_which_strategies_and_steps_checkpoint():
     with pytest.raises(ValueError, match="checkpointing is written for single, allreduce"):
-        TINY.replace(strategy="3d", tp=2, world_size=4)
+        TINY.replace(strategy="mesh", tp=2, world_size=4)
     with pytest.raises(ValueError, match="no checkpoint is written after that step"):
         TINY.replace(fault="kill_in_save", fault_step=3)
     with pytest.raises(ValueError, match="set checkpoint_every > 0"):

@@ -754,23 +754,28 @@ class PipelineParallel(Strategy):
         return [n for n, p in self._whole().named_parameters() if p.requires_grad]
 
     def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
-        """Every stage's weights and optimizer state, gathered (all_gather_object: a
-        collective) and merged on rank 0 in single's order, the state by single's index."""
+        """Every stage's weights and optimizer state, gathered and merged in single's order,
+        the state by single's index (replica_format)."""
         names = {id(p): n for n, p in model.named_parameters()}
         mine = {"model": model.state_dict(),
                 "optim": {names[id(p)]: dict(s) for p, s in optimizer.state.items()}}
+        return self.replica_format(mine, optimizer)
+
+    def replica_format(self, stage: dict, optimizer) -> dict:
+        """A replica's full format from each stage's {"model": {name: tensor}, "optim": {name:
+        {key: tensor}}} (whole tensors): gathered over the pipeline (all_gather_object, a
+        collective) and merged in single's order."""
         parts = [None] * self.world
-        dist.all_gather_object(parts, mine, group=self.comm.group)
-        if self.rank != 0:
-            return {}
+        dist.all_gather_object(parts, stage, group=self.comm.group)
         merged = {k: v for part in parts for k, v in part["model"].items()}
         optim = {k: v for part in parts for k, v in part["optim"].items()}
-        order = self.trainable_order(model)
-        groups = optimizer.state_dict()["param_groups"]
-        groups[0]["params"] = list(range(len(order)))  # a replica's one group: every parameter
+        order = self.trainable_order(None)
+        # a replica's one group, over every parameter, with this optimizer's settings
+        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(order)))
         return {"model": {k: merged[k] for k in self._whole().state_dict()},
                 "optimizer": {"state": {i: optim[n] for i, n in enumerate(order)} if optim
-                              else {}, "param_groups": groups[:1]}}
+                              else {}, "param_groups": [group]}}
 
     def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
         """A replica's full format (its own, or ddp's, or tp's): this stage's tensors of it."""

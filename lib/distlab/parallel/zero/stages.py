@@ -369,6 +369,28 @@ class ZeRO(Strategy):
                 b.copy_(state["model"][name])
         self.load_checkpoint_state(model, optimizer, {})
 
+    def local_canonical(self, model, optimizer) -> dict:
+        """This rank's parameters and their optimizer state named per parameter, each whole
+        over the ZeRO group (the state's shards all-gathered: a collective), in the shapes this
+        rank's model gives them (a tensor-parallel block under 3d). zero1/2: the parameters
+        are whole on every rank already."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        optim: dict = {}
+        for u in self.units:
+            for key, v in optimizer.state.get(u.master, {}).items():
+                if v.shape != u.master.shape:  # AdamW's step: one per unit
+                    for p in u.params:
+                        optim.setdefault(names[id(p)], {})[key] = v.clone()
+                    continue
+                flat = self.comm.all_gather(v.new_empty(v.numel() * self.world), v.contiguous(),
+                                            kind="checkpoint")
+                offset = 0
+                for p in u.params:
+                    optim.setdefault(names[id(p)], {})[key] = (
+                        flat[offset: offset + p.numel()].view(p.shape).clone())
+                    offset += p.numel()
+        return {"model": dict(model.state_dict()), "optim": optim}
+
     def checkpoint_meta(self, model) -> dict:
         """Each unit's parameters (name, shape) in flat order, so load_full can cut the flat
         vectors back into parameters without this strategy."""

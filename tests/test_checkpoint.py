@@ -235,8 +235,9 @@ def load_here_save_again_and_train_on(rank, world, device, log, cfg_dicts, copy_
 # at 4 by the first, read by the second
 ACROSS = [("zero3", "ddp"), ("ddp", "zero3"), ("zero1", "zero2"), ("fsdp-torch", "ddp"),
           ("zero3", "tp"), ("ddp", "tp"), ("zero3", "pp"), ("ddp", "pp"), ("3d", "ddp"),
-          ("ddp", "3d")]  # tp, pp and 3d save whole, in ddp's layout
-DEGREES = {"tp": {"tp": 2}, "pp": {"pp": 2}, "3d": {"pp": 2}}  # at 2 ranks
+          ("ddp", "3d"), ("mesh", "ddp"), ("ddp", "mesh")]  # tp, pp, 3d, mesh save whole, in
+# ddp's layout
+DEGREES = {"tp": {"tp": 2}, "pp": {"pp": 2}, "3d": {"pp": 2}, "mesh": {"tp": 2}}  # at 2 ranks
 
 
 def test_resume_at_another_world_size_4_to_2(tmp_path):
@@ -255,6 +256,10 @@ def test_resume_at_another_world_size_4_to_2(tmp_path):
     # tp2, by ddp, and (a ddp checkpoint) by 3d at pp2
     names.append("3d")
     cfgs.append(cfgs[4].replace(strategy="3d", tp=2, checkpoint_dir=str(tmp_path / "3d")))
+    # and the mesh: pp2 x dp_shard2 under fully_shard (ZeRO-3's units, the stages), resumed by
+    # ddp and (a ddp checkpoint) by the mesh at tp2
+    names.append("mesh")
+    cfgs.append(cfgs[4].replace(strategy="mesh", pp=2, checkpoint_dir=str(tmp_path / "mesh")))
     at4 = run_ranks(train_with_state, 4, [c.to_dict() for c in cfgs], timeout_s=60,
                     wall_timeout_s=300, run_dir=str(tmp_path / "at4"))
     saved = [str(tmp_path / s / "step_000002") for s in names]
@@ -302,9 +307,9 @@ def test_resume_at_another_world_size_4_to_2(tmp_path):
             torch.testing.assert_close(b[k], a[k], atol=2e-4, rtol=0, msg=f"{src} as {name} {k}")
         # losses: the mean over ranks of each rank's mean (2 rows at 4 ranks, 4 rows at 2); with
         # parameters 2e-5 apart they measured <= 1.2e-7 apart, so 1e-5
-        loss4 = torch.tensor([o[i]["losses"] for o in at4]).double().mean(0)
-        loss2 = torch.tensor([o[j]["losses"] for o in at2  # pp: the last stage's
-                              if o[j]["losses"][0] is not None]).double().mean(0)
+        loss4, loss2 = (torch.tensor([o[k]["losses"] for o in out  # pp: the last stage's
+                                      if o[k]["losses"][0] is not None]).double().mean(0)
+                        for out, k in ((at4, i), (at2, j)))
         torch.testing.assert_close(loss2, loss4[2:], atol=1e-5, rtol=0, msg=f"{src} as {name}")
 
 
@@ -378,7 +383,7 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
     assert "n_embd: saved 32, now 64" in str(e.value) and "lr: saved 0.1, now 0.5" in str(e.value)
     with pytest.raises(CheckpointError, match=r"strategy 'zero1-torch' cannot read it\. "
                                               r"Strategies that can: single, allreduce, ddp, "
-                                              r"ddp-torch, zero1, zero2, zero3, tp, pp, 3d, cp$"):
+                                              r"ddp-torch, zero1, zero2, zero3, tp, pp, 3d, mesh, cp$"):
         check_compatible(meta, TINY.replace(strategy="zero1-torch"), ddp_ckpt)
     check_compatible(meta, TINY.replace(strategy="zero3"), ddp_ckpt)  # per parameter: reshard
     # what may change does not count: world size, steps, timeouts
@@ -404,7 +409,9 @@ def test_a_mismatched_config_or_strategy_is_named(refs, ddp_ckpt):
 
 def test_config_says_which_strategies_and_steps_checkpoint():
     with pytest.raises(ValueError, match="checkpointing is written for single, allreduce"):
-        TINY.replace(strategy="mesh", tp=2, world_size=4)
+        TINY.replace(strategy="pp-torch", pp=2)
+    with pytest.raises(ValueError, match="mesh checkpoints are written for flat ZeRO units"):
+        TINY.replace(strategy="mesh", fsdp_layout="per_param")
     with pytest.raises(ValueError, match="no checkpoint is written after that step"):
         TINY.replace(fault="kill_in_save", fault_step=3)
     with pytest.raises(ValueError, match="set checkpoint_every > 0"):

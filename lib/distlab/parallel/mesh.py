@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from distlab.comm import Comm, new_group
 from distlab.parallel.base import Strategy
+from distlab.parallel.composed_checkpoint import ComposedCheckpoints
 
 KINDS = ("tp", "dp", "pp")
 # what each group carries in `3d`
@@ -148,7 +149,7 @@ def table(dp: int, tp: int, pp: int, order: str = ORDERS[0]) -> list[dict]:
             for kind in KINDS for i, ranks in enumerate(layout(dp, tp, pp, order)[kind])]
 
 
-class ThreeD(Strategy):
+class ThreeD(ComposedCheckpoints, Strategy):
     """`3d`: tensor parallel in the tp group, pipeline across the pp group, ZeRO-1 over the
     dp group (see the module docstring)."""
     name = "3d"
@@ -228,45 +229,6 @@ class ThreeD(Strategy):
         for p in parts:
             out.update(p)
         return out
-
-    # -- training checkpoints: a replica's full format, as tp and pp write it ------------------
-    checkpoint_layout = "replicated"  # ddp reads it as its own; ZeRO, tp and pp per parameter
-    loads_canonical = True  # and 3d reads theirs: each rank its tp block of its stage's tensors
-
-    def trainable_order(self, model) -> list[str]:
-        return self.pp_s.trainable_order(model)
-
-    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
-        """ZeRO-1's optimizer shards gathered over dp, tp's blocks over tp, the stages over pp
-        (collectives: every rank)."""
-        from distlab.parallel.tensor.tp import full_state_dict
-        local = self.dp_s.local_canonical(model, optimizer)
-        keys = {k for state in local["optim"].values() for k in state}
-        shaped = {k for k in keys  # AdamW's moments (the step is the same on every rank)
-                  if all(s[k].shape == p.shape for n, p in model.named_parameters()
-                         for s in [local["optim"][n]])}
-        whole = {k: full_state_dict(model, {n: s[k] for n, s in local["optim"].items()})
-                 for k in sorted(shaped)}
-        optim = {n: {k: whole[k][n] if k in shaped else s[k] for k in s}
-                 for n, s in local["optim"].items()}
-        stage = {"model": full_state_dict(model, local["model"]), "optim": optim}
-        return self.pp_s.replica_format(stage, optimizer)
-
-    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
-        order = self.trainable_order(model)
-        optim = {order[int(i)]: s for i, s in state["optimizer"]["state"].items()}
-        self.load_canonical(model, optimizer, {"model": state["model"], "optim": optim})
-
-    def load_canonical(self, model, optimizer, state: dict) -> None:
-        """This stage's tensors, cut to this rank's tp block, then ZeRO-1's shard of them."""
-        from distlab.parallel.tensor.tp import local_block
-        mine = set(model.state_dict())
-        local = {"model": {n: local_block(model, n, t) for n, t in state["model"].items()
-                           if n in mine},
-                 "optim": {n: {k: local_block(model, n, v) if v.dim() else v
-                               for k, v in s.items()}
-                           for n, s in state["optim"].items() if n in mine}}
-        self.dp_s.load_canonical(model, optimizer, local)
 
     def step_info(self):
         info = {**self.pp_s.step_info(), **self.dp_s.step_info()}

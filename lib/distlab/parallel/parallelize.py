@@ -62,6 +62,7 @@ import torch
 
 from distlab.comm import Comm, new_group
 from distlab.parallel.base import Strategy
+from distlab.parallel.composed_checkpoint import ComposedCheckpoints
 from distlab.parallel.mesh import grid_coords, grid_groups
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # slowest first, as torchtitan's mesh
@@ -193,7 +194,7 @@ class NDMesh:
         return {kind: c.take_step_stats()[0] for kind, c in self.comms.items()}
 
 
-class MeshParallel(Strategy):
+class MeshParallel(ComposedCheckpoints, Strategy):
     """`mesh`: the parallelisms RunConfig's pp, dp_replicate, dp_shard, cp and tp ask for,
     composed (see the module docstring)."""
     name = "mesh"
@@ -226,6 +227,13 @@ class MeshParallel(Strategy):
         if cfg.fsdp_layout != "flat" and cfg.zero_stage != 3:
             raise ValueError(f"fsdp_layout={cfg.fsdp_layout!r} is fully_shard's (ZeRO-3): set "
                              f"zero_stage=3 (got {cfg.zero_stage})")
+        if (cfg.checkpoint_every or cfg.resume_from) and (s["ep"] > 1
+                                                          or cfg.fsdp_layout == "per_param"):
+            raise ValueError(f"mesh checkpoints are written for flat ZeRO units and experts "
+                             f"that every rank holds (got ep={s['ep']}, fsdp_layout="
+                             f"{cfg.fsdp_layout!r}): the experts' own ZeRO and the per-parameter "
+                             "shards have no gather written yet; set checkpoint_every=0 and "
+                             "resume_from=''")
         if cfg.fsdp_layout == "per_param" and cfg.sp:
             raise ValueError("fsdp_layout='per_param' with sp=True: sp completes its norms' "
                              "gradients after backward, when this layout has reduce-scattered "

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from distlab.comm import Comm
 from distlab.parallel.base import Strategy
+from distlab.parallel.composed_checkpoint import ComposedCheckpoints
 from distlab.parallel.pipeline.split_backward import WeightGradStore, split_weight_gradients
 from distlab.step_ledger import StepCounter
 
@@ -695,7 +696,7 @@ def pipeline_shape(cfg) -> tuple[int, int, int, int]:
     return cfg.pp, cfg.microbatches, v, cfg.pp * v
 
 
-class PipelineParallel(Strategy):
+class PipelineParallel(ComposedCheckpoints, Strategy):
     """`pp`: this rank holds stages rank_stages(rank, pp, v) of the GPT and runs cfg.schedule
     with PipelineSchedule (timed: its timeline is the step's "pipeline" field)."""
     name = "pp"
@@ -739,49 +740,9 @@ class PipelineParallel(Strategy):
     def step_info(self):
         return {"pipeline": self.sched.info}
 
-    # -- training checkpoints: the stages merged into a replica's full format -----------------
-    checkpoint_layout = "replicated"  # ddp reads it as its own; ZeRO and tp per parameter
-    loads_canonical = True  # and each stage takes its own tensors of theirs
-
-    def _whole(self) -> nn.Module:
-        """The unsplit GPT's structure, without memory (the meta device): single's names in
-        single's order."""
-        from distlab.models.gpt import GPT, GPTConfig
-        with torch.device("meta"):
-            return GPT(GPTConfig.from_run(self.cfg, moe_groups=self.cfg.moe_groups_per_rank))
-
-    def trainable_order(self, model) -> list[str]:
-        return [n for n, p in self._whole().named_parameters() if p.requires_grad]
-
-    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
-        """Every stage's weights and optimizer state, gathered and merged in single's order,
-        the state by single's index (replica_format)."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        mine = {"model": model.state_dict(),
-                "optim": {names[id(p)]: dict(s) for p, s in optimizer.state.items()}}
-        return self.replica_format(mine, optimizer)
-
-    def replica_format(self, stage: dict, optimizer) -> dict:
-        """A replica's full format from each stage's {"model": {name: tensor}, "optim": {name:
-        {key: tensor}}} (whole tensors): gathered over the pipeline (all_gather_object, a
-        collective) and merged in single's order."""
-        parts = [None] * self.world
-        dist.all_gather_object(parts, stage, group=self.comm.group)
-        merged = {k: v for part in parts for k, v in part["model"].items()}
-        optim = {k: v for part in parts for k, v in part["optim"].items()}
-        order = self.trainable_order(None)
-        # a replica's one group, over every parameter, with this optimizer's settings
-        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(order)))
-        return {"model": {k: merged[k] for k in self._whole().state_dict()},
-                "optimizer": {"state": {i: optim[n] for i, n in enumerate(order)} if optim
-                              else {}, "param_groups": [group]}}
-
-    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
-        """A replica's full format (its own, or ddp's, or tp's): this stage's tensors of it."""
-        order = self.trainable_order(model)
-        optim = {order[int(i)]: s for i, s in state["optimizer"]["state"].items()}
-        self.load_canonical(model, optimizer, {"model": state["model"], "optim": optim})
+    @property
+    def pp_s(self):  # ComposedCheckpoints: the stages to gather are this strategy's
+        return self
 
 
 class _SavedBytes:

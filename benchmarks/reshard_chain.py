@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/reshard_chain.py [--optimizer sgd]
 
 Chain 1, endless data: zero3 at 4 ranks -> ddp at 2 -> tp2 -> pp2 -> zero3 at 8 -> 3d at 8
-(tp2 x pp2 x dp2) -> ddp at 4, two steps each, each leg resuming the checkpoint the leg before
-it saved last, against one uninterrupted zero3 run at 4 ranks (AdamW, so the moments must carry
-over too).
+(tp2 x pp2 x dp2) -> mesh at 4 (pp2 x dp_shard2, fully_shard) -> ddp at 4, two steps each, each
+leg resuming the checkpoint the leg before it saved last, against one uninterrupted zero3 run at
+4 ranks (AdamW, so the moments must carry over too).
 Chain 2, a finite dataset read by the distributed sampler: ddp at 4 -> 2 -> 8 -> 4 ranks over
 two passes, the sample ids each step read against the uninterrupted run's at 4.
 
@@ -29,7 +29,7 @@ from _bench import scratch_runs
 LOSS_TOL = 1e-4
 STEPS_PER_LEG = 2
 CHAIN = [("zero3", 4, {}), ("ddp", 2, {}), ("tp", 2, {"tp": 2}), ("pp", 2, {"pp": 2}),
-         ("zero3", 8, {}), ("3d", 8, {"tp": 2, "pp": 2}), ("ddp", 4, {})]
+         ("zero3", 8, {}), ("3d", 8, {"tp": 2, "pp": 2}), ("mesh", 4, {"pp": 2}), ("ddp", 4, {})]
 FINITE_CHAIN = [4, 2, 8, 4]  # ddp's world sizes; 48 rows: 6 global batches of 8 a pass
 
 

@@ -302,8 +302,10 @@ assert elastic_diff == 0.0
 # Nor is it tied to the strategy. Each strategy writes its own layout (ddp the whole
 # state_dict, ZeRO each unit's flat vector, FSDP2 a DTensor per parameter), but they hold
 # the same numbers: `distlab.checkpoint.reshard` names them per parameter, and ddp takes
-# all of them, a ZeRO rank its block of each unit. Here each sharded checkpoint is also
-# resumed by ddp at 2 ranks. SGD: it does not amplify rounding, and 2 ranks do sum
+# all of them, a ZeRO rank its block of each unit. tp, pp, 3d and the mesh write the whole
+# model in ddp's layout and cut their part out of any of these
+# (`benchmarks/reshard_chain.py` carries one checkpoint through eight strategies and world
+# sizes). Here each sharded checkpoint is also resumed by ddp at 2 ranks. SGD: it does not amplify rounding, and 2 ranks do sum
 # gradients in another order than 4, so the runs agree to rounding, not bit for bit.
 
 # %%

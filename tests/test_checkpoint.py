@@ -148,6 +148,29 @@ def test_a_background_save_that_fails_commits_nothing_and_says_so(tmp_path):
     assert not (tmp_path / "step_000012").exists() and not (tmp_path / "step_000009").exists()
 
 
+def test_a_background_save_on_a_full_disk_says_so_and_frees_its_space(tmp_path, monkeypatch):
+    """ENOSPC in the writer thread: the error names the full disk and the step, the partial
+    save's folder is gone (it must not hold the disk), nothing is committed."""
+    import errno
+    from distlab.checkpoint import async_save
+
+    def full(path, obj, rank):
+        with open(path, "wb") as f:
+            f.write(b"x" * 1000)  # what a write leaves before the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    monkeypatch.setattr(async_save, "write_file", full)
+    tmp = tmp_path / ".step_000015.tmp"
+    (tmp / async_save.WRITTEN).mkdir(parents=True)
+    save = async_save.BackgroundSave({"state.pt": {"x": torch.ones(2)}}, str(tmp), 0, 1, 15, 5.0,
+                                     {"final": str(tmp_path / "step_000015"),
+                                      "root": str(tmp_path), "meta": {"format": "full"},
+                                      "keep_last": 2})
+    with pytest.raises(CheckpointError, match="no space left on device writing step 15's "
+                                              "checkpoint in the background"):
+        save.wait()
+    assert not tmp.exists() and not (tmp_path / "step_000015").exists()
+
+
 def test_sigkill_mid_run_is_reported_and_resume_is_bitwise(refs):
     cfg = TINY.replace(fault="kill", fault_rank=1, fault_step=7)
     run = launch(cfg)

@@ -11,13 +11,15 @@ The commit needs every rank's file records (meta.json lists them). A collective 
 would interleave with the training's own on the same process group, so each rank's thread
 writes its records to `<tmp>/written/rank<r>.json` instead, and rank 0's thread, once it has
 them all, commits as a synchronous save does (meta.json, rename, prune). Nothing is committed
-before every rank's files are on disk: a writer that dies or fails leaves the temporary folder,
-which a resume never reads and the next commit's prune removes, and its error is raised in the
-training loop at the next save or at the end (`wait`), naming the step.
+before every rank's files are on disk: a writer that dies leaves the temporary folder, which a
+resume never reads and the next commit's prune removes; one whose write fails (a full disk)
+removes it, so the partial save does not hold the disk. Either error is raised in the training
+loop at the next save or at the end (`wait`), naming the step, a full disk as such.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,6 +29,7 @@ import time
 import torch
 
 from distlab.checkpoint.store import commit, fsync_dir, write_file
+from distlab.parallel.state import CheckpointError
 
 WRITTEN = "written"  # the ranks' file records, inside the temporary folder until the commit
 POLL_S = 0.05
@@ -69,6 +72,8 @@ class BackgroundSave:
                 self._commit()
         except BaseException as e:  # noqa: BLE001 - raised in the loop by wait()
             self.error = e
+            if isinstance(e, OSError):  # this rank's write failed: the partial save must not
+                shutil.rmtree(self.tmp, ignore_errors=True)  # hold the disk (as a sync save)
         self.write_s = time.perf_counter() - t0
 
     def _publish(self) -> None:
@@ -102,6 +107,12 @@ class BackgroundSave:
     def wait(self) -> float:
         """Join the thread; raise its error, naming the step. Returns its write seconds."""
         self._thread.join()
+        if isinstance(self.error, OSError) and self.error.errno == errno.ENOSPC:
+            raise CheckpointError(
+                f"no space left on device writing step {self.steps_done}'s checkpoint in the "
+                f"background ({os.path.dirname(self.tmp)}): free some space or set "
+                "checkpoint_dir to a larger disk; the partial save was removed, and the "
+                "checkpoint before it is intact") from self.error
         if self.error is not None:
             raise RuntimeError(f"the background save of step {self.steps_done} failed: "
                                f"{type(self.error).__name__}: {self.error}; the checkpoint "

@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import torch
-
-from distlab.checkpoint.store import (DCP_DIR, FSDP2, REPLICATED, STATE, dcp_tensors, family,
-                                      torch_load)
+from distlab.checkpoint.store import (DCP_DIR, FSDP2, REPLICATED, STATE, cut_unit, dcp_tensors,
+                                      family, torch_load)
 from distlab.parallel.state import CheckpointError
 
 
@@ -56,16 +53,15 @@ def canonical(path: str, meta: dict, trainable: list[str]) -> dict:
                 name, key = k[len("optim/state/"):].rsplit("/", 1)
                 optim.setdefault(name, {})[key] = v
         return {"model": model, "optim": optim, "scaler": scaler or None}
-    optim = {}
+    optim: dict = {name: {} for _, params in meta["units"] for name, _ in params}
     for unit, params in meta["units"]:  # cut each unit's flat vectors into its parameters
-        flats = {k.rsplit("/", 1)[1]: v for k, v in tensors.items()
-                 if k.startswith(f"optim/{unit}/")}
-        offset, flat = 0, model.pop(unit)
-        for name, shape in params:
-            n = int(np.prod(shape))
-            model[name] = flat[offset: offset + n].view(shape).clone()
-            optim[name] = {key: (v[offset: offset + n].view(shape).clone()
-                                 if v.numel() == flat.numel() else v.clone())
-                           for key, v in flats.items()}  # AdamW's step: one per unit
-            offset += n
+        flat = model.pop(unit)
+        model.update(cut_unit(flat, params))
+        for k, v in tensors.items():
+            if k.startswith(f"optim/{unit}/"):
+                key = k.rsplit("/", 1)[1]
+                cut = (cut_unit(v, params) if v.numel() == flat.numel()
+                       else {name: v for name, _ in params})  # AdamW's step: one per unit
+                for name, t in cut.items():
+                    optim[name][key] = t
     return {"model": model, "optim": optim, "scaler": scaler or None}

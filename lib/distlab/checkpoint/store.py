@@ -225,14 +225,21 @@ def _flatten(d, prefix="") -> dict:
     return out
 
 
+def cut_unit(flat: torch.Tensor, params: list) -> dict:
+    """A ZeRO unit's flat vector cut back into its parameters: params is the meta's [name,
+    shape] list, in flat order (Strategy.checkpoint_meta); views, not copies."""
+    out, offset = {}, 0
+    for name, shape in params:
+        n = int(np.prod(shape))
+        out[name] = flat[offset: offset + n].view(shape)
+        offset += n
+    return out
+
+
 def _model_from_sharded(tensors: dict, meta: dict) -> dict:
     model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     for unit, params in meta.get("units", []):  # ZeRO: cut each flat unit into its parameters
-        flat, offset = model.pop(unit), 0
-        for name, shape in params:
-            n = int(np.prod(shape))
-            model[name] = flat[offset: offset + n].view(shape)
-            offset += n
+        model.update(cut_unit(model.pop(unit), params))
     for group in ("frozen/", "buffer/"):  # LoRA's frozen base, BatchNorm's running statistics
         model.update({k[len(group):]: v for k, v in tensors.items() if k.startswith(group)})
     return model

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from distlab.parallel.base import Strategy
+from distlab.parallel.composed_checkpoint import ComposedCheckpoints
 from distlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, fused_rows
 from distlab.parallel.tensor.operators import (KINDS, F_Copy, G_Reduce, GatherSeq,
                                                GatherSeqToReplicated, ReduceScatterSeq, SplitSeq)
-from distlab.parallel.state import materialize_optimizer_state
 from distlab.parallel.tensor.parallelize import (TensorParallelState, clip_by_global_norm,
-                                                 full_state_dict, local_block,
-                                                 parallelize_module, sharded_ids)
+                                                 full_state_dict, parallelize_module,
+                                                 sharded_ids)
 from distlab.parallel.tensor.plans import HF_STYLES, gpt_plan, plan_table, tp_plan
 from distlab.parallel.tensor.styles import (FUSED_NAMES, LAYOUTS, ColwiseParallel,
                                             PrepareModuleInput, RowwiseParallel,
@@ -47,7 +45,7 @@ __all__ = ["KINDS", "F_Copy", "G_Reduce", "GatherSeq", "ReduceScatterSeq", "Spli
            "plan_table", "tp_plan", "gpt_plan", "TensorParallel"]
 
 
-class TensorParallel(Strategy):
+class TensorParallel(ComposedCheckpoints, Strategy):
     """`tp`: Megatron tensor parallelism over all ranks (tp = world), optional sp: the GPT's
     plan (gpt_plan) applied by parallelize_module; a model of your own brings its plan as its
     attribute `tp_plan` ({module name pattern: style}, what parallelize_module takes)."""
@@ -110,42 +108,9 @@ class TensorParallel(Strategy):
         """The unsharded weights under the names `single` uses (a collective: every rank)."""
         return full_state_dict(model)
 
-    # -- training checkpoints: written whole, as a replica writes them ------------------------
-    checkpoint_layout = "replicated"  # ddp reads it as its own; ZeRO per parameter
-    loads_canonical = True  # and tp reads theirs (distlab.checkpoint.reshard)
+    # -- training checkpoints: written whole, in ddp's layout (ComposedCheckpoints) ---------
+    @property
+    def tp_s(self):  # the blocks to gather and to cut are this strategy's
+        return self
 
-    def checkpoint_state(self, model, optimizer, for_load: bool = False) -> dict:
-        """A replica's full format: each split weight and its optimizer state gathered whole
-        (a collective: every rank), under single's names; the state by parameter index."""
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        whole = full_state_dict(model)
-        keys = list(optimizer.state[params[0][1]]) if optimizer.state else []
-        gathered = {k: full_state_dict(model, {n: optimizer.state[p][k] for n, p in params})
-                    for k in keys  # AdamW's moments, shaped like their parameters
-                    if all(optimizer.state[p][k].shape == p.shape for _, p in params)}
-        if self.rank != 0:
-            return {}
-        state = {i: {k: gathered[k][n] if k in gathered else optimizer.state[p][k]
-                     for k in keys} for i, (n, p) in enumerate(params)}
-        return {"model": whole, "optimizer": {
-            "state": state if keys else {},
-            "param_groups": optimizer.state_dict()["param_groups"]}}
-
-    def load_checkpoint_state(self, model, optimizer, state: dict) -> None:
-        """A replica's full format (its own, or ddp's): this rank's blocks of it."""
-        names = self.trainable_order(model)
-        optim = {names[int(i)]: s for i, s in state["optimizer"]["state"].items()}
-        self.load_canonical(model, optimizer, {"model": state["model"], "optim": optim})
-
-    def load_canonical(self, model, optimizer, state: dict) -> None:
-        """Any checkpoint named per parameter: this rank's block of each split tensor."""
-        model.load_state_dict({n: local_block(model, n, t) for n, t in state["model"].items()})
-        if not state["optim"]:
-            return
-        materialize_optimizer_state(optimizer)
-        optimizer.zero_grad()  # that step's (zero) gradients are not the next step's
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                for key, v in optimizer.state.get(p, {}).items():
-                    saved = state["optim"][n][key]
-                    v.copy_(local_block(model, n, saved) if v.shape == p.shape else saved)
+    trainable_order = Strategy.trainable_order  # every parameter is here: any model's own
